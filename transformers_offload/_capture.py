@@ -1,0 +1,183 @@
+"""The capture of one `generate()` call: what each tap sees, turned into per-step records.
+
+`generate()` reaches the capture through three taps that `_hooks` puts in place for a call that
+carries a recorder: the processor list (raw logits before the first processor, processed scores after
+the last one), the stopping-criteria list (the token appended at the end of each step and which rows
+are done), and, in beam search, the model's forward (the raw logits, since the processor list there
+receives `log_softmax(logits)`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import _compat
+from ._memory_store import MemoryStore
+from ._transfer import HostRing
+from .recording import Generation
+
+
+class UnsupportedModeError(ValueError):
+    """`generate()` was asked for a decoding mode the recorder cannot record exactly (yet)."""
+
+
+class Capture:
+    """Records one `generate()` call into a ring and a store; becomes a `Generation` when it ends."""
+
+    def __init__(self, *, streams: tuple[str, ...], ring_slots: int, assistant_model: Any) -> None:
+        self.streams = streams
+        self.store = MemoryStore()
+        self.ring = HostRing(ring_slots, self.store.drain)
+        self.assistant_model = assistant_model
+        self.started = False
+        self.mode = ""
+        self.prompt_length = 0
+        self.num_beams = 1
+        self.num_rows = 0
+        self.eos_ids: torch.Tensor | None = None
+        self.accumulates_on_device = False
+        self._step = -1
+        self._finished: torch.Tensor | None = None
+        self._forward_logits: torch.Tensor | None = None
+        self._previous_ids: torch.Tensor | None = None
+
+    # -- set-up, from the processor-list hook, before the decoding loop ------------------------------
+    def start(self, generation_config: Any, prompt_length: int) -> None:
+        mode = _compat.generation_mode(generation_config, self.assistant_model)
+        if mode not in _compat.SUPPORTED_MODES:
+            raise UnsupportedModeError(
+                f"transformers-offload records {', '.join(_compat.SUPPORTED_MODES)} for now; this call "
+                f"runs {mode!r} (transformers {_compat.TRANSFORMERS_VERSION}). Remove the Recorder from "
+                "`logits_processor` for this call, or use one of the supported modes."
+            )
+        if mode in _compat.BEAM_MODES and _compat.uses_low_memory_beam_search(generation_config):
+            raise UnsupportedModeError(
+                "transformers-offload does not record `low_memory=True` beam search yet; pass "
+                "`low_memory=False` or remove the Recorder from `logits_processor`."
+            )
+        self.mode = mode
+        self.prompt_length = int(prompt_length)
+        self.num_beams = int(generation_config.num_beams or 1) if mode in _compat.BEAM_MODES else 1
+        eos = generation_config.eos_token_id
+        if eos is not None:
+            self.eos_ids = torch.as_tensor(eos if isinstance(eos, (list, tuple)) else [eos]).flatten()
+        self.accumulates_on_device = bool(generation_config.return_dict_in_generate) and bool(
+            generation_config.output_scores or getattr(generation_config, "output_logits", False)
+        )
+        self.started = True
+
+    @property
+    def is_beam(self) -> bool:
+        return self.mode in _compat.BEAM_MODES
+
+    # -- taps, inside the decoding loop --------------------------------------------------------------
+    def on_forward(self, output: Any) -> None:
+        """Beam search: keep this forward's next-token logits as transformers takes them."""
+        if not self.is_beam:
+            return
+        logits = output["logits"] if isinstance(output, dict) else getattr(output, "logits", None)
+        if logits is None and isinstance(output, tuple):
+            logits = output[0]
+        if logits is not None:
+            self._forward_logits = _compat.beam_raw_logits(logits)
+
+    def on_raw(self, input_ids: torch.Tensor, scores: torch.Tensor) -> None:
+        """Called with what the first processor receives, before it runs."""
+        if self.is_beam:
+            self._step += 1
+            step = self._step
+            if "logits" in self.streams:
+                if self._forward_logits is None:
+                    raise RuntimeError(
+                        "transformers-offload saw no model forward before this beam-search step, so it "
+                        "cannot record the raw logits; please report this with your transformers version."
+                    )
+                self.ring.put(step, "logits", self._forward_logits)
+            self._forward_logits = None
+            self._record_ancestry(step, input_ids)
+            self.ring.put(step, "finished", torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device))
+            return
+        self._step = input_ids.shape[-1] - self.prompt_length
+        self.num_rows = input_ids.shape[0]
+        if self._finished is None:
+            self._finished = torch.zeros(self.num_rows, dtype=torch.bool, device=input_ids.device)
+        if "logits" in self.streams:
+            self.ring.put(self._step, "logits", scores)
+        self.ring.put(self._step, "finished", self._finished)
+
+    def on_processed(self, input_ids: torch.Tensor, scores: torch.Tensor) -> None:
+        """Called with what the last processor or warper returned."""
+        if "scores" in self.streams:
+            self.ring.put(self._step, "scores", scores)
+
+    def on_stopping(self, input_ids: torch.Tensor, is_done: Any) -> None:
+        """Called after the step's token was appended, with the stopping criteria's verdict."""
+        if self.is_beam or self._finished is None:
+            return  # beam search passes candidate rows here, not running beams
+        token = input_ids[:, -1]
+        self.ring.put(self._step, "tokens", token)
+        done = _compat.stopping_result_per_row(is_done, input_ids.shape[0], input_ids.device)
+        if self.eos_ids is not None:
+            done = done | torch.isin(token, self.eos_ids.to(token.device))
+        self._finished = self._finished | done
+
+    def _record_ancestry(self, step: int, input_ids: torch.Tensor) -> None:
+        rows = input_ids.shape[0]
+        self.num_rows = rows
+        previous = self._previous_ids
+        self._previous_ids = input_ids
+        if previous is None:
+            return
+        # Row r of this step extends the row of the previous step that holds the same sequence. Only
+        # beams of one prompt are compared, and only the generated part (the prompt is shared).
+        batch = rows // self.num_beams
+        new = input_ids[:, self.prompt_length : -1].reshape(batch, self.num_beams, 1, -1)
+        old = previous[:, self.prompt_length :].reshape(batch, 1, self.num_beams, -1)
+        same = (new == old).all(dim=-1)  # (batch, new beam, old beam)
+        first = same.to(torch.int8).argmax(dim=-1)  # first matching old beam
+        offset = torch.arange(batch, device=input_ids.device).unsqueeze(1) * self.num_beams
+        # The ancestry of step t's rows is known at step t + 1: it is stored under step t.
+        self.ring.put(step - 1, "beam_parents", (first + offset).reshape(rows))
+        self.ring.put(step - 1, "tokens", input_ids[:, -1])
+
+    # -- the end ---------------------------------------------------------------------------------------
+    def finish(self, output: Any, error: BaseException | None) -> Generation:
+        self.ring.flush()
+        self._previous_ids = None
+        self._forward_logits = None
+        self._finished = None
+        steps = self._step + 1
+        recorded = {name: self.store.stream(name) for name in self.store.steps}
+        if self.is_beam and steps > 0:
+            rows = self.num_rows
+            for name in ("beam_parents", "tokens"):
+                recorded.setdefault(name, {})[steps - 1] = torch.full((rows,), -1, dtype=torch.long)
+        streams: dict[str, tuple[torch.Tensor, ...]] = {}
+        order = [*(s for s in ("logits", "scores") if s in self.streams), "tokens", "finished"]
+        if self.is_beam:
+            order.append("beam_parents")
+        complete_steps = _complete_steps(recorded, order, steps)
+        for name in order:
+            by_step = recorded.get(name, {})
+            streams[name] = tuple(by_step[t] for t in range(complete_steps))
+        sequences = _compat.output_sequences(output)
+        return Generation(
+            mode=self.mode,
+            prompt_length=self.prompt_length,
+            num_rows=self.num_rows,
+            num_beams=self.num_beams,
+            complete=error is None,
+            error=None if error is None else repr(error),
+            sequences=None if sequences is None else sequences.detach().to("cpu", copy=True),
+            _streams=streams,
+        )
+
+
+def _complete_steps(recorded: dict[str, dict[int, torch.Tensor]], names: list[str], steps: int) -> int:
+    """Number of leading steps for which every stream has a record (an interrupted step is dropped)."""
+    for t in range(steps):
+        if any(t not in recorded.get(name, {}) for name in names):
+            return t
+    return steps

@@ -1,0 +1,122 @@
+"""Everything that depends on the installed transformers or torch release, as feature checks.
+
+No other module of the package looks at a version number or probes transformers' internals.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import transformers
+from transformers import GenerationMixin
+from transformers.generation import LogitsProcessorList, StoppingCriteriaList
+
+TRANSFORMERS_VERSION = transformers.__version__
+TORCH_VERSION = torch.__version__
+
+# The private `GenerationMixin` methods the recorder wraps, per model instance, while it is attached.
+# `_get_logits_processor` and `_get_stopping_criteria` exist in every release from 4.36 on.
+# `_get_logits_warper` is a separate warper list in 4.36-4.44 (gone from 4.45, when the warpers joined
+# the processor list).
+HAS_SEPARATE_WARPER_LIST = hasattr(GenerationMixin, "_get_logits_warper")
+
+# Generation modes this release of the recorder records exactly. Other modes are refused before the
+# decoding loop starts (see `check_generation_mode`).
+SUPPORTED_MODES = ("greedy_search", "sample", "beam_search", "beam_sample")
+BEAM_MODES = ("beam_search", "beam_sample")
+
+
+def bind_arguments(function: Any, args: tuple, kwargs: dict) -> inspect.BoundArguments:
+    """Bind a call's arguments to `function`'s parameters by name, whatever the release's signature."""
+    bound = inspect.signature(function).bind(*args, **kwargs)
+    return bound
+
+
+def generation_mode(generation_config: Any, assistant_model: Any) -> str:
+    """The decoding mode `generate()` will run, as the string value of transformers' `GenerationMode`.
+
+    `GenerationConfig.get_generation_mode` exists from 4.39; older releases decide the mode inside
+    `generate()` from the same fields, which this mirrors.
+    """
+    if hasattr(generation_config, "get_generation_mode"):  # transformers 4.39+
+        return str(generation_config.get_generation_mode(assistant_model).value)
+    return _legacy_generation_mode(generation_config, assistant_model)
+
+
+def _legacy_generation_mode(config: Any, assistant_model: Any) -> str:
+    # transformers 4.36-4.38: the same decision, written out in `generate()` itself.
+    if getattr(config, "constraints", None) is not None or getattr(config, "force_words_ids", None) is not None:
+        return "constrained_beam_search"
+    num_beams = config.num_beams or 1
+    if num_beams == 1:
+        if config.do_sample is not True:
+            if (config.top_k or 0) > 1 and (config.penalty_alpha or 0) > 0:
+                mode = "contrastive_search"
+            else:
+                mode = "greedy_search"
+        else:
+            mode = "sample"
+    elif (config.num_beam_groups or 1) > 1:
+        mode = "group_beam_search"
+    elif config.do_sample is True:
+        mode = "beam_sample"
+    else:
+        mode = "beam_search"
+    if assistant_model is not None or getattr(config, "prompt_lookup_num_tokens", None) is not None:
+        if mode in ("greedy_search", "sample"):
+            mode = "assisted_generation"
+    return mode
+
+
+def uses_low_memory_beam_search(generation_config: Any) -> bool:
+    """`low_memory=True` splits the beam forward into one call per row (4.39-4.49)."""
+    return bool(getattr(generation_config, "low_memory", False))
+
+
+def stopping_result_per_row(is_done: Any, rows: int, device: torch.device) -> torch.Tensor:
+    """The stopping criteria's verdict as a `(rows,)` bool tensor on `device`.
+
+    From 4.39 a `StoppingCriteriaList` returns a bool tensor `[rows]`; up to 4.38 a single Python
+    bool for the whole batch (and end-of-sequence is handled outside the list).
+    """
+    if isinstance(is_done, torch.Tensor):
+        return is_done.to(dtype=torch.bool)
+    return torch.full((rows,), bool(is_done), dtype=torch.bool, device=device)
+
+
+def new_processor_list_type() -> type:
+    return LogitsProcessorList
+
+
+def new_criteria_list_type() -> type:
+    return StoppingCriteriaList
+
+
+def beam_raw_logits(model_logits: torch.Tensor) -> torch.Tensor:
+    """Beam search's raw next-token logits from the forward output, as transformers takes them.
+
+    From 4.45 transformers copies `logits[:, -1, :]` to float32 before `log_softmax`; `out.logits` holds
+    that copy. (Older releases keep the model's dtype: handled with the version matrix.)
+    """
+    return model_logits[:, -1, :].to(dtype=torch.float32, copy=True)
+
+
+def output_sequences(output: Any) -> torch.Tensor | None:
+    """The sequences `generate()` returned: the tensor itself, or `out.sequences` of a ModelOutput."""
+    if output is None:
+        return None
+    if isinstance(output, torch.Tensor):
+        return output
+    sequences = getattr(output, "sequences", None)
+    return sequences if isinstance(sequences, torch.Tensor) else None
+
+
+def final_tap_on_warper_list(mode: str) -> bool:
+    """Whether the processed scores come out of a separate warper list rather than the processor list.
+
+    4.36-4.44 keep the sampling warpers in a list of their own, applied after the processors when
+    sampling; from 4.45 they are appended to the processor list (before `LogitNormalization`).
+    """
+    return HAS_SEPARATE_WARPER_LIST and mode == "sample"

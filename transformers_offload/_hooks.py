@@ -1,0 +1,229 @@
+"""Hooks into one model instance: inert unless a `generate()` call carries an attached recorder.
+
+Attaching a recorder to a model shadows three of its methods with wrappers stored in the instance's
+`__dict__` (never on the class): `generate`, and the private `_get_logits_processor` and
+`_get_stopping_criteria` (plus `_get_logits_warper` on releases that have it), and registers one
+forward hook. A call to `generate()` whose `logits_processor` holds no recorder runs the original
+methods untouched. Detaching the last recorder of a model removes every wrapper and the forward hook.
+
+The capture of a call in progress is kept per thread, so two models (or one model) generating in two
+threads with their own recorders never see each other's steps.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from . import _compat
+from ._capture import Capture
+
+_LOCK = threading.Lock()
+_ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, ModelHooks]" = weakref.WeakKeyDictionary()
+_ACTIVE = threading.local()  # .captures: dict[id(model), Capture] for the calls running in this thread
+
+
+def _active_capture(model: torch.nn.Module) -> Capture | None:
+    captures = getattr(_ACTIVE, "captures", None)
+    return None if captures is None else captures.get(id(model))
+
+
+class _TappedProcessorList(_compat.new_processor_list_type()):  # type: ignore[misc]
+    """The processor list `generate()` built, with a tap before the first and after the last entry."""
+
+    def __init__(self, processors: Any, capture: Capture, *, raw: bool, processed: bool) -> None:
+        super().__init__(processors)
+        self._capture = capture
+        self._raw = raw
+        self._processed = processed
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        if self._raw:
+            self._capture.on_raw(input_ids, scores)
+        scores = super().__call__(input_ids, scores, **kwargs)
+        if self._processed:
+            self._capture.on_processed(input_ids, scores)
+        return scores
+
+
+class _TappedCriteriaList(_compat.new_criteria_list_type()):  # type: ignore[misc]
+    """The stopping criteria `generate()` built, reporting each step's verdict to the capture."""
+
+    def __init__(self, criteria: Any, capture: Capture) -> None:
+        super().__init__(criteria)
+        self._capture = capture
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> Any:
+        is_done = super().__call__(input_ids, scores, **kwargs)
+        self._capture.on_stopping(input_ids, is_done)
+        return is_done
+
+
+class ModelHooks:
+    """The wrappers installed on one model instance, shared by every recorder attached to it."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._model_ref = weakref.ref(model)
+        self.recorders: list[Any] = []
+        self._wrappers: dict[str, Callable[..., Any]] = {}
+        self._forward_handle: Any = None
+
+    # -- attach / detach ---------------------------------------------------------------------------
+    def install(self) -> None:
+        model = self._model_ref()
+        names = ["generate", "_get_logits_processor", "_get_stopping_criteria"]
+        if _compat.HAS_SEPARATE_WARPER_LIST:
+            names.append("_get_logits_warper")
+        makers = {
+            "generate": self._wrap_generate,
+            "_get_logits_processor": self._wrap_processor_list,
+            "_get_stopping_criteria": self._wrap_criteria_list,
+            "_get_logits_warper": self._wrap_warper_list,
+        }
+        for name in names:
+            wrapper = makers[name](getattr(model, name))
+            model.__dict__[name] = wrapper
+            self._wrappers[name] = wrapper
+        self._forward_handle = model.register_forward_hook(self._on_forward)
+
+    def uninstall(self) -> None:
+        model = self._model_ref()
+        if model is not None:
+            for name, wrapper in self._wrappers.items():
+                if model.__dict__.get(name) is wrapper:
+                    del model.__dict__[name]
+        self._wrappers.clear()
+        if self._forward_handle is not None:
+            self._forward_handle.remove()
+            self._forward_handle = None
+
+    # -- wrappers ------------------------------------------------------------------------------------
+    def _wrap_generate(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def generate(*args: Any, **kwargs: Any) -> Any:
+            arguments = _compat.bind_arguments(original, args, kwargs).arguments
+            recorder = self._recorder_of_call(arguments)
+            if recorder is None:
+                return original(*args, **kwargs)
+            model = self._model_ref()
+            extra = arguments.get("kwargs", {})
+            capture = recorder._begin_generation(
+                assistant_model=arguments.get("assistant_model"),
+                custom_generate=arguments.get("custom_generate", extra.get("custom_generate")),
+            )
+            captures = _ACTIVE.__dict__.setdefault("captures", {})
+            outer = captures.get(id(model))
+            captures[id(model)] = capture
+            try:
+                output = original(*args, **kwargs)
+            except BaseException as error:
+                recorder._end_generation(capture, None, error)
+                raise
+            finally:
+                if outer is None:
+                    captures.pop(id(model), None)
+                else:
+                    captures[id(model)] = outer
+            recorder._end_generation(capture, output, None)
+            return output
+
+        generate.__wrapped__ = original  # type: ignore[attr-defined]
+        generate.__doc__ = original.__doc__
+        return generate
+
+    def _wrap_processor_list(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def _get_logits_processor(*args: Any, **kwargs: Any) -> Any:
+            processors = original(*args, **kwargs)
+            capture = _active_capture(self._model_ref())
+            if capture is None:
+                return processors
+            arguments = _compat.bind_arguments(original, args, kwargs).arguments
+            capture.start(arguments["generation_config"], arguments.get("input_ids_seq_length") or 0)
+            on_warpers = _compat.final_tap_on_warper_list(capture.mode)
+            kept = [p for p in processors if not _is_recorder(p)]
+            return _TappedProcessorList(kept, capture, raw=True, processed=not on_warpers)
+
+        return _get_logits_processor
+
+    def _wrap_warper_list(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def _get_logits_warper(*args: Any, **kwargs: Any) -> Any:
+            warpers = original(*args, **kwargs)
+            capture = _active_capture(self._model_ref())
+            if capture is None:
+                return warpers
+            return _TappedProcessorList(warpers, capture, raw=False, processed=True)
+
+        return _get_logits_warper
+
+    def _wrap_criteria_list(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def _get_stopping_criteria(*args: Any, **kwargs: Any) -> Any:
+            criteria = original(*args, **kwargs)
+            capture = _active_capture(self._model_ref())
+            if capture is None:
+                return criteria
+            return _TappedCriteriaList([c for c in criteria if not _is_recorder(c)], capture)
+
+        return _get_stopping_criteria
+
+    def _on_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        capture = _active_capture(module)
+        if capture is not None and capture.started:
+            capture.on_forward(output)
+
+    # -- which recorder a call carries ---------------------------------------------------------------
+    def _recorder_of_call(self, arguments: dict[str, Any]) -> Any:
+        processors = arguments.get("logits_processor") or ()
+        found = [p for p in processors if _is_recorder(p)]
+        if not found:
+            return None
+        if len(found) > 1:
+            raise ValueError(
+                f"`logits_processor` holds {len(found)} Recorders; a generate() call records into one. "
+                "Pass a single Recorder."
+            )
+        recorder = found[0]
+        if recorder not in self.recorders:
+            model = self._model_ref()
+            raise ValueError(
+                f"this Recorder is attached to another model ({recorder._model_name}), not to this "
+                f"{type(model).__name__}: a Recorder records the generate() calls of the model it was "
+                "created with. Create one for this model: `Recorder(model)`."
+            )
+        return recorder
+
+
+def _is_recorder(obj: Any) -> bool:
+    from .recorder import Recorder
+
+    return isinstance(obj, Recorder)
+
+
+def attach(model: torch.nn.Module, recorder: Any) -> None:
+    """Install the hooks on `model` (once per model) and register `recorder` with them."""
+    with _LOCK:
+        hooks = _ATTACHED.get(model)
+        if hooks is None:
+            hooks = ModelHooks(model)
+            hooks.install()
+            _ATTACHED[model] = hooks
+        hooks.recorders.append(recorder)
+
+
+def detach(model: torch.nn.Module, recorder: Any) -> None:
+    """Unregister `recorder`; the last one to leave removes the hooks from `model`."""
+    with _LOCK:
+        hooks = _ATTACHED.get(model)
+        if hooks is None or recorder not in hooks.recorders:
+            return
+        hooks.recorders.remove(recorder)
+        if not hooks.recorders:
+            hooks.uninstall()
+            del _ATTACHED[model]
+
+
+def is_hooked(model: torch.nn.Module) -> bool:
+    """Whether any recorder is attached to `model` (its wrappers and forward hook are in place)."""
+    with _LOCK:
+        return model in _ATTACHED
