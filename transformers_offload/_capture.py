@@ -23,6 +23,23 @@ class UnsupportedModeError(ValueError):
     """`generate()` was asked for a decoding mode the recorder cannot record exactly (yet)."""
 
 
+def check_mode(generation_config: Any, assistant_model: Any) -> str:
+    """The decoding mode `generation_config` asks for, or `UnsupportedModeError` naming it."""
+    mode = _compat.generation_mode(generation_config, assistant_model)
+    if mode not in _compat.SUPPORTED_MODES:
+        raise UnsupportedModeError(
+            f"transformers-offload records {', '.join(_compat.SUPPORTED_MODES)} for now; this call "
+            f"runs {mode!r} (transformers {_compat.TRANSFORMERS_VERSION}). Remove the Recorder from "
+            "`logits_processor` for this call, or use one of the supported modes."
+        )
+    if mode in _compat.BEAM_MODES and _compat.uses_low_memory_beam_search(generation_config):
+        raise UnsupportedModeError(
+            "transformers-offload does not record `low_memory=True` beam search yet; pass "
+            "`low_memory=False` or remove the Recorder from `logits_processor`."
+        )
+    return mode
+
+
 class Capture:
     """Records one `generate()` call into a ring and a store; becomes a `Generation` when it ends."""
 
@@ -45,18 +62,7 @@ class Capture:
 
     # -- set-up, from the processor-list hook, before the decoding loop ------------------------------
     def start(self, generation_config: Any, prompt_length: int) -> None:
-        mode = _compat.generation_mode(generation_config, self.assistant_model)
-        if mode not in _compat.SUPPORTED_MODES:
-            raise UnsupportedModeError(
-                f"transformers-offload records {', '.join(_compat.SUPPORTED_MODES)} for now; this call "
-                f"runs {mode!r} (transformers {_compat.TRANSFORMERS_VERSION}). Remove the Recorder from "
-                "`logits_processor` for this call, or use one of the supported modes."
-            )
-        if mode in _compat.BEAM_MODES and _compat.uses_low_memory_beam_search(generation_config):
-            raise UnsupportedModeError(
-                "transformers-offload does not record `low_memory=True` beam search yet; pass "
-                "`low_memory=False` or remove the Recorder from `logits_processor`."
-            )
+        mode = check_mode(generation_config, self.assistant_model)
         self.mode = mode
         self.prompt_length = int(prompt_length)
         self.num_beams = int(generation_config.num_beams or 1) if mode in _compat.BEAM_MODES else 1

@@ -5,6 +5,7 @@ No other module of the package looks at a version number or probes transformers'
 
 from __future__ import annotations
 
+import copy
 import inspect
 from typing import Any
 
@@ -68,6 +69,19 @@ def _legacy_generation_mode(config: Any, assistant_model: Any) -> str:
         if mode in ("greedy_search", "sample"):
             mode = "assisted_generation"
     return mode
+
+
+def provisional_generation_config(model: Any, generation_config: Any, kwargs: dict) -> Any:
+    """The generation config a `generate()` call will run with, as far as the decoding mode goes.
+
+    Built from public API only (a copy of the call's or the model's `GenerationConfig`, updated with
+    the call's keyword arguments), so that an unsupported mode is refused before `generate()` does
+    any work; the recorder checks again on the final config inside `generate()`.
+    """
+    base = generation_config if generation_config is not None else model.generation_config
+    config = copy.deepcopy(base)
+    config.update(**{k: v for k, v in kwargs.items() if hasattr(config, k)})
+    return config
 
 
 def uses_low_memory_beam_search(generation_config: Any) -> bool:

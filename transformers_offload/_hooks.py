@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from . import _compat
-from ._capture import Capture
+from ._capture import Capture, check_mode
 
 _LOCK = threading.Lock()
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, ModelHooks]" = weakref.WeakKeyDictionary()
@@ -109,6 +109,8 @@ class ModelHooks:
                 return original(*args, **kwargs)
             model = self._model_ref()
             extra = arguments.get("kwargs", {})
+            config = _compat.provisional_generation_config(model, arguments.get("generation_config"), extra)
+            check_mode(config, arguments.get("assistant_model"))
             capture = recorder._begin_generation(
                 assistant_model=arguments.get("assistant_model"),
                 custom_generate=arguments.get("custom_generate", extra.get("custom_generate")),
@@ -184,6 +186,11 @@ class ModelHooks:
                 "Pass a single Recorder."
             )
         recorder = found[0]
+        if recorder.closed:
+            raise RuntimeError(
+                "this Recorder is closed: its hooks were removed from the model. Create a new "
+                "`Recorder(model)` for further generate() calls."
+            )
         if recorder not in self.recorders:
             model = self._model_ref()
             raise ValueError(

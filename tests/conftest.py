@@ -1,0 +1,83 @@
+"""Shared fixtures: tiny models built from configs (no network), the real model when it is cached."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+VOCAB = 128
+PAD = 0
+EOS = 1
+
+
+def _tiny_gpt2() -> torch.nn.Module:
+    config = GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=128,
+        bos_token_id=2, eos_token_id=EOS, pad_token_id=PAD,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def _tiny_llama() -> torch.nn.Module:
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        bos_token_id=2, eos_token_id=EOS, pad_token_id=PAD,
+    )
+    return LlamaForCausalLM(config)
+
+
+TINY_MODELS = {"gpt2": _tiny_gpt2, "llama": _tiny_llama}
+
+
+def make_tiny(name: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = TINY_MODELS[name]().eval()
+    # Random weights give near-uniform logits; sharpen them so greedy and beam choices are not ties.
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    return model
+
+
+@pytest.fixture(params=sorted(TINY_MODELS))
+def tiny_model(request: pytest.FixtureRequest) -> torch.nn.Module:
+    return make_tiny(request.param)
+
+
+@pytest.fixture
+def gpt2() -> torch.nn.Module:
+    return make_tiny("gpt2")
+
+
+def left_padded_batch(lengths: tuple[int, ...] = (3, 6, 8), seed: int = 7) -> dict[str, torch.Tensor]:
+    """Prompts of different lengths, left-padded with PAD, with their attention mask."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    input_ids = torch.full((len(lengths), width), PAD, dtype=torch.long)
+    attention_mask = torch.zeros((len(lengths), width), dtype=torch.long)
+    for row, length in enumerate(lengths):
+        input_ids[row, width - length :] = torch.randint(3, VOCAB, (length,), generator=generator)
+        attention_mask[row, width - length :] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """SmolLM2-135M-Instruct and its tokenizer, from the cache `scripts/setup.sh` fills."""
+    from transformers_offload import demo_model
+
+    if not demo_model.is_cached():
+        reason = (
+            f"the real model is not cached in {demo_model.model_dir()}: run `bash scripts/test.sh` "
+            "(or `python -m transformers_offload.demo_model`) once"
+        )
+        if os.environ.get("TRANSFORMERS_OFFLOAD_REQUIRE_REAL_MODEL") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return demo_model.load()

@@ -1,0 +1,194 @@
+"""The recording equals Hugging Face's own outputs, bit for bit, in every supported mode.
+
+Each case runs `generate()` twice with the same seed: once stock, with `return_dict_in_generate=True,
+output_scores=True, output_logits=True` (the reference), once with the Recorder and no outputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from transformers_offload import DeviceAccumulationWarning, Recorder
+
+from .conftest import EOS, PAD, left_padded_batch
+from .helpers import assert_steps_equal, finished_from_sequences
+
+NEW_TOKENS = 12
+SEED = 1234
+
+CASES = {
+    "greedy": {},
+    "greedy_penalties": dict(repetition_penalty=1.5, no_repeat_ngram_size=2, min_new_tokens=5, bad_words_ids=[[7], [8, 9]]),
+    "sample_temperature": dict(do_sample=True, temperature=0.7),
+    "sample_top_k_top_p": dict(do_sample=True, top_k=20, top_p=0.9),
+    "sample_min_p": dict(do_sample=True, min_p=0.1),
+    "sample_typical_p": dict(do_sample=True, typical_p=0.8),
+    "sample_repetition_ngram": dict(do_sample=True, repetition_penalty=1.3, no_repeat_ngram_size=3),
+    "sample_min_new_tokens_bad_words": dict(do_sample=True, min_new_tokens=6, bad_words_ids=[[5], [10, 11]]),
+    "sample_renormalize": dict(do_sample=True, temperature=1.3, top_k=40, renormalize_logits=True),
+    "sample_everything": dict(
+        do_sample=True, temperature=0.8, top_k=30, top_p=0.95, min_p=0.02, typical_p=0.95,
+        repetition_penalty=1.3, no_repeat_ngram_size=3, min_new_tokens=4, bad_words_ids=[[7]],
+        renormalize_logits=True,
+    ),
+    "num_return_sequences": dict(do_sample=True, num_return_sequences=3, top_k=50),
+    "greedy_rows_finish_early": dict(eos="early"),
+    "sample_rows_finish_early": dict(do_sample=True, eos="many"),
+    "beam_search": dict(num_beams=3),
+    "beam_return_sequences": dict(num_beams=4, num_return_sequences=2, length_penalty=0.5),
+    "beam_penalties_renormalize": dict(num_beams=3, repetition_penalty=1.2, no_repeat_ngram_size=2, renormalize_logits=True),
+    "beam_rows_finish_early": dict(num_beams=3, num_return_sequences=3, eos="early"),
+    "beam_sample": dict(num_beams=3, do_sample=True, temperature=0.9, top_k=30),
+}
+
+
+class ShiftTokenOutOfPlace(LogitsProcessor):
+    """A user processor that returns a new tensor."""
+
+    def __init__(self, token: int, amount: float) -> None:
+        self.token, self.amount = token, amount
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        scores = scores.clone()
+        scores[:, self.token] += self.amount
+        return scores
+
+
+class ShiftTokenInPlace(ShiftTokenOutOfPlace):
+    """The same arithmetic, written into the tensor it receives."""
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        scores[:, self.token] += self.amount
+        return scores
+
+
+def _resolve_eos(model, batch, kwargs):
+    """Pick EOS ids that make some rows finish early, from a plain run of the same call."""
+    kwargs = dict(kwargs)
+    eos = kwargs.pop("eos", None)
+    if eos is None:
+        return kwargs, [EOS]
+    if eos == "many":
+        ids = list(range(3, 40))
+        return {**kwargs, "eos_token_id": ids, "pad_token_id": PAD}, ids
+    torch.manual_seed(SEED)
+    plain = model.generate(**batch, max_new_tokens=NEW_TOKENS, **kwargs)
+    prompt = batch["input_ids"].shape[1]
+    chosen = int(plain[0, prompt + 2])
+    return {**kwargs, "eos_token_id": chosen, "pad_token_id": PAD}, [chosen]
+
+
+def _run_pair(model, case, user_processors, placement):
+    batch = left_padded_batch()
+    kwargs, eos_ids = _resolve_eos(model, batch, CASES[case])
+    torch.manual_seed(SEED)
+    reference = model.generate(
+        **batch, logits_processor=LogitsProcessorList(user_processors), max_new_tokens=NEW_TOKENS,
+        return_dict_in_generate=True, output_scores=True, output_logits=True, **kwargs,
+    )
+    with Recorder(model) as rec:
+        processors = list(user_processors)
+        processors.insert(min(placement, len(processors)), rec)
+        torch.manual_seed(SEED)
+        sequences = model.generate(**batch, logits_processor=processors, max_new_tokens=NEW_TOKENS, **kwargs)
+    return batch, kwargs, eos_ids, reference, sequences, rec
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_recording_equals_hugging_face(tiny_model, case):
+    batch, kwargs, eos_ids, reference, sequences, rec = _run_pair(tiny_model, case, [], 0)
+    prompt = batch["input_ids"].shape[1]
+
+    assert torch.equal(sequences, reference.sequences), "the recorder changed the generated tokens"
+    assert_steps_equal(rec.logits(), reference.logits, "logits")
+    assert_steps_equal(rec.scores(), reference.scores, "scores")
+    generation = rec.generation()
+    assert generation.complete and generation.prompt_length == prompt
+    assert torch.equal(generation.sequences, reference.sequences)
+    if "num_beams" in kwargs:
+        assert torch.equal(rec.beam_indices(), reference.beam_indices)
+        assert not any(f.any() for f in rec.finished())
+        assert all(p.shape == (generation.num_rows,) for p in generation.beam_parents())
+    else:
+        assert torch.equal(torch.stack(rec.tokens(), dim=1), reference.sequences[:, prompt:])
+        expected = finished_from_sequences(reference.sequences, prompt, eos_ids)
+        assert len(rec.finished()) == len(expected)
+        for step, (mine, theirs) in enumerate(zip(rec.finished(), expected)):
+            assert torch.equal(mine, theirs), f"finished mask differs at step {step}"
+
+
+@pytest.mark.parametrize("case", ["greedy_rows_finish_early", "sample_rows_finish_early", "beam_rows_finish_early"])
+def test_rows_really_finish_early(gpt2, case):
+    batch, kwargs, _, reference, _, rec = _run_pair(gpt2, case, [], 0)
+    generated = reference.sequences.shape[1] - batch["input_ids"].shape[1]
+    if "num_beams" in kwargs:
+        assert (reference.beam_indices == -1).any(), "no returned sequence ended early"
+    else:
+        assert rec.finished()[-1].any(), "no row finished before the last step"
+    assert len(rec.scores()) <= generated
+
+
+@pytest.mark.parametrize("placement", [0, 1, 2])
+@pytest.mark.parametrize("case", ["greedy_penalties", "sample_everything", "beam_penalties_renormalize"])
+def test_any_place_in_the_list_and_other_processors(gpt2, case, placement):
+    user = [ShiftTokenOutOfPlace(5, 2.0), ShiftTokenOutOfPlace(9, -1.5)]
+    _, _, _, reference, sequences, rec = _run_pair(gpt2, case, user, placement)
+    assert torch.equal(sequences, reference.sequences)
+    assert_steps_equal(rec.logits(), reference.logits, "logits")
+    assert_steps_equal(rec.scores(), reference.scores, "scores")
+
+
+@pytest.mark.parametrize("case", ["greedy", "sample_top_k_top_p"])
+def test_in_place_user_processor_does_not_reach_the_raw_logits(gpt2, case):
+    """A processor that edits its input in place corrupts HF's own `out.logits` (same tensor); the
+    recording keeps the model's logits. The reference uses the out-of-place twin of that processor."""
+    batch = left_padded_batch()
+    kwargs = CASES[case]
+    torch.manual_seed(SEED)
+    reference = gpt2.generate(
+        **batch, logits_processor=[ShiftTokenOutOfPlace(5, 4.0)], max_new_tokens=NEW_TOKENS,
+        return_dict_in_generate=True, output_scores=True, output_logits=True, **kwargs,
+    )
+    with Recorder(gpt2) as rec:
+        torch.manual_seed(SEED)
+        sequences = gpt2.generate(
+            **batch, logits_processor=[ShiftTokenInPlace(5, 4.0), rec], max_new_tokens=NEW_TOKENS, **kwargs
+        )
+    assert torch.equal(sequences, reference.sequences)
+    assert_steps_equal(rec.logits(), reference.logits, "logits")
+    assert_steps_equal(rec.scores(), reference.scores, "scores")
+
+
+@pytest.mark.parametrize("case", ["sample_everything", "beam_return_sequences"])
+def test_same_call_with_hf_outputs_on_warns_and_matches(gpt2, case):
+    batch = left_padded_batch()
+    with Recorder(gpt2) as rec:
+        torch.manual_seed(SEED)
+        with pytest.warns(DeviceAccumulationWarning, match="output_scores"):
+            out = gpt2.generate(
+                **batch, logits_processor=[rec], max_new_tokens=NEW_TOKENS,
+                return_dict_in_generate=True, output_scores=True, output_logits=True, **CASES[case],
+            )
+        assert_steps_equal(rec.logits(), out.logits, "logits")
+        assert_steps_equal(rec.scores(), out.scores, "scores")
+        # Warned once per recorder, not on every call.
+        torch.manual_seed(SEED)
+        gpt2.generate(
+            **batch, logits_processor=[rec], max_new_tokens=NEW_TOKENS,
+            return_dict_in_generate=True, output_scores=True, **CASES[case],
+        )
+
+
+def test_numpy_framework_gives_the_same_values(gpt2):
+    batch = left_padded_batch()
+    with Recorder(gpt2) as rec:
+        gpt2.generate(**batch, logits_processor=[rec], max_new_tokens=4)
+    for as_torch, as_numpy in zip(rec.logits(), rec.logits(framework="np")):
+        assert as_numpy.dtype.name == "float32" and as_numpy.shape == tuple(as_torch.shape)
+        assert torch.equal(torch.from_numpy(as_numpy), as_torch)
+    assert rec.tokens(framework="np")[0].dtype.name == "int64"
+    assert rec.finished(framework="np")[0].dtype.name == "bool"
+    with pytest.raises(ValueError, match="framework"):
+        rec.scores(framework="jax")
