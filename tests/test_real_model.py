@@ -1,0 +1,67 @@
+"""End to end on the real SmolLM2-135M-Instruct: the recording equals Hugging Face's outputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from transformers_offload import Recorder
+
+from .helpers import assert_steps_equal, finished_from_sequences
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["What is the capital of France?", "Name two primary colours.", "Say hello."]
+MODES = {
+    "greedy": dict(do_sample=False),
+    "sampling": dict(do_sample=True, temperature=0.7, top_p=0.9, repetition_penalty=1.1),
+    "beam_search": dict(num_beams=2, num_return_sequences=2),
+}
+
+
+@pytest.fixture(scope="module")
+def chat_batch(real_model):
+    _, tokenizer = real_model
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+        for p in PROMPTS
+    ]
+    return tokenizer(texts, return_tensors="pt", padding=True)
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_real_model_recording_is_exact(real_model, chat_batch, mode):
+    model, tokenizer = real_model
+    kwargs = dict(MODES[mode], max_new_tokens=40, min_new_tokens=32, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    reference = model.generate(
+        **chat_batch, return_dict_in_generate=True, output_scores=True, output_logits=True, **kwargs
+    )
+    with Recorder(model) as rec:
+        torch.manual_seed(0)
+        sequences = model.generate(**chat_batch, logits_processor=[rec], **kwargs)
+    assert torch.equal(sequences, reference.sequences)
+    assert len(rec.logits()) >= 32
+    assert_steps_equal(rec.logits(), reference.logits, "logits")
+    assert_steps_equal(rec.scores(), reference.scores, "scores")
+    prompt = chat_batch["input_ids"].shape[1]
+    if mode == "beam_search":
+        assert torch.equal(rec.beam_indices(), reference.beam_indices)
+    else:
+        assert torch.equal(torch.stack(rec.tokens(), dim=1), reference.sequences[:, prompt:])
+        eos = [tokenizer.eos_token_id]
+        for mine, theirs in zip(rec.finished(), finished_from_sequences(reference.sequences, prompt, eos)):
+            assert torch.equal(mine, theirs)
+
+
+def test_real_model_answers_the_capital_question(real_model, chat_batch):
+    model, tokenizer = real_model
+    with Recorder(model) as rec:
+        sequences = model.generate(
+            **chat_batch, logits_processor=[rec], max_new_tokens=12, pad_token_id=tokenizer.pad_token_id
+        )
+    answer = tokenizer.decode(sequences[0, chat_batch["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert "Paris" in answer
+    paris = tokenizer.encode(" Paris")[0]
+    step = [int(t[0]) for t in rec.tokens()].index(paris)
+    assert int(rec.logits()[step][0].argmax()) == paris
