@@ -161,3 +161,18 @@ def test_each_step_is_copied_within_the_step_and_the_ring_stays_bounded(gpt2):
         assert {"logits", "scores", "finished"} <= set(written)
         assert slots == 3
     assert len(rec.logits()) == 40
+
+
+def test_an_instance_override_made_before_the_recorder_is_restored(gpt2):
+    calls = []
+    original = gpt2.generate
+
+    def user_generate(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    gpt2.generate = user_generate
+    with Recorder(gpt2) as rec:
+        gpt2.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=2)
+    assert gpt2.generate is user_generate and calls == [1]
+    assert len(rec.logits()) == 2

@@ -126,7 +126,9 @@ class Capture:
         self.ring.put(self._step, "tokens", token)
         done = _compat.stopping_result_per_row(is_done, input_ids.shape[0], input_ids.device)
         if self.eos_ids is not None:
-            done = done | torch.isin(token, self.eos_ids.to(token.device))
+            if self.eos_ids.device != token.device:
+                self.eos_ids = self.eos_ids.to(token.device)  # once: no host-to-device copy per step
+            done = done | torch.isin(token, self.eos_ids)
         self._finished = self._finished | done
 
     def _record_ancestry(self, step: int, input_ids: torch.Tensor) -> None:
@@ -165,10 +167,14 @@ class Capture:
         if self.is_beam:
             order.append("beam_parents")
         complete_steps = _complete_steps(recorded, order, steps)
+        sequences = _compat.output_sequences(output)
+        if sequences is not None and not self.is_beam:
+            # A step whose token generate() dropped (the deferred stop check runs one step too many on
+            # some devices and undoes it) is dropped here too.
+            complete_steps = min(complete_steps, sequences.shape[-1] - self.prompt_length)
         for name in order:
             by_step = recorded.get(name, {})
             streams[name] = tuple(by_step[t] for t in range(complete_steps))
-        sequences = _compat.output_sequences(output)
         return Generation(
             mode=self.mode,
             prompt_length=self.prompt_length,

@@ -21,6 +21,7 @@ import torch
 from . import _compat
 from ._capture import Capture, check_mode
 
+_ABSENT = object()
 _LOCK = threading.Lock()
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, ModelHooks]" = weakref.WeakKeyDictionary()
 _ACTIVE = threading.local()  # .captures: dict[id(model), Capture] for the calls running in this thread
@@ -69,6 +70,7 @@ class ModelHooks:
         self._model_ref = weakref.ref(model)
         self.recorders: list[Any] = []
         self._wrappers: dict[str, Callable[..., Any]] = {}
+        self._previous: dict[str, Any] = {}  # what the instance's __dict__ held before (usually nothing)
         self._forward_handle: Any = None
 
     # -- attach / detach ---------------------------------------------------------------------------
@@ -85,6 +87,7 @@ class ModelHooks:
         }
         for name in names:
             wrapper = makers[name](getattr(model, name))
+            self._previous[name] = model.__dict__.get(name, _ABSENT)
             model.__dict__[name] = wrapper
             self._wrappers[name] = wrapper
         self._forward_handle = model.register_forward_hook(self._on_forward)
@@ -93,8 +96,13 @@ class ModelHooks:
         model = self._model_ref()
         if model is not None:
             for name, wrapper in self._wrappers.items():
-                if model.__dict__.get(name) is wrapper:
+                if model.__dict__.get(name) is not wrapper:
+                    continue  # someone replaced our wrapper since: leave theirs alone
+                previous = self._previous.get(name, _ABSENT)
+                if previous is _ABSENT:
                     del model.__dict__[name]
+                else:
+                    model.__dict__[name] = previous
         self._wrappers.clear()
         if self._forward_handle is not None:
             self._forward_handle.remove()

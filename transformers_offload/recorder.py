@@ -158,11 +158,6 @@ class Recorder(LogitsProcessor, StoppingCriteria):
 
     # -- called by the hooks ---------------------------------------------------------------------------
     def _begin_generation(self, *, assistant_model: Any, custom_generate: Any) -> Capture:
-        if self._closed:
-            raise RuntimeError(
-                "this Recorder is closed: its hooks were removed from the model. Create a new "
-                "`Recorder(model)` for further generate() calls."
-            )
         if custom_generate is not None:
             raise ValueError(
                 "`custom_generate` replaces transformers' decoding loop, which the Recorder cannot see "
