@@ -110,8 +110,16 @@ class ModelHooks:
 
     # -- wrappers ------------------------------------------------------------------------------------
     def _wrap_generate(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        # Bind the call against the class's `generate` (not `original`, which may be a user's
+        # `*args, **kwargs` wrapper) to find `logits_processor` however it was passed.
+        class_generate = type(self._model_ref()).generate
+
         def generate(*args: Any, **kwargs: Any) -> Any:
-            arguments = _compat.bind_arguments(original, args, kwargs).arguments
+            try:
+                arguments = _compat.bind_arguments(class_generate, (self._model_ref(), *args), kwargs).arguments
+            except TypeError:
+                return original(*args, **kwargs)  # let transformers report the bad call
+            arguments = {**arguments.get("kwargs", {}), **arguments}
             recorder = self._recorder_of_call(arguments)
             if recorder is None:
                 return original(*args, **kwargs)
@@ -121,7 +129,7 @@ class ModelHooks:
             check_mode(config, arguments.get("assistant_model"))
             capture = recorder._begin_generation(
                 assistant_model=arguments.get("assistant_model"),
-                custom_generate=arguments.get("custom_generate", extra.get("custom_generate")),
+                custom_generate=arguments.get("custom_generate"),
             )
             captures = _ACTIVE.__dict__.setdefault("captures", {})
             outer = captures.get(id(model))
