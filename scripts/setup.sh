@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates ./.venv (once) with the package, its test and demo extras, and caches the real model.
-# Sourced by scripts/test.sh and scripts/demo.sh; safe to run again (it only fills what is missing).
+# Run by scripts/test.sh and scripts/demo.sh; safe to run again (it only fills what is missing).
+# The model cache is $TRANSFORMERS_OFFLOAD_CACHE, else ~/.cache/transformers-offload.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON="${PYTHON:-python3}"

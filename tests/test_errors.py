@@ -99,7 +99,7 @@ def test_recorder_of_another_model_without_hooks_fails_at_its_first_step(gpt2):
     an ordinary processor, fails at the first step and records nothing."""
     other = make_tiny("gpt2", seed=1)
     with Recorder(gpt2) as rec:
-        with pytest.raises(RuntimeError, match="not attached to"):
+        with pytest.raises(RuntimeError, match="ordinary processor.*Recorder\\(model\\)"):
             other.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=3)
     assert rec.generations == ()
 
@@ -117,8 +117,11 @@ def test_closed_recorder(gpt2):
     with pytest.raises(RuntimeError, match="Recorder is closed"):
         gpt2.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=2)
     other_rec.close()
-    with pytest.raises(RuntimeError, match="after `close\\(\\)`"):
+    with pytest.raises(RuntimeError, match="closed recorder"):
         gpt2.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=2)
+    with pytest.raises(RuntimeError, match="closed"):
+        with rec:
+            pass
 
 
 def test_one_recorder_in_two_calls_at_once(gpt2):
@@ -192,3 +195,29 @@ def test_a_fault_mid_run_keeps_every_recorded_step(gpt2, error):
         # The recorder is free again for the next call.
         gpt2.generate(**batch, logits_processor=[rec], max_new_tokens=2)
     assert [g.complete for g in rec.generations] == [False, True]
+
+
+def test_recorder_not_in_a_list(gpt2):
+    with Recorder(gpt2) as rec:
+        with pytest.raises(TypeError, match="`logits_processor` must be a list"):
+            gpt2.generate(**left_padded_batch(), logits_processor=rec, max_new_tokens=2)
+
+
+def test_recorder_in_stopping_criteria_only(gpt2):
+    forwards = CountForwards(gpt2)
+    with Recorder(gpt2) as rec:
+        with pytest.raises(ValueError, match="pass `logits_processor=\\[rec\\]`"):
+            gpt2.generate(**left_padded_batch(), stopping_criteria=[rec], max_new_tokens=2)
+        assert forwards.count == 0
+        # In both lists is fine: it records from the processor list.
+        gpt2.generate(**left_padded_batch(), logits_processor=[rec], stopping_criteria=[rec], max_new_tokens=2)
+    assert rec.generation().num_steps == 2
+
+
+def test_copying_a_hooked_model_says_to_close_first(gpt2):
+    import copy
+
+    with Recorder(gpt2):
+        with pytest.raises(TypeError, match="rec.close\\(\\)"):
+            copy.deepcopy(gpt2)
+    copy.deepcopy(gpt2)  # fine once closed

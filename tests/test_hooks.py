@@ -7,7 +7,7 @@ import sys
 import threading
 
 import torch
-from transformers import GenerationMixin, StoppingCriteria, StoppingCriteriaList
+from transformers import GenerationMixin, LogitsProcessor, StoppingCriteria, StoppingCriteriaList
 
 from transformers_offload import Recorder
 from transformers_offload._hooks import is_hooked
@@ -176,3 +176,38 @@ def test_an_instance_override_made_before_the_recorder_is_restored(gpt2):
         gpt2.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=2)
     assert gpt2.generate is user_generate and calls == [1]
     assert len(rec.logits()) == 2
+
+
+def test_a_nested_call_without_the_recorder_is_not_recorded(gpt2):
+    """A processor that calls generate() on the same model mid-run: the inner call is not recorded
+    and the outer recording stays exact."""
+    batch = left_padded_batch()
+    inner = {"done": False}
+
+    class PeekAhead(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            if not inner["done"]:
+                inner["done"] = True
+                gpt2.generate(torch.full((1, 8), 9), max_new_tokens=2)
+            return scores
+
+    reference = gpt2.generate(
+        **batch, max_new_tokens=5, logits_processor=[PeekAhead()], return_dict_in_generate=True,
+        output_scores=True, output_logits=True,
+    )
+    inner["done"] = False
+    with Recorder(gpt2) as rec:
+        gpt2.generate(**batch, max_new_tokens=5, logits_processor=[rec, PeekAhead()])
+    assert inner["done"] and len(rec.generations) == 1
+    assert rec.generation().prompt_length == batch["input_ids"].shape[1]
+    assert all(torch.equal(a, b) for a, b in zip(rec.logits(), reference.logits))
+    assert len(rec.logits()) == 5
+
+
+def test_generations_compare_by_identity(gpt2):
+    with Recorder(gpt2) as rec:
+        for _ in range(2):
+            gpt2.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=2)
+    first, second = rec.generations
+    assert first != second and first == first
+    assert rec.generations.index(second) == 1 and len({first, second}) == 2

@@ -73,6 +73,15 @@ class ModelHooks:
         self._previous: dict[str, Any] = {}  # what the instance's __dict__ held before (usually nothing)
         self._forward_handle: Any = None
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        model = self._model_ref()
+        raise TypeError(
+            f"this {type(model).__name__} has a transformers-offload Recorder attached, whose hooks "
+            "cannot be copied or pickled with it: call `rec.close()` (or leave its `with` block) "
+            "before `copy.deepcopy(model)` or `torch.save(model, ...)`; `save_pretrained` and "
+            "`state_dict()` work as they are."
+        )
+
     # -- attach / detach ---------------------------------------------------------------------------
     def install(self) -> None:
         model = self._model_ref()
@@ -121,9 +130,18 @@ class ModelHooks:
                 return original(*args, **kwargs)  # let transformers report the bad call
             arguments = {**arguments.get("kwargs", {}), **arguments}
             recorder = self._recorder_of_call(arguments)
-            if recorder is None:
-                return original(*args, **kwargs)
             model = self._model_ref()
+            captures = _ACTIVE.__dict__.setdefault("captures", {})
+            if recorder is None:
+                if captures.get(id(model)) is None:
+                    return original(*args, **kwargs)
+                # A call without the recorder, made inside a recorded call (e.g. from a processor):
+                # hide the outer capture from it, so that nothing of it is recorded.
+                outer = captures.pop(id(model))
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    captures[id(model)] = outer
             extra = arguments.get("kwargs", {})
             config = _compat.provisional_generation_config(model, arguments.get("generation_config"), extra)
             check_mode(config, arguments.get("assistant_model"))
@@ -131,7 +149,6 @@ class ModelHooks:
                 assistant_model=arguments.get("assistant_model"),
                 custom_generate=arguments.get("custom_generate"),
             )
-            captures = _ACTIVE.__dict__.setdefault("captures", {})
             outer = captures.get(id(model))
             captures[id(model)] = capture
             try:
@@ -155,7 +172,8 @@ class ModelHooks:
         def _get_logits_processor(*args: Any, **kwargs: Any) -> Any:
             processors = original(*args, **kwargs)
             capture = _active_capture(self._model_ref())
-            if capture is None:
+            if capture is None or capture.started:
+                # No recorded call, or a nested generate() that bypassed the wrapper: leave it alone.
                 return processors
             arguments = _compat.bind_arguments(original, args, kwargs).arguments
             capture.start(arguments["generation_config"], arguments.get("input_ids_seq_length") or 0)
@@ -193,8 +211,17 @@ class ModelHooks:
     # -- which recorder a call carries ---------------------------------------------------------------
     def _recorder_of_call(self, arguments: dict[str, Any]) -> Any:
         processors = arguments.get("logits_processor") or ()
+        if _is_recorder(processors):
+            raise TypeError("`logits_processor` must be a list: pass `logits_processor=[rec]`.")
+        criteria = arguments.get("stopping_criteria") or ()
         found = [p for p in processors if _is_recorder(p)]
         if not found:
+            if _is_recorder(criteria) or any(_is_recorder(c) for c in criteria):
+                raise ValueError(
+                    "a Recorder was passed in `stopping_criteria` only; it records from "
+                    "`logits_processor`: pass `logits_processor=[rec]` (it needs no place in "
+                    "`stopping_criteria`)."
+                )
             return None
         if len(found) > 1:
             raise ValueError(

@@ -80,7 +80,8 @@ class Recorder(LogitsProcessor, StoppingCriteria):
         if ring_slots < 1:
             raise ValueError(f"`ring_slots` must be at least 1, got {ring_slots}.")
         self._model = model
-        self._model_name = f"{type(model).__name__} {getattr(model, 'name_or_path', '')!r}".strip()
+        name_or_path = getattr(model, "name_or_path", "")
+        self._model_name = type(model).__name__ + (f" {name_or_path!r}" if name_or_path else "")
         self._streams = tuple(dict.fromkeys(streams))
         self._ring_slots = ring_slots
         self._generations: list[Generation] = []
@@ -98,6 +99,8 @@ class Recorder(LogitsProcessor, StoppingCriteria):
             _hooks.detach(self._model, self)
 
     def __enter__(self) -> Recorder:
+        if self._closed:
+            raise RuntimeError("this Recorder is closed; create a new `Recorder(model)` to use in `with`.")
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -105,6 +108,7 @@ class Recorder(LogitsProcessor, StoppingCriteria):
 
     @property
     def closed(self) -> bool:
+        """True once `close()` ran: the model's hooks are gone, the recordings remain readable."""
         return self._closed
 
     # -- reading ---------------------------------------------------------------------------------------
@@ -151,6 +155,10 @@ class Recorder(LogitsProcessor, StoppingCriteria):
         """Rows behind each returned beam-search sequence; see `Generation.beam_indices`."""
         return self.generation(generation).beam_indices(framework=framework)
 
+    def beam_parents(self, generation: int = -1, *, framework: str = "pt") -> tuple[Any, ...]:
+        """Parent row of each running beam, per step; see `Generation.beam_parents`."""
+        return self.generation(generation).beam_parents(framework=framework)
+
     def clear(self) -> None:
         """Forget every recorded generation (frees their host memory)."""
         with self._lock:
@@ -181,8 +189,9 @@ class Recorder(LogitsProcessor, StoppingCriteria):
                 if capture.accumulates_on_device and not self._warned_accumulation:
                     self._warned_accumulation = True
                     warnings.warn(
-                        "generate() was also given `output_scores`/`output_logits` with "
-                        "`return_dict_in_generate=True`, so it kept every step's scores on the device "
+                        "this generate() call ran with `output_scores`/`output_logits` and "
+                        "`return_dict_in_generate=True` (from its arguments or the model's "
+                        "generation_config), so it kept every step's scores on the device "
                         "as well; the Recorder already has them. Drop those options to keep device "
                         "memory flat.",
                         DeviceAccumulationWarning,
@@ -203,10 +212,19 @@ class Recorder(LogitsProcessor, StoppingCriteria):
 
     # -- as a processor, it is never called while the hooks are in place ------------------------------
     def __call__(self, input_ids: torch.LongTensor, scores: Any) -> Any:  # type: ignore[override]
+        """Never runs in a recorded call: the hooks take the recorder out of the lists they build.
+
+        Reached only when `generate()` did not go through the model the recorder is attached to.
+
+        Raises:
+            RuntimeError: always, saying how to pass the recorder instead.
+        """
         raise RuntimeError(
-            f"this Recorder was called by generate() of a model it is not attached to (it records "
-            f"{self._model_name}), or after `close()`. Create `Recorder(model)` for the model you call "
-            "`generate()` on, and keep it open during the call."
+            f"this Recorder was called as an ordinary processor, so the call did not go through the "
+            f"generate() of the model it records ({self._model_name}): a different model, "
+            "`GenerationMixin.generate(model, ...)` called on the class, or a closed recorder. "
+            "Create `Recorder(model)` for the model you call, keep it open, and call "
+            "`model.generate(..., logits_processor=[rec])`."
         )
 
     def __repr__(self) -> str:

@@ -11,7 +11,7 @@ import torch
 FRAMEWORKS = ("pt", "np")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Generation:
     """The recording of one `generate()` call.
 
@@ -126,6 +126,8 @@ class Generation:
         `(num_returned_sequences, generated_length)` where `generated_length` is
         `sequences.shape[1] - prompt_length`, padded with -1 after a sequence's last token. Built from
         the returned sequences and the recorded ancestry, so it needs no `return_dict_in_generate`.
+        In a degenerate search where several hypotheses are the very same token sequence (e.g. every
+        candidate but one forced to -inf), it may name another row holding that same sequence.
 
         Raises:
             ValueError: this generation is not a beam search, or it is incomplete (no sequences).
