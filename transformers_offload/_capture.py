@@ -69,9 +69,7 @@ class Capture:
         eos = generation_config.eos_token_id
         if eos is not None:
             self.eos_ids = torch.as_tensor(eos if isinstance(eos, (list, tuple)) else [eos]).flatten()
-        self.accumulates_on_device = bool(generation_config.return_dict_in_generate) and bool(
-            generation_config.output_scores or getattr(generation_config, "output_logits", False)
-        )
+        self.accumulates_on_device = _compat.asks_outputs_on_device(generation_config)
         self.started = True
 
     @property
@@ -83,9 +81,7 @@ class Capture:
         """Beam search: keep this forward's next-token logits as transformers takes them."""
         if not self.is_beam:
             return
-        logits = output["logits"] if isinstance(output, dict) else getattr(output, "logits", None)
-        if logits is None and isinstance(output, tuple):
-            logits = output[0]
+        logits = getattr(output, "logits", None)  # generate() always asks for a ModelOutput
         if logits is not None:
             self._forward_logits = _compat.beam_raw_logits(logits)
 
@@ -103,7 +99,6 @@ class Capture:
                 self.ring.put(step, "logits", self._forward_logits)
             self._forward_logits = None
             self._record_ancestry(step, input_ids)
-            self.ring.put(step, "finished", torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device))
             return
         self._step = input_ids.shape[-1] - self.prompt_length
         self.num_rows = input_ids.shape[0]
@@ -124,12 +119,7 @@ class Capture:
             return  # beam search passes candidate rows here, not running beams
         token = input_ids[:, -1]
         self.ring.put(self._step, "tokens", token)
-        done = _compat.stopping_result_per_row(is_done, input_ids.shape[0], input_ids.device)
-        if self.eos_ids is not None:
-            if self.eos_ids.device != token.device:
-                self.eos_ids = self.eos_ids.to(token.device)  # once: no host-to-device copy per step
-            done = done | torch.isin(token, self.eos_ids)
-        self._finished = self._finished | done
+        self._finished = self._finished | _compat.rows_done(is_done, token, self.eos_ids)
 
     def _record_ancestry(self, step: int, input_ids: torch.Tensor) -> None:
         rows = input_ids.shape[0]
@@ -157,9 +147,12 @@ class Capture:
         self._forward_logits = None
         self._finished = None
         steps = self._step + 1
-        recorded = {name: self.store.stream(name) for name in self.store.steps}
+        recorded = {name: dict(self.store.stream(name)) for name in self.store.steps}
         if self.is_beam and steps > 0:
+            # Running beams never finish (finished hypotheses leave them), and after the last step no
+            # running beam continues: both are known without looking at the device.
             rows = self.num_rows
+            recorded["finished"] = {t: torch.zeros(rows, dtype=torch.bool) for t in range(steps)}
             for name in ("beam_parents", "tokens"):
                 recorded.setdefault(name, {})[steps - 1] = torch.full((rows,), -1, dtype=torch.long)
         streams: dict[str, tuple[torch.Tensor, ...]] = {}

@@ -6,33 +6,29 @@ No other module of the package looks at a version number or probes transformers'
 from __future__ import annotations
 
 import copy
-import inspect
 from typing import Any
 
 import torch
 import transformers
 from transformers import GenerationMixin
-from transformers.generation import LogitsProcessorList, StoppingCriteriaList
+# Where the list classes live, re-exported so that no other module imports transformers' internals.
+from transformers.generation import LogitsProcessorList, StoppingCriteriaList  # noqa: F401
 
 TRANSFORMERS_VERSION = transformers.__version__
-TORCH_VERSION = torch.__version__
 
 # The private `GenerationMixin` methods the recorder wraps, per model instance, while it is attached.
 # `_get_logits_processor` and `_get_stopping_criteria` exist in every release from 4.36 on.
 # `_get_logits_warper` is a separate warper list in 4.36-4.44 (gone from 4.45, when the warpers joined
 # the processor list).
 HAS_SEPARATE_WARPER_LIST = hasattr(GenerationMixin, "_get_logits_warper")
+LIST_BUILDERS = ("_get_logits_processor", "_get_stopping_criteria") + (
+    ("_get_logits_warper",) if HAS_SEPARATE_WARPER_LIST else ()
+)
 
 # Generation modes this release of the recorder records exactly. Other modes are refused before the
-# decoding loop starts (see `check_generation_mode`).
+# decoding loop starts (see `_capture.check_mode`).
 SUPPORTED_MODES = ("greedy_search", "sample", "beam_search", "beam_sample")
 BEAM_MODES = ("beam_search", "beam_sample")
-
-
-def bind_arguments(function: Any, args: tuple, kwargs: dict) -> inspect.BoundArguments:
-    """Bind a call's arguments to `function`'s parameters by name, whatever the release's signature."""
-    bound = inspect.signature(function).bind(*args, **kwargs)
-    return bound
 
 
 def generation_mode(generation_config: Any, assistant_model: Any) -> str:
@@ -89,23 +85,27 @@ def uses_low_memory_beam_search(generation_config: Any) -> bool:
     return bool(getattr(generation_config, "low_memory", False))
 
 
-def stopping_result_per_row(is_done: Any, rows: int, device: torch.device) -> torch.Tensor:
-    """The stopping criteria's verdict as a `(rows,)` bool tensor on `device`.
+def rows_done(is_done: Any, token: torch.Tensor, eos_ids: torch.Tensor | None) -> torch.Tensor:
+    """Which rows the end of this step finishes, as a `(rows,)` bool tensor on `token`'s device.
 
-    From 4.39 a `StoppingCriteriaList` returns a bool tensor `[rows]`; up to 4.38 a single Python
-    bool for the whole batch (and end-of-sequence is handled outside the list).
+    From 4.39 the `StoppingCriteriaList` returns a bool tensor `[rows]` that already includes
+    end-of-sequence (`EosTokenCriteria`), so nothing is added per step. Up to 4.38 it returns one
+    Python bool for the whole batch and EOS is handled outside the list: it is checked here against
+    the chosen `token`s.
     """
     if isinstance(is_done, torch.Tensor):
         return is_done.to(dtype=torch.bool)
-    return torch.full((rows,), bool(is_done), dtype=torch.bool, device=device)
+    done = torch.full(token.shape, bool(is_done), dtype=torch.bool, device=token.device)
+    if eos_ids is not None:
+        done |= torch.isin(token, eos_ids.to(token.device))
+    return done
 
 
-def new_processor_list_type() -> type:
-    return LogitsProcessorList
-
-
-def new_criteria_list_type() -> type:
-    return StoppingCriteriaList
+def asks_outputs_on_device(generation_config: Any) -> bool:
+    """Whether `generate()` will also keep per-step scores or logits on the device (`output_logits`
+    exists from 4.38)."""
+    wants = generation_config.output_scores or getattr(generation_config, "output_logits", False)
+    return bool(generation_config.return_dict_in_generate) and bool(wants)
 
 
 def beam_raw_logits(model_logits: torch.Tensor) -> torch.Tensor:

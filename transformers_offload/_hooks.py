@@ -12,9 +12,11 @@ threads with their own recorders never see each other's steps.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import threading
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -32,7 +34,29 @@ def _active_capture(model: torch.nn.Module) -> Capture | None:
     return None if captures is None else captures.get(id(model))
 
 
-class _TappedProcessorList(_compat.new_processor_list_type()):  # type: ignore[misc]
+@contextlib.contextmanager
+def _active(model: torch.nn.Module, capture: Capture | None) -> Iterator[None]:
+    """Make `capture` the one this thread's calls on `model` report to (None: no capture), then
+    restore whatever was active before (an outer call's capture, or none)."""
+    captures = _ACTIVE.__dict__.setdefault("captures", {})
+    key = id(model)
+    outer = captures.pop(key, None)
+    if capture is not None:
+        captures[key] = capture
+    try:
+        yield
+    finally:
+        captures.pop(key, None)
+        if outer is not None:
+            captures[key] = outer
+
+
+def _bind(function: Callable[..., Any], args: tuple, kwargs: dict) -> dict[str, Any]:
+    """A call's arguments by parameter name, however they were passed."""
+    return inspect.signature(function).bind(*args, **kwargs).arguments
+
+
+class _TappedProcessorList(_compat.LogitsProcessorList):
     """The processor list `generate()` built, with a tap before the first and after the last entry."""
 
     def __init__(self, processors: Any, capture: Capture, *, raw: bool, processed: bool) -> None:
@@ -50,7 +74,7 @@ class _TappedProcessorList(_compat.new_processor_list_type()):  # type: ignore[m
         return scores
 
 
-class _TappedCriteriaList(_compat.new_criteria_list_type()):  # type: ignore[misc]
+class _TappedCriteriaList(_compat.StoppingCriteriaList):
     """The stopping criteria `generate()` built, reporting each step's verdict to the capture."""
 
     def __init__(self, criteria: Any, capture: Capture) -> None:
@@ -85,9 +109,7 @@ class ModelHooks:
     # -- attach / detach ---------------------------------------------------------------------------
     def install(self) -> None:
         model = self._model_ref()
-        names = ["generate", "_get_logits_processor", "_get_stopping_criteria"]
-        if _compat.HAS_SEPARATE_WARPER_LIST:
-            names.append("_get_logits_warper")
+        names = ("generate", *_compat.LIST_BUILDERS)
         makers = {
             "generate": self._wrap_generate,
             "_get_logits_processor": self._wrap_processor_list,
@@ -124,43 +146,29 @@ class ModelHooks:
         class_generate = type(self._model_ref()).generate
 
         def generate(*args: Any, **kwargs: Any) -> Any:
+            model = self._model_ref()
             try:
-                arguments = _compat.bind_arguments(class_generate, (self._model_ref(), *args), kwargs).arguments
+                arguments = _bind(class_generate, (model, *args), kwargs)
             except TypeError:
                 return original(*args, **kwargs)  # let transformers report the bad call
-            arguments = {**arguments.get("kwargs", {}), **arguments}
-            recorder = self._recorder_of_call(arguments)
-            model = self._model_ref()
-            captures = _ACTIVE.__dict__.setdefault("captures", {})
-            if recorder is None:
-                if captures.get(id(model)) is None:
-                    return original(*args, **kwargs)
-                # A call without the recorder, made inside a recorded call (e.g. from a processor):
-                # hide the outer capture from it, so that nothing of it is recorded.
-                outer = captures.pop(id(model))
-                try:
-                    return original(*args, **kwargs)
-                finally:
-                    captures[id(model)] = outer
             extra = arguments.get("kwargs", {})
+            recorder = self._recorder_of_call({**extra, **arguments})
+            if recorder is None:
+                # Not recorded, even when made inside a recorded call (e.g. from a processor).
+                with _active(model, None):
+                    return original(*args, **kwargs)
             config = _compat.provisional_generation_config(model, arguments.get("generation_config"), extra)
             check_mode(config, arguments.get("assistant_model"))
             capture = recorder._begin_generation(
                 assistant_model=arguments.get("assistant_model"),
                 custom_generate=arguments.get("custom_generate"),
             )
-            outer = captures.get(id(model))
-            captures[id(model)] = capture
             try:
-                output = original(*args, **kwargs)
+                with _active(model, capture):
+                    output = original(*args, **kwargs)
             except BaseException as error:
                 recorder._end_generation(capture, None, error)
                 raise
-            finally:
-                if outer is None:
-                    captures.pop(id(model), None)
-                else:
-                    captures[id(model)] = outer
             recorder._end_generation(capture, output, None)
             return output
 
@@ -175,7 +183,7 @@ class ModelHooks:
             if capture is None or capture.started:
                 # No recorded call, or a nested generate() that bypassed the wrapper: leave it alone.
                 return processors
-            arguments = _compat.bind_arguments(original, args, kwargs).arguments
+            arguments = _bind(original, args, kwargs)
             capture.start(arguments["generation_config"], arguments.get("input_ids_seq_length") or 0)
             on_warpers = _compat.final_tap_on_warper_list(capture.mode)
             kept = [p for p in processors if not _is_recorder(p)]
