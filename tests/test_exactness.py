@@ -10,13 +10,17 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from transformers_offload import DeviceAccumulationWarning, Recorder
+from transformers_offload import DeviceAccumulationWarning, Recorder, open_recording
 
 from .conftest import EOS, PAD, left_padded_batch
 from .helpers import assert_steps_equal, finished_from_sequences
 
 NEW_TOKENS = 12
 SEED = 1234
+# Where the recording is read from: the in-memory recorder, a spilling recorder (shards of about five
+# steps, so that shard boundaries fall inside every case), and `open_recording` on that directory.
+READERS = ("memory", "spill", "open_recording")
+SMALL_SHARD_BYTES = 16_000
 
 CASES = {
     "greedy": {},
@@ -80,7 +84,7 @@ def _resolve_eos(model, batch, kwargs):
     return {**kwargs, "eos_token_id": chosen, "pad_token_id": PAD}, [chosen]
 
 
-def _run_pair(model, case, user_processors, placement):
+def _run_pair(model, case, user_processors, placement, spill_dir=None):
     batch = left_padded_batch()
     kwargs, eos_ids = _resolve_eos(model, batch, CASES[case])
     torch.manual_seed(SEED)
@@ -88,7 +92,8 @@ def _run_pair(model, case, user_processors, placement):
         **batch, logits_processor=LogitsProcessorList(user_processors), max_new_tokens=NEW_TOKENS,
         return_dict_in_generate=True, output_scores=True, output_logits=True, **kwargs,
     )
-    with Recorder(model) as rec:
+    options = {} if spill_dir is None else {"spill_dir": spill_dir, "shard_bytes": SMALL_SHARD_BYTES}
+    with Recorder(model, **options) as rec:
         processors = list(user_processors)
         processors.insert(min(placement, len(processors)), rec)
         torch.manual_seed(SEED)
@@ -96,10 +101,14 @@ def _run_pair(model, case, user_processors, placement):
     return batch, kwargs, eos_ids, reference, sequences, rec
 
 
+@pytest.mark.parametrize("reader", READERS)
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_recording_equals_hugging_face(tiny_model, case):
-    batch, kwargs, eos_ids, reference, sequences, rec = _run_pair(tiny_model, case, [], 0)
+def test_recording_equals_hugging_face(tiny_model, case, reader, tmp_path):
+    spill_dir = None if reader == "memory" else tmp_path / "run"
+    batch, kwargs, eos_ids, reference, sequences, rec = _run_pair(tiny_model, case, [], 0, spill_dir)
     prompt = batch["input_ids"].shape[1]
+    if reader == "open_recording":
+        rec = open_recording(spill_dir)
 
     assert torch.equal(sequences, reference.sequences), "the recorder changed the generated tokens"
     assert_steps_equal(rec.logits(), reference.logits, "logits")
@@ -132,9 +141,10 @@ def test_rows_really_finish_early(gpt2, case):
 
 @pytest.mark.parametrize("placement", [0, 1, 2])
 @pytest.mark.parametrize("case", ["greedy_penalties", "sample_everything", "beam_penalties_renormalize"])
-def test_any_place_in_the_list_and_other_processors(gpt2, case, placement):
+def test_any_place_in_the_list_and_other_processors(gpt2, case, placement, tmp_path):
     user = [ShiftTokenOutOfPlace(5, 2.0), ShiftTokenOutOfPlace(9, -1.5)]
-    _, _, _, reference, sequences, rec = _run_pair(gpt2, case, user, placement)
+    spill_dir = tmp_path / "run" if placement == 1 else None  # one placement also goes through shards
+    _, _, _, reference, sequences, rec = _run_pair(gpt2, case, user, placement, spill_dir)
     assert torch.equal(sequences, reference.sequences)
     assert_steps_equal(rec.logits(), reference.logits, "logits")
     assert_steps_equal(rec.scores(), reference.scores, "scores")

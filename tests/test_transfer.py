@@ -5,8 +5,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from transformers_offload._memory_store import MemoryStore
 from transformers_offload._transfer import HostRing
+
+
+class MemoryStore:
+    """Collects what the ring drains, per stream and step (the last write of a step wins)."""
+
+    def __init__(self) -> None:
+        self.steps: dict[str, dict[int, torch.Tensor]] = {}
+        self.order: list[int] = []
+
+    def drain(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
+        self.order.append(step)
+        for name, tensor in tensors.items():
+            self.steps.setdefault(name, {})[step] = tensor.clone()
+
+    def stream(self, name: str) -> dict[int, torch.Tensor]:
+        return self.steps.get(name, {})
 
 
 @pytest.mark.parametrize("slots", [1, 2, 4])
@@ -52,3 +67,15 @@ def test_shapes_may_change_between_steps():
         ring.put(step, "x", torch.arange(step + 1, dtype=torch.float32))
     ring.flush()
     assert [t.numel() for _, t in sorted(store.stream("x").items())] == [1, 2, 3, 4]
+
+
+def test_a_late_entry_joins_its_step_while_the_slot_is_held():
+    # Beam search learns step t's token at step t + 1: it must land in step t's slot, not a new one.
+    store = MemoryStore()
+    ring = HostRing(2, store.drain)
+    ring.put(0, "logits", torch.zeros(2))
+    ring.put(1, "logits", torch.ones(2))
+    ring.put(0, "tokens", torch.tensor([5, 6]))
+    ring.flush()
+    assert store.order == [0, 1]
+    assert torch.equal(store.stream("tokens")[0], torch.tensor([5, 6]))

@@ -9,14 +9,17 @@ receives `log_softmax(logits)`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from . import _compat
-from ._memory_store import MemoryStore
 from ._transfer import HostRing
 from .recording import Generation
+
+# Opens the store of one call: given the stream names and the call's header, returns an object with
+# `drain(step, tensors)`, `has(name, step)`, `finish(...) -> Generation` and `failure`.
+OpenStore = Callable[[list[str], dict[str, Any]], Any]
 
 
 class UnsupportedModeError(ValueError):
@@ -43,11 +46,15 @@ def check_mode(generation_config: Any, assistant_model: Any) -> str:
 class Capture:
     """Records one `generate()` call into a ring and a store; becomes a `Generation` when it ends."""
 
-    def __init__(self, *, streams: tuple[str, ...], ring_slots: int, assistant_model: Any) -> None:
+    def __init__(self, *, streams: tuple[str, ...], ring_slots: int, assistant_model: Any,
+                 open_store: OpenStore, index: int, attention_mask: Any = None) -> None:
         self.streams = streams
-        self.store = MemoryStore()
-        self.ring = HostRing(ring_slots, self.store.drain)
+        self.ring_slots = ring_slots
+        self.open_store = open_store
+        self.store: Any = None
+        self.ring: HostRing | None = None
         self.assistant_model = assistant_model
+        self.attention_mask = attention_mask
         self.started = False
         self.mode = ""
         self.prompt_length = 0
@@ -55,8 +62,10 @@ class Capture:
         self.num_rows = 0
         self.eos_ids: torch.Tensor | None = None
         self.accumulates_on_device = False
+        self.header: dict[str, Any] = {"index": index}
         self._step = -1
         self._finished: torch.Tensor | None = None
+        self._no_beam_finished: torch.Tensor | None = None
         self._forward_logits: torch.Tensor | None = None
         self._previous_ids: torch.Tensor | None = None
 
@@ -67,10 +76,39 @@ class Capture:
         self.prompt_length = int(prompt_length)
         self.num_beams = int(generation_config.num_beams or 1) if mode in _compat.BEAM_MODES else 1
         eos = generation_config.eos_token_id
-        if eos is not None:
-            self.eos_ids = torch.as_tensor(eos if isinstance(eos, (list, tuple)) else [eos]).flatten()
+        eos_list = [] if eos is None else [int(e) for e in torch.as_tensor(eos).flatten().tolist()]
+        if eos_list:
+            self.eos_ids = torch.tensor(eos_list)
         self.accumulates_on_device = _compat.asks_outputs_on_device(generation_config)
+        mask = self.attention_mask
+        self.attention_mask = None
+        self.header.update(
+            mode=mode,
+            prompt_length=self.prompt_length,
+            prompt_lengths=None if mask is None else tuple(int(n) for n in mask.sum(-1).tolist()),
+            num_beams=self.num_beams,
+            pad_token_id=_jsonable(generation_config.pad_token_id),
+            eos_token_id=tuple(eos_list),
+            generation_config={
+                key: _jsonable(value)
+                for key, value in generation_config.to_diff_dict().items()
+                if not key.startswith("_")
+            },
+        )
+        self.store = self.open_store(self.names, self.header)
+        self.ring = HostRing(self.ring_slots, self.store.drain)
         self.started = True
+
+    @property
+    def names(self) -> list[str]:
+        """Every stream this call records, in the order they are stored."""
+        names = [*(s for s in ("logits", "scores") if s in self.streams), "tokens", "finished"]
+        return names + ["beam_parents"] if self.is_beam else names
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The store's own failure (a shard that could not be written), raised after the call ends."""
+        return None if self.store is None else self.store.failure
 
     @property
     def is_beam(self) -> bool:
@@ -98,6 +136,10 @@ class Capture:
                     )
                 self.ring.put(step, "logits", self._forward_logits)
             self._forward_logits = None
+            if self._no_beam_finished is None:
+                self._no_beam_finished = torch.zeros(input_ids.shape[0], dtype=torch.bool)
+            # Running beams never finish (finished hypotheses leave them): known on the host.
+            self.ring.put(step, "finished", self._no_beam_finished)
             self._record_ancestry(step, input_ids)
             return
         self._step = input_ids.shape[-1] - self.prompt_length
@@ -142,47 +184,45 @@ class Capture:
 
     # -- the end ---------------------------------------------------------------------------------------
     def finish(self, output: Any, error: BaseException | None) -> Generation:
+        steps = self._step + 1
+        if self.is_beam and steps > 0:
+            # After the last step no running beam continues.
+            last = torch.full((self.num_rows,), -1, dtype=torch.long)
+            self.ring.put(steps - 1, "beam_parents", last)
+            self.ring.put(steps - 1, "tokens", last)
         self.ring.flush()
         self._previous_ids = None
         self._forward_logits = None
         self._finished = None
-        steps = self._step + 1
-        recorded = {name: dict(self.store.stream(name)) for name in self.store.steps}
-        if self.is_beam and steps > 0:
-            # Running beams never finish (finished hypotheses leave them), and after the last step no
-            # running beam continues: both are known without looking at the device.
-            rows = self.num_rows
-            recorded["finished"] = {t: torch.zeros(rows, dtype=torch.bool) for t in range(steps)}
-            for name in ("beam_parents", "tokens"):
-                recorded.setdefault(name, {})[steps - 1] = torch.full((rows,), -1, dtype=torch.long)
-        streams: dict[str, tuple[torch.Tensor, ...]] = {}
-        order = [*(s for s in ("logits", "scores") if s in self.streams), "tokens", "finished"]
-        if self.is_beam:
-            order.append("beam_parents")
-        complete_steps = _complete_steps(recorded, order, steps)
+        num_steps = _complete_steps(self.store, self.names, steps)
         sequences = _compat.output_sequences(output)
         if sequences is not None and not self.is_beam:
             # A step whose token generate() dropped (the deferred stop check runs one step too many on
             # some devices and undoes it) is dropped here too.
-            complete_steps = min(complete_steps, sequences.shape[-1] - self.prompt_length)
-        for name in order:
-            by_step = recorded.get(name, {})
-            streams[name] = tuple(by_step[t] for t in range(complete_steps))
-        return Generation(
-            mode=self.mode,
-            prompt_length=self.prompt_length,
-            num_rows=self.num_rows,
-            num_beams=self.num_beams,
-            complete=error is None,
-            error=None if error is None else repr(error),
-            sequences=None if sequences is None else sequences.detach().to("cpu", copy=True),
-            _streams=streams,
+            num_steps = min(num_steps, sequences.shape[-1] - self.prompt_length)
+        if sequences is not None:
+            sequences = sequences.detach().to("cpu", copy=True)
+        return self.store.finish(
+            num_steps, {**self.header, "num_rows": self.num_rows}, sequences, error, ring_waits=self.ring.waits
         )
 
 
-def _complete_steps(recorded: dict[str, dict[int, torch.Tensor]], names: list[str], steps: int) -> int:
+def _complete_steps(store: Any, names: list[str], steps: int) -> int:
     """Number of leading steps for which every stream has a record (an interrupted step is dropped)."""
     for t in range(steps):
-        if any(t not in recorded.get(name, {}) for name in names):
+        if not all(store.has(name, t) for name in names):
             return t
     return steps
+
+
+def _jsonable(value: Any) -> Any:
+    """`value` as plain JSON types (generate() keeps some config fields as tensors)."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {str(key): _jsonable(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(item) for item in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return repr(value)

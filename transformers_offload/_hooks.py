@@ -162,6 +162,7 @@ class ModelHooks:
             capture = recorder._begin_generation(
                 assistant_model=arguments.get("assistant_model"),
                 custom_generate=arguments.get("custom_generate"),
+                attention_mask=_tensor_or_none(extra.get("attention_mask")),
             )
             try:
                 with _active(model, capture):
@@ -250,6 +251,10 @@ class ModelHooks:
                 "created with. Create one for this model: `Recorder(model)`."
             )
         return recorder
+
+
+def _tensor_or_none(value: Any) -> torch.Tensor | None:
+    return value if isinstance(value, torch.Tensor) else None
 
 
 def _is_recorder(obj: Any) -> bool:

@@ -2,20 +2,45 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+from .recording import Generation, MemorySource, TransferStats
 
 
 class MemoryStore:
     """Per-stream, per-step CPU tensors of one generation, in step order."""
 
-    def __init__(self) -> None:
-        self.steps: dict[str, dict[int, torch.Tensor]] = {}
+    failure = None  # nothing to fail: the store never writes
+
+    def __init__(self, names: list[str]) -> None:
+        self._names = names
+        self._steps: dict[str, dict[int, torch.Tensor]] = {}
 
     def drain(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
         """Keep a copy of `tensors` (host slot buffers that the ring reuses) for `step`."""
         for name, tensor in tensors.items():
             # The last write of a step wins: a step recorded twice keeps its final value.
-            self.steps.setdefault(name, {})[step] = tensor.clone()
+            self._steps.setdefault(name, {})[step] = tensor.clone()
 
-    def stream(self, name: str) -> dict[int, torch.Tensor]:
-        return self.steps.get(name, {})
+    def has(self, name: str, step: int) -> bool:
+        """Whether `step` of stream `name` reached the store."""
+        return step in self._steps.get(name, {})
+
+    def finish(self, num_steps: int, header: dict[str, Any], sequences: torch.Tensor | None,
+               error: BaseException | None, *, ring_waits: int) -> Generation:
+        """The first `num_steps` steps as a `Generation` (later steps are dropped)."""
+        streams = {
+            name: tuple(self._steps.get(name, {})[t] for t in range(num_steps)) for name in self._names
+        }
+        self._steps.clear()
+        return Generation(
+            **header,
+            num_steps=num_steps,
+            complete=error is None,
+            error=None if error is None else repr(error),
+            sequences=sequences,
+            stats=TransferStats(waits=ring_waits, bytes_written=0, write_seconds=0.0),
+            _source=MemorySource(streams),
+        )

@@ -43,7 +43,7 @@ class HostRing:
         self._slots = [_Slot() for _ in range(slots)]
         self._drain = drain
         self._current = -1
-        self.waits = 0  # host waits on a device copy, counted for diagnostics
+        self.waits = 0  # times the host had to wait for a device copy still in flight
 
     def put(self, step: int, stream: str, tensor: torch.Tensor) -> None:
         """Copy `tensor` (any device) into the host slot of `step`, under the name `stream`."""
@@ -69,8 +69,9 @@ class HostRing:
             self._release(self._slots[(self._current + offset) % count])
 
     def _slot_for(self, step: int) -> _Slot:
-        if self._current >= 0 and self._slots[self._current].step == step:
-            return self._slots[self._current]
+        for slot in self._slots:  # a step still held takes late entries (beam search's tokens)
+            if slot.step == step:
+                return slot
         self._current = (self._current + 1) % len(self._slots)
         slot = self._slots[self._current]
         self._release(slot)
@@ -81,7 +82,8 @@ class HostRing:
         if slot.step is None:
             return
         if slot.event is not None:
-            self.waits += 1
+            if not slot.event.query():
+                self.waits += 1  # the copy is still in flight: the host waits for it
             slot.event.synchronize()
         self._drain(slot.step, {name: slot.buffers[name] for name in slot.written})
         slot.step = None

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import os
+import platform
 import threading
 import warnings
+from pathlib import Path
 from typing import Any
 
+import safetensors
 import torch
+import transformers
 from transformers import GenerationMixin
 from transformers.generation import LogitsProcessor, StoppingCriteria
 
 from . import _hooks
 from ._capture import Capture
-from .recording import Generation
+from ._memory_store import MemoryStore
+from ._shard_store import DEFAULT_SHARD_BYTES, Spill
+from .recording import Generation, Readable, pick
 
 STREAMS = ("logits", "scores")
 
@@ -21,7 +28,7 @@ class DeviceAccumulationWarning(UserWarning):
     """`generate()` was also asked to return scores or logits, which it keeps on the device."""
 
 
-class Recorder(LogitsProcessor, StoppingCriteria):
+class Recorder(Readable, LogitsProcessor, StoppingCriteria):
     """Records every step of `model.generate()` and moves it off the device within the step.
 
     Hand it to a stock call, anywhere in the list: `model.generate(**enc, logits_processor=[rec])`.
@@ -30,7 +37,9 @@ class Recorder(LogitsProcessor, StoppingCriteria):
     the token chosen per row and which rows had already finished; in beam search also each running
     beam's parent. Generation itself keeps `output_scores` and `output_logits` off, so nothing of past
     steps stays on the device: each step's tensors are copied into a ring of `ring_slots` host slots
-    (pinned memory and non-blocking copies on CUDA), then kept in host memory.
+    (pinned memory and non-blocking copies on CUDA), then kept in host memory, or, with `spill_dir`,
+    written to safetensors shards there by a background thread (read them back with
+    `transformers_offload.open_recording(spill_dir)`; the recorder's own accessors read the same files).
 
     Each `generate()` call that carries the recorder is one `Generation`, appended to `generations`;
     `logits()`, `scores()`... read the latest one unless `generation=` picks another. Calls of the same
@@ -50,11 +59,20 @@ class Recorder(LogitsProcessor, StoppingCriteria):
         ring_slots (`int`, *optional*, defaults to 4): host slots in the transfer ring, i.e. steps in
             flight between the device and the store; on CUDA each slot holds
             `rows x vocab_size x 4` bytes per stream of pinned memory.
+        spill_dir (`str | os.PathLike`, *optional*): a new or empty directory to write the recording to
+            (a manifest and safetensors shards; one generation per `generate()` call). Without it the
+            recording stays in host memory.
+        shard_bytes (`int`, *optional*, defaults to 64 MiB): with `spill_dir`, the target size of one
+            shard in bytes; a shard holds at least one step. Host memory for shards is bounded by three
+            shard buffers: `generate()` waits only when all three are taken (counted in
+            `Generation.stats.waits`).
 
     Raises:
         TypeError: `model` has no `generate()` from transformers' `GenerationMixin`, or an option has
             the wrong type.
         ValueError: an option has a wrong value.
+        FileExistsError: `spill_dir` exists and is not an empty directory.
+        OSError: `spill_dir` cannot be created or written.
 
     Example:
         >>> from transformers_offload import Recorder
@@ -64,7 +82,15 @@ class Recorder(LogitsProcessor, StoppingCriteria):
         torch.Size([1, 49152])
     """
 
-    def __init__(self, model: Any, *, streams: tuple[str, ...] = STREAMS, ring_slots: int = 4) -> None:
+    def __init__(
+        self,
+        model: Any,
+        *,
+        streams: tuple[str, ...] = STREAMS,
+        ring_slots: int = 4,
+        spill_dir: str | os.PathLike | None = None,
+        shard_bytes: int | None = None,
+    ) -> None:
         if not isinstance(model, GenerationMixin) or not callable(getattr(model, "generate", None)):
             raise TypeError(
                 f"`model` must be a transformers model with `generate()` (a `GenerationMixin`, such as "
@@ -79,6 +105,23 @@ class Recorder(LogitsProcessor, StoppingCriteria):
             raise TypeError(f"`ring_slots` must be an int (host slots), got {ring_slots!r}.")
         if ring_slots < 1:
             raise ValueError(f"`ring_slots` must be at least 1, got {ring_slots}.")
+        if spill_dir is not None and not isinstance(spill_dir, (str, os.PathLike)):
+            raise TypeError(f"`spill_dir` must be a path (str or os.PathLike), got {spill_dir!r}.")
+        if shard_bytes is not None:
+            if spill_dir is None:
+                raise ValueError("`shard_bytes` sizes the shards written to `spill_dir`; pass `spill_dir` too.")
+            if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int):
+                raise TypeError(f"`shard_bytes` must be an int (bytes), got {shard_bytes!r}.")
+            if shard_bytes < 1:
+                raise ValueError(f"`shard_bytes` must be at least 1 (byte), got {shard_bytes}.")
+        self._spill: Spill | None = None
+        if spill_dir is not None:
+            self._spill = Spill(
+                Path(spill_dir),
+                shard_bytes=shard_bytes or DEFAULT_SHARD_BYTES,
+                model_info=_model_info(model),
+                created_by=_created_by(),
+            )
         self._model = model
         name_or_path = getattr(model, "name_or_path", "")
         self._model_name = type(model).__name__ + (f" {name_or_path!r}" if name_or_path else "")
@@ -123,49 +166,34 @@ class Recorder(LogitsProcessor, StoppingCriteria):
         Raises:
             LookupError: nothing was recorded yet, or `index` is out of range.
         """
-        if not self._generations:
-            raise LookupError(
-                "this Recorder has recorded no generation yet: pass it to "
-                "`model.generate(..., logits_processor=[rec])` first."
-            )
-        try:
-            return self._generations[index]
-        except IndexError:
-            raise LookupError(
-                f"`generation` index {index} is out of range: {len(self._generations)} recorded."
-            ) from None
+        return pick(
+            self._generations,
+            index,
+            "this Recorder has recorded no generation yet: pass it to "
+            "`model.generate(..., logits_processor=[rec])` first.",
+        )
 
-    def logits(self, generation: int = -1, *, framework: str = "pt") -> tuple[Any, ...]:
-        """Raw logits per step of one generation; see `Generation.logits` (mirrors `out.logits`)."""
-        return self.generation(generation).logits(framework=framework)
-
-    def scores(self, generation: int = -1, *, framework: str = "pt") -> tuple[Any, ...]:
-        """Processed scores per step of one generation; see `Generation.scores` (mirrors `out.scores`)."""
-        return self.generation(generation).scores(framework=framework)
-
-    def tokens(self, generation: int = -1, *, framework: str = "pt") -> tuple[Any, ...]:
-        """Chosen token per row and step; see `Generation.tokens`."""
-        return self.generation(generation).tokens(framework=framework)
-
-    def finished(self, generation: int = -1, *, framework: str = "pt") -> tuple[Any, ...]:
-        """Rows already finished before each step; see `Generation.finished`."""
-        return self.generation(generation).finished(framework=framework)
-
-    def beam_indices(self, generation: int = -1, *, framework: str = "pt") -> Any:
-        """Rows behind each returned beam-search sequence; see `Generation.beam_indices`."""
-        return self.generation(generation).beam_indices(framework=framework)
-
-    def beam_parents(self, generation: int = -1, *, framework: str = "pt") -> tuple[Any, ...]:
-        """Parent row of each running beam, per step; see `Generation.beam_parents`."""
-        return self.generation(generation).beam_parents(framework=framework)
+    @property
+    def spill_dir(self) -> Path | None:
+        """The recording directory (`spill_dir`), or None for an in-memory recorder."""
+        return None if self._spill is None else self._spill.root
 
     def clear(self) -> None:
-        """Forget every recorded generation (frees their host memory)."""
+        """Forget every recorded generation (frees their host memory).
+
+        Raises:
+            ValueError: the recorder writes to `spill_dir`, whose recording stays on disk.
+        """
+        if self._spill is not None:
+            raise ValueError(
+                f"this Recorder writes to `spill_dir` {str(self._spill.root)!r}; its generations stay on "
+                "disk. Delete that directory to remove them."
+            )
         with self._lock:
             self._generations.clear()
 
     # -- called by the hooks ---------------------------------------------------------------------------
-    def _begin_generation(self, *, assistant_model: Any, custom_generate: Any) -> Capture:
+    def _begin_generation(self, *, assistant_model: Any, custom_generate: Any, attention_mask: Any) -> Capture:
         if custom_generate is not None:
             raise ValueError(
                 "`custom_generate` replaces transformers' decoding loop, which the Recorder cannot see "
@@ -179,7 +207,12 @@ class Recorder(LogitsProcessor, StoppingCriteria):
                     "concurrent call its own Recorder."
                 )
             self._active = Capture(
-                streams=self._streams, ring_slots=self._ring_slots, assistant_model=assistant_model
+                streams=self._streams,
+                ring_slots=self._ring_slots,
+                assistant_model=assistant_model,
+                open_store=self._open_store,
+                index=len(self._generations),
+                attention_mask=attention_mask,
             )
             return self._active
 
@@ -200,6 +233,8 @@ class Recorder(LogitsProcessor, StoppingCriteria):
                 generation = capture.finish(output, error)
                 with self._lock:
                     self._generations.append(generation)
+                if error is None and capture.failure is not None:
+                    raise capture.failure
             elif error is None:
                 raise RuntimeError(
                     f"{type(self._model).__name__}.generate() returned without building transformers' "
@@ -209,6 +244,11 @@ class Recorder(LogitsProcessor, StoppingCriteria):
         finally:
             with self._lock:
                 self._active = None
+
+    def _open_store(self, names: list[str], header: dict[str, Any]) -> Any:
+        if self._spill is None:
+            return MemoryStore(names)
+        return self._spill.open_store(names, header)
 
     # -- as a processor, it is never called while the hooks are in place ------------------------------
     def __call__(self, input_ids: torch.LongTensor, scores: Any) -> Any:  # type: ignore[override]
@@ -233,3 +273,26 @@ class Recorder(LogitsProcessor, StoppingCriteria):
             f"Recorder({self._model_name}, streams={self._streams}, ring_slots={self._ring_slots}, "
             f"{len(self._generations)} generation(s), {state})"
         )
+
+
+def _model_info(model: Any) -> dict[str, Any]:
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return {
+        "class": type(model).__name__,
+        "name_or_path": str(getattr(model, "name_or_path", "") or ""),
+        "config_class": type(config).__name__,
+        "vocab_size": getattr(text_config, "vocab_size", None),
+    }
+
+
+def _created_by() -> dict[str, str]:
+    from . import __version__
+
+    return {
+        "transformers_offload": __version__,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "safetensors": safetensors.__version__,
+        "python": platform.python_version(),
+    }

@@ -1,93 +1,160 @@
-"""What one `generate()` call recorded: per-step tensors in Hugging Face's layout."""
+"""What one `generate()` call recorded: per-step tensors in Hugging Face's layout.
+
+A `Generation` reads its per-step tensors from a source: host memory (the in-memory store) or the
+shards of a recording directory (`reader`). `Readable` gives the recorder and the reader the same
+accessors.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, Sequence, Union
 
-import numpy as np
 import torch
 
 FRAMEWORKS = ("pt", "np")
+Rows = Union[int, slice, Sequence[int], torch.Tensor, None]
+Steps = Union[slice, range, None]
+
+
+class StepSource(Protocol):
+    """Where a generation's per-step tensors are read from."""
+
+    streams: tuple[str, ...]
+
+    def read(self, name: str, steps: range, rows: Any) -> tuple[torch.Tensor, ...]:
+        """Steps `steps` of stream `name`, each indexed by `rows` (None: every row)."""
+        ...
+
+
+class MemorySource:
+    """Per-step CPU tensors held in memory."""
+
+    def __init__(self, streams: dict[str, tuple[torch.Tensor, ...]]) -> None:
+        self._streams = streams
+        self.streams = tuple(streams)
+
+    def read(self, name: str, steps: range, rows: Any) -> tuple[torch.Tensor, ...]:
+        stored = self._streams[name]
+        if rows is None:
+            return tuple(stored[t] for t in steps)
+        return tuple(stored[t][rows] for t in steps)
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """How one recorded call moved its data, measured in this process.
+
+    Attributes:
+        waits (`int`): times `generate()` waited for the transfer: a ring slot whose device copy was
+            still in flight, or (with `spill_dir`) every shard buffer taken while the writer was behind.
+        bytes_written (`int`): bytes of shard files written (0 without `spill_dir`).
+        write_seconds (`float`): seconds the writer thread spent writing, fsyncing and renaming shards
+            and rewriting the manifest.
+    """
+
+    waits: int
+    bytes_written: int
+    write_seconds: float
 
 
 @dataclass(frozen=True, eq=False)
 class Generation:
     """The recording of one `generate()` call.
 
-    Every per-step accessor returns a tuple with one entry per generated step (step 0 comes from the
+    Every per-step accessor returns a tuple with one entry per selected step (step 0 comes from the
     prefill forward). A row is one running sequence: `batch x num_return_sequences`, or
-    `batch x num_beams` in beam search. Tensors are CPU tensors owned by the recording: copy them
-    before modifying them in place.
+    `batch x num_beams` in beam search. Tensors are CPU tensors owned by the recording (read from a
+    recording directory, they map the shard files lazily, copy-on-write): copy them before keeping
+    them past `close()`.
+
+    Every per-step accessor takes `steps=` (a `slice` or `range` of steps, default all) and `rows=`
+    (an int, a slice, or a sequence of row indices, default all); from a recording directory only the
+    selected bytes are read.
 
     Attributes:
+        index (`int`): position of this call among the recording's generations.
         mode (`str`): the decoding mode, as transformers' `GenerationMode` value (`"greedy_search"`,
             `"sample"`, `"beam_search"`, `"beam_sample"`).
         prompt_length (`int`): length of the (left-padded) prompt `input_ids` given to the decoding loop,
             in tokens; for encoder-decoder models, of the decoder's start ids.
+        prompt_lengths (`tuple[int, ...] | None`): tokens of each input prompt that are not padding
+            (the call's `attention_mask` sums); None when the call passed no `attention_mask`.
         num_rows (`int`): rows per step.
         num_beams (`int`): beams per prompt (1 outside beam search).
-        complete (`bool`): False when `generate()` raised (or was interrupted) mid-run; the steps
-            recorded before that are kept.
-        error (`str | None`): the exception that ended an incomplete generation, as `repr`.
+        num_steps (`int`): number of recorded steps.
+        complete (`bool`): False when `generate()` raised (or was interrupted, or the process stopped)
+            mid-run; the steps recorded before that are kept.
+        error (`str | None`): why an incomplete generation ended, as the exception's `repr`.
         sequences (`torch.LongTensor | None`): what `generate()` returned as sequences (`out.sequences`
             or the plain tensor), on CPU; None for an incomplete generation.
+        pad_token_id (`int | None`), eos_token_id (`tuple[int, ...]`): from the call's generation config.
+        generation_config (`dict`): the call's generation config, as `GenerationConfig.to_diff_dict()`.
+        stats (`TransferStats | None`): transfer counters of the recording process; None when read back
+            from a directory.
     """
 
+    index: int
     mode: str
     prompt_length: int
+    prompt_lengths: tuple[int, ...] | None
     num_rows: int
     num_beams: int
+    num_steps: int
     complete: bool
     error: str | None
-    sequences: torch.Tensor | None
-    _streams: dict[str, tuple[torch.Tensor, ...]] = field(repr=False)
-
-    @property
-    def num_steps(self) -> int:
-        """Number of recorded steps."""
-        return len(self._streams.get("tokens", ()))
+    sequences: torch.Tensor | None = field(repr=False)
+    pad_token_id: int | None
+    eos_token_id: tuple[int, ...]
+    generation_config: dict[str, Any] = field(repr=False)
+    stats: TransferStats | None = field(repr=False)
+    _source: StepSource = field(repr=False)
 
     @property
     def streams(self) -> tuple[str, ...]:
         """Names of the per-step streams this generation holds."""
-        return tuple(self._streams)
+        return self._source.streams
 
-    def logits(self, *, framework: str = "pt") -> tuple[Any, ...]:
+    def logits(self, *, steps: Steps = None, rows: Rows = None, framework: str = "pt") -> tuple[Any, ...]:
         """Raw next-token logits per step, before any processor or warper.
 
         Mirrors `out.logits` of the same call made with `return_dict_in_generate=True,
-        output_logits=True`: a tuple of `num_steps` tensors of shape `(num_rows, vocab_size)`, in the
-        dtype transformers gives them (float32 from 4.45), on CPU.
+        output_logits=True`: a tuple of tensors of shape `(num_rows, vocab_size)` (fewer rows with
+        `rows=`), one per selected step, in the dtype transformers gives them (float32 from 4.45), on CPU.
 
         Args:
+            steps (`slice | range`, *optional*): which steps, e.g. `slice(10, 20)`; default all.
+            rows (`int | slice | Sequence[int]`, *optional*): which rows; an int drops the row axis.
             framework (`str`): `"pt"` for torch tensors, `"np"` for NumPy arrays.
 
         Raises:
             KeyError: the recorder was created without the `"logits"` stream.
+            IndexError: `steps` or `rows` is out of range.
             ValueError: `framework` is not `"pt"` or `"np"`.
+            TypeError: `framework="np"` for bfloat16 values (NumPy has no bfloat16).
 
         Example:
-            >>> gen.logits()[0].shape  # doctest: +SKIP
-            torch.Size([2, 49152])
+            >>> gen.logits(steps=slice(0, 2), rows=[0])[0].shape  # doctest: +SKIP
+            torch.Size([1, 49152])
         """
-        return self._get("logits", framework)
+        return self._get("logits", steps, rows, framework)
 
-    def scores(self, *, framework: str = "pt") -> tuple[Any, ...]:
+    def scores(self, *, steps: Steps = None, rows: Rows = None, framework: str = "pt") -> tuple[Any, ...]:
         """Processed scores per step, after every processor and warper (`LogitNormalization` included).
 
         Mirrors `out.scores` with `return_dict_in_generate=True, output_scores=True`: a tuple of
-        `num_steps` float32 tensors of shape `(num_rows, vocab_size)` on CPU. In beam search these are
-        the processed log-probabilities of each running beam, without the cumulative beam score.
+        float32 tensors of shape `(num_rows, vocab_size)` on CPU, one per selected step. In beam search
+        these are the processed log-probabilities of each running beam, without the cumulative beam
+        score. `steps`, `rows` and `framework` as in `logits()`.
 
         Raises:
             KeyError: the recorder was created without the `"scores"` stream.
-            ValueError: `framework` is not `"pt"` or `"np"`.
+            IndexError, ValueError, TypeError: as in `logits()`.
         """
-        return self._get("scores", framework)
+        return self._get("scores", steps, rows, framework)
 
-    def tokens(self, *, framework: str = "pt") -> tuple[Any, ...]:
-        """The token chosen at each step, per row: a tuple of `num_steps` int64 tensors `(num_rows,)`.
+    def tokens(self, *, steps: Steps = None, rows: Rows = None, framework: str = "pt") -> tuple[Any, ...]:
+        """The token chosen at each step, per row: a tuple of int64 tensors `(num_rows,)`.
 
         Outside beam search, `tokens()[t]` equals `out.sequences[:, prompt_length + t]` (a finished row
         gets the pad token, as in `out.sequences`). In beam search, `tokens()[t][r]` is the token that
@@ -95,9 +162,9 @@ class Generation:
         last step no running beam continues, so its entries are -1 (see `beam_indices()` for how the
         returned sequences map to rows).
         """
-        return self._get("tokens", framework)
+        return self._get("tokens", steps, rows, framework)
 
-    def finished(self, *, framework: str = "pt") -> tuple[Any, ...]:
+    def finished(self, *, steps: Steps = None, rows: Rows = None, framework: str = "pt") -> tuple[Any, ...]:
         """Rows that had already finished before each step: a tuple of bool tensors `(num_rows,)`.
 
         A row is finished once a stopping criterion marked it done (its end-of-sequence token, a stop
@@ -105,19 +172,19 @@ class Generation:
         forced to the pad token. With `pad_token_id == eos_token_id` only the first EOS ends a row.
         In beam search, finished hypotheses leave the running beams, so every entry is False.
         """
-        return self._get("finished", framework)
+        return self._get("finished", steps, rows, framework)
 
-    def beam_parents(self, *, framework: str = "pt") -> tuple[Any, ...]:
+    def beam_parents(self, *, steps: Steps = None, rows: Rows = None, framework: str = "pt") -> tuple[Any, ...]:
         """Beam search only: per step, the row of step `t` that each running beam of step `t + 1` extends.
 
-        A tuple of `num_steps` int64 tensors `(num_rows,)`, row indices flattened over the batch as in
+        A tuple of int64 tensors `(num_rows,)`, row indices flattened over the batch as in
         `out.beam_indices`; -1 after the last step.
 
         Raises:
             ValueError: this generation is not a beam search.
         """
         self._require_beams("beam_parents")
-        return self._get("beam_parents", framework)
+        return self._get("beam_parents", steps, rows, framework)
 
     def beam_indices(self, *, framework: str = "pt") -> Any:
         """Beam search only: for each returned sequence and step, the row whose scores chose its token.
@@ -133,40 +200,115 @@ class Generation:
             ValueError: this generation is not a beam search, or it is incomplete (no sequences).
         """
         self._require_beams("beam_indices")
+        _check_framework(framework)
         if self.sequences is None:
             raise ValueError(
                 "`beam_indices()` needs the sequences `generate()` returned, and this generation is "
                 f"incomplete ({self.error}); the per-step `beam_parents()` are still available."
             )
         indices = _trace_beam_indices(
-            self.sequences,
-            self.prompt_length,
-            self.num_beams,
-            self._streams["tokens"],
-            self._streams["beam_parents"],
+            self.sequences, self.prompt_length, self.num_beams, self.tokens(), self.beam_parents()
         )
-        return indices.numpy() if _check_framework(framework) == "np" else indices
+        return indices.numpy() if framework == "np" else indices
 
     def _require_beams(self, what: str) -> None:
-        if "beam_parents" not in self._streams:
+        if "beam_parents" not in self.streams:
             raise ValueError(f"`{what}()` exists for beam search only; this generation ran {self.mode!r}.")
 
-    def _get(self, name: str, framework: str) -> tuple[Any, ...]:
+    def _get(self, name: str, steps: Steps, rows: Rows, framework: str) -> tuple[Any, ...]:
         _check_framework(framework)
-        if name not in self._streams:
+        if name not in self.streams:
             raise KeyError(
-                f"this recording has no {name!r} stream (it holds {sorted(self._streams)}); create the "
+                f"this recording has no {name!r} stream (it holds {sorted(self.streams)}); create the "
                 f"Recorder with {name!r} in `streams` to record it."
             )
-        steps = self._streams[name]
+        values = self._source.read(name, _step_range(steps, self.num_steps), _row_index(rows, self.num_rows))
         if framework == "np":
-            if steps and steps[0].dtype == torch.bfloat16:
+            if values and values[0].dtype == torch.bfloat16:
                 raise TypeError(
                     f"NumPy has no bfloat16: {name!r} was recorded in torch.bfloat16. Use "
                     "`framework='pt'` and convert with `.float().numpy()`."
                 )
-            return tuple(step.numpy() for step in steps)
+            return tuple(value.numpy() for value in values)
+        return values
+
+
+class Readable:
+    """Accessors shared by `Recorder` and `Recording`: each reads one generation (default: the latest)."""
+
+    def generation(self, index: int = -1) -> Generation:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def logits(self, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
+               framework: str = "pt") -> tuple[Any, ...]:
+        """Raw logits per step of one generation; see `Generation.logits` (mirrors `out.logits`)."""
+        return self.generation(generation).logits(steps=steps, rows=rows, framework=framework)
+
+    def scores(self, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
+               framework: str = "pt") -> tuple[Any, ...]:
+        """Processed scores per step of one generation; see `Generation.scores` (mirrors `out.scores`)."""
+        return self.generation(generation).scores(steps=steps, rows=rows, framework=framework)
+
+    def tokens(self, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
+               framework: str = "pt") -> tuple[Any, ...]:
+        """Chosen token per row and step; see `Generation.tokens`."""
+        return self.generation(generation).tokens(steps=steps, rows=rows, framework=framework)
+
+    def finished(self, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
+                 framework: str = "pt") -> tuple[Any, ...]:
+        """Rows already finished before each step; see `Generation.finished`."""
+        return self.generation(generation).finished(steps=steps, rows=rows, framework=framework)
+
+    def beam_parents(self, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
+                     framework: str = "pt") -> tuple[Any, ...]:
+        """Parent row of each running beam, per step; see `Generation.beam_parents`."""
+        return self.generation(generation).beam_parents(steps=steps, rows=rows, framework=framework)
+
+    def beam_indices(self, generation: int = -1, *, framework: str = "pt") -> Any:
+        """Rows behind each returned beam-search sequence; see `Generation.beam_indices`."""
+        return self.generation(generation).beam_indices(framework=framework)
+
+
+def pick(generations: Sequence[Generation], index: int, empty: str) -> Generation:
+    """`generations[index]`, or `LookupError` (`empty` says what to do when there is none)."""
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise TypeError(f"`generation` must be an int index, got {index!r}.")
+    if not generations:
+        raise LookupError(empty)
+    try:
+        return generations[index]
+    except IndexError:
+        raise LookupError(f"`generation` index {index} is out of range: {len(generations)} recorded.") from None
+
+
+def _step_range(steps: Steps, num_steps: int) -> range:
+    if steps is None:
+        return range(num_steps)
+    if isinstance(steps, slice):
+        return range(num_steps)[steps]
+    if isinstance(steps, range):
+        if len(steps) and not (0 <= min(steps[0], steps[-1]) and max(steps[0], steps[-1]) < num_steps):
+            raise IndexError(f"`steps` {steps} reaches outside the {num_steps} recorded steps.")
         return steps
+    raise TypeError(f"`steps` must be a slice or a range of steps (e.g. `slice(0, 10)`), got {steps!r}.")
+
+
+def _row_index(rows: Rows, num_rows: int) -> Any:
+    if rows is None or isinstance(rows, slice):
+        return rows
+    if isinstance(rows, bool):
+        raise TypeError(f"`rows` must be an int, a slice or a sequence of row indices, got {rows!r}.")
+    if isinstance(rows, int):
+        if not -num_rows <= rows < num_rows:
+            raise IndexError(f"`rows` {rows} is out of range for {num_rows} rows.")
+        return rows
+    try:
+        index = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"`rows` must be an int, a slice or a sequence of row indices, got {rows!r}.") from None
+    if index.numel() and (int(index.min()) < -num_rows or int(index.max()) >= num_rows):
+        raise IndexError(f"`rows` {index.tolist()} reaches outside the {num_rows} rows.")
+    return index
 
 
 def _check_framework(framework: str) -> str:

@@ -1,0 +1,228 @@
+"""The recording format on disk: names, the manifest's schema and its checks, and atomic writes.
+
+A recording is one directory: a JSON manifest (`manifest.json`) and safetensors files beside it. The
+README's "Recording format" section is the specification; this module is its single implementation,
+shared by the writer (`_shard_store`) and the reader (`reader`). Nothing here unpickles anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+FORMAT = "transformers-offload"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+ENCODINGS = ("dense",)  # how a stream's values are laid out in a shard; later: sparse, top-k...
+STATUSES = ("recording", "complete", "failed")
+
+# safetensors dtype names for the dtypes a recording holds.
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "bool": torch.bool,
+}
+
+
+class RecordingError(ValueError):
+    """A recording directory cannot be read: missing, damaged, hostile, or of an unknown format.
+
+    Attributes:
+        path (`pathlib.Path`): the file (or directory) that is wrong.
+    """
+
+    def __init__(self, path: Path | str, problem: str) -> None:
+        self.path = Path(path)
+        super().__init__(f"{self.path}: {problem}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`torch.float32` -> `"float32"`, the name the manifest uses."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_of(name: str) -> torch.dtype | None:
+    return _DTYPES.get(name)
+
+
+def shard_name(generation: int, shard: int) -> str:
+    return f"g{generation:04d}-s{shard:05d}.safetensors"
+
+
+def sequences_name(generation: int) -> str:
+    return f"g{generation:04d}-sequences.safetensors"
+
+
+def shard_metadata(generation: int, first_step: int) -> dict[str, str]:
+    """The safetensors `__metadata__` of a shard: lets the reader check that a file is the one named."""
+    return {
+        "format": FORMAT,
+        "format_version": str(FORMAT_VERSION),
+        "generation": str(generation),
+        "first_step": str(first_step),
+    }
+
+
+# -- writing -----------------------------------------------------------------------------------------
+def write_atomically(path: Path, write: Callable[[Path], None]) -> int:
+    """Write `path` so that it is either absent/old or complete: `write(temporary)`, fsync, rename.
+
+    Returns the bytes written. The temporary file is removed when `write` fails (a full disk...), and
+    the error is raised.
+    """
+    temporary = path.with_name(path.name + ".tmp")
+    try:
+        write(temporary)
+        with open(temporary, "rb+") as file:
+            os.fsync(file.fileno())
+        size = temporary.stat().st_size
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    _fsync_directory(path.parent)
+    return size
+
+
+def write_manifest(root: Path, manifest: dict[str, Any]) -> None:
+    text = json.dumps(manifest, indent=1, sort_keys=False) + "\n"
+    write_atomically(root / MANIFEST, lambda temporary: temporary.write_text(text, encoding="utf-8"))
+
+
+def _fsync_directory(directory: Path) -> None:
+    # Makes the rename itself durable. Not every platform can open a directory (Windows): skip there.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# -- reading -----------------------------------------------------------------------------------------
+def read_manifest(root: Path) -> dict[str, Any]:
+    """Load and check `root/manifest.json`; raise `RecordingError` naming what is wrong."""
+    path = root / MANIFEST
+    if not root.is_dir():
+        raise RecordingError(root, "no such recording directory.")
+    if not path.is_file():
+        raise RecordingError(
+            path, "missing: this directory is not a transformers-offload recording (no manifest)."
+        )
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise RecordingError(path, f"not valid JSON ({error}); the manifest is damaged.") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise RecordingError(path, f"not a transformers-offload manifest (no \"format\": {FORMAT!r}).")
+    version = manifest.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise RecordingError(path, f"`format_version` must be an integer, got {version!r}.")
+    if version != FORMAT_VERSION:
+        newer = "newer than" if version > FORMAT_VERSION else "older than"
+        raise RecordingError(
+            path,
+            f"format version {version} is {newer} the one this transformers-offload reads "
+            f"({FORMAT_VERSION}); read it with a transformers-offload release of that format version.",
+        )
+    _field(manifest, "generations", list, path)
+    _field(manifest, "created_by", dict, path)
+    _field(manifest, "model", dict, path)
+    for index, entry in enumerate(manifest["generations"]):
+        check_generation(entry, index, root, path)
+    return manifest
+
+
+def check_generation(entry: Any, index: int, root: Path, path: Path) -> None:
+    """Check one generation entry of the manifest: types, stream shapes, and every file name."""
+    where = f"generation {index}"
+    if not isinstance(entry, dict):
+        raise RecordingError(path, f"{where} must be a JSON object, got {type(entry).__name__}.")
+    for key, kind in (
+        ("status", str),
+        ("mode", str),
+        ("num_steps", int),
+        ("num_rows", int),
+        ("num_beams", int),
+        ("prompt_length", int),
+        ("streams", dict),
+        ("shards", list),
+    ):
+        _field(entry, key, kind, path, where)
+    if entry["status"] not in STATUSES:
+        raise RecordingError(path, f"{where}: unknown `status` {entry['status']!r}; expected {STATUSES}.")
+    if entry["num_steps"] < 0 or entry["num_rows"] < 0:
+        raise RecordingError(path, f"{where}: negative `num_steps` or `num_rows`.")
+    for name, stream in entry["streams"].items():
+        _check_stream(name, stream, path, where)
+    expected_first = 0
+    for shard in entry["shards"]:
+        if not isinstance(shard, dict):
+            raise RecordingError(path, f"{where}: a shard entry must be a JSON object.")
+        _field(shard, "file", str, path, where)
+        _field(shard, "first_step", int, path, where)
+        _field(shard, "num_steps", int, path, where)
+        inside(root, shard["file"], path)
+        if shard["first_step"] != expected_first or shard["num_steps"] < 1:
+            raise RecordingError(
+                path,
+                f"{where}: shard {shard['file']!r} covers steps from {shard['first_step']} "
+                f"({shard['num_steps']} steps), expected a non-empty shard from step {expected_first}.",
+            )
+        expected_first += shard["num_steps"]
+    if expected_first < entry["num_steps"]:
+        raise RecordingError(
+            path, f"{where}: its shards hold {expected_first} steps, the manifest says {entry['num_steps']}."
+        )
+    sequences = entry.get("sequences")
+    if sequences is not None:
+        if not isinstance(sequences, str):
+            raise RecordingError(path, f"{where}: `sequences` must be a file name or null.")
+        inside(root, sequences, path)
+
+
+def _check_stream(name: str, stream: Any, path: Path, where: str) -> None:
+    if not isinstance(stream, dict):
+        raise RecordingError(path, f"{where}: stream {name!r} must be a JSON object.")
+    _field(stream, "dtype", str, path, f"{where}, stream {name!r}")
+    _field(stream, "shape", list, path, f"{where}, stream {name!r}")
+    _field(stream, "encoding", str, path, f"{where}, stream {name!r}")
+    if dtype_of(stream["dtype"]) is None:
+        raise RecordingError(path, f"{where}: stream {name!r} has unknown dtype {stream['dtype']!r}.")
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in stream["shape"]):
+        raise RecordingError(path, f"{where}: stream {name!r} has a bad shape {stream['shape']!r}.")
+    if stream["encoding"] not in ENCODINGS:
+        raise RecordingError(
+            path,
+            f"{where}: stream {name!r} uses encoding {stream['encoding']!r}, which this "
+            f"transformers-offload cannot read (it reads {ENCODINGS}); upgrade transformers-offload.",
+        )
+
+
+def inside(root: Path, name: str, path: Path) -> Path:
+    """`root / name`, refused unless `name` is a plain file name that stays inside `root`."""
+    if not name or name in (".", "..") or Path(name).name != name or "\\" in name or "/" in name:
+        raise RecordingError(path, f"names file {name!r}, which is not a plain file name inside the recording.")
+    target = root / name
+    if target.resolve().parent != root.resolve():
+        raise RecordingError(path, f"names file {name!r}, which leads outside the recording directory.")
+    return target
+
+
+def _field(obj: dict, key: str, kind: type, path: Path, where: str = "manifest") -> Any:
+    value = obj.get(key)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise RecordingError(path, f"{where}: `{key}` must be a {kind.__name__}, got {value!r}.")
+    return value

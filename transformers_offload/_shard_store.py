@@ -1,0 +1,323 @@
+"""The spill store: steps drained from the ring are packed into shards that a background thread writes.
+
+`Spill` owns one recording directory for one recorder: it creates the directory, keeps the manifest,
+and opens one `ShardStore` per `generate()` call. The store copies each drained step into a shard
+buffer (one contiguous `(steps, *shape)` tensor per stream) and, once every stream of every step of a
+shard is in, hands the buffer to its writer thread, which writes the shard under a temporary name,
+fsyncs it, renames it, and then replaces the manifest. So the manifest only ever names complete,
+durable shards, whatever happens to the process afterwards.
+
+At most `MAX_SHARD_BUFFERS` shard buffers exist per call (one being filled, one waiting, one being
+written; beam search briefly fills two, because a step's token is known one step later). `generate()`
+waits only when all of them are taken, and such waits are counted.
+"""
+
+from __future__ import annotations
+
+import errno
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from . import _format
+from .recording import Generation, TransferStats
+
+DEFAULT_SHARD_BYTES = 64 * 2**20
+MAX_SHARD_BUFFERS = 3
+
+
+class SpillError(OSError):
+    """Writing the recording to `spill_dir` failed (a full disk, a removed directory...).
+
+    Every shard committed before the failure stays on disk and readable with `open_recording`.
+    """
+
+
+class Spill:
+    """One recorder's recording directory: the manifest and where each generation's shards go.
+
+    Args:
+        root (`pathlib.Path`): the directory; created if missing, refused if it holds anything.
+        shard_bytes (`int`): target size of one shard, in bytes (a shard holds at least one step).
+        model_info (`dict`): the manifest's `model` entry.
+        created_by (`dict`): the manifest's `created_by` entry (package versions).
+
+    Raises:
+        FileExistsError: `root` exists and is not an empty directory.
+        OSError: the directory or its manifest cannot be written.
+    """
+
+    def __init__(self, root: Path, *, shard_bytes: int, model_info: dict, created_by: dict) -> None:
+        if root.exists() and (not root.is_dir() or any(root.iterdir())):
+            what = "is not a directory" if not root.is_dir() else "is not empty"
+            raise FileExistsError(
+                f"`spill_dir` {str(root)!r} {what}: a Recorder writes a new recording into a new or "
+                "empty directory. Pick another path (or remove that one)."
+            )
+        root.mkdir(parents=True, exist_ok=True)
+        self.root = root
+        self.shard_bytes = shard_bytes
+        self.manifest: dict[str, Any] = {
+            "format": _format.FORMAT,
+            "format_version": _format.FORMAT_VERSION,
+            "created_by": created_by,
+            "model": model_info,
+            "generations": [],
+        }
+        _format.write_manifest(root, self.manifest)
+
+    def open_store(self, names: list[str], header: dict[str, Any]) -> ShardStore:
+        """Add a generation (status `"recording"`) to the manifest, durably, and return its store."""
+        index = len(self.manifest["generations"])
+        entry = {
+            "index": index,
+            "status": "recording",
+            "error": None,
+            "mode": header["mode"],
+            "num_steps": 0,
+            "num_rows": 0,
+            "num_beams": header["num_beams"],
+            "prompt_length": header["prompt_length"],
+            "prompt_lengths": None if header["prompt_lengths"] is None else list(header["prompt_lengths"]),
+            "pad_token_id": header["pad_token_id"],
+            "eos_token_id": list(header["eos_token_id"]),
+            "generation_config": header["generation_config"],
+            "streams": {},
+            "shards": [],
+            "sequences": None,
+        }
+        self.manifest["generations"].append(entry)
+        _format.write_manifest(self.root, self.manifest)
+        return ShardStore(self, entry, names)
+
+
+class _ShardBuffer:
+    """Host tensors `(capacity, *shape)` per stream for the steps `[first_step, first_step + capacity)`."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.index = 0
+        self.first_step = 0
+        self.capacity = 0
+        self.filled: dict[str, set[int]] = {}
+
+    def reset(self, index: int, capacity: int) -> None:
+        self.index = index
+        self.capacity = capacity
+        self.first_step = index * capacity
+        self.filled = {}
+
+    def put(self, name: str, step: int, tensor: torch.Tensor) -> None:
+        buffer = self.tensors.get(name)
+        if buffer is None or buffer.shape[1:] != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = torch.empty((self.capacity, *tensor.shape), dtype=tensor.dtype)
+            self.tensors[name] = buffer
+            if any(self.filled.get(name, ())):
+                raise RuntimeError(
+                    f"transformers-offload: stream {name!r} changed shape or dtype within a shard "
+                    f"(now {tuple(tensor.shape)} {tensor.dtype}); please report this."
+                )
+        buffer[step - self.first_step].copy_(tensor)
+        self.filled.setdefault(name, set()).add(step)
+
+    def full(self, names: list[str]) -> bool:
+        return all(len(self.filled.get(name, ())) == self.capacity for name in names)
+
+
+@dataclass
+class _Counters:
+    waits: int = 0
+    bytes_written: int = 0
+    write_seconds: float = 0.0
+
+
+class ShardStore:
+    """Packs one generation's drained steps into shards and writes them on a background thread."""
+
+    def __init__(self, spill: Spill, entry: dict[str, Any], names: list[str]) -> None:
+        self._spill = spill
+        self._entry = entry
+        self._names = names
+        self._capacity = 0  # steps per shard, fixed by the first drained step
+        self._open: dict[int, _ShardBuffer] = {}
+        self._sealed_until = 0  # steps below this are in shards handed to the writer
+        self._free: list[_ShardBuffer] = []
+        self._allocated = 0
+        self._released = threading.Condition()
+        self._jobs: queue.Queue[tuple[_ShardBuffer | None, int] | None] = queue.Queue()
+        self._error: BaseException | None = None
+        self._raised = False
+        self.counters = _Counters()
+        self.failure: SpillError | None = None
+        self._thread = threading.Thread(target=self._write_jobs, name="transformers-offload-writer", daemon=True)
+        self._thread.start()
+
+    # -- the generate() thread ---------------------------------------------------------------------------
+    def drain(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy one step's host tensors into its shard buffer; hand over every shard that is complete."""
+        if self._raised:
+            return  # the failure was raised in generate(); what remains is not written
+        self._raise_failure()
+        if not self._capacity:
+            self._capacity = self._steps_per_shard(tensors)
+        if step < self._sealed_until:
+            raise RuntimeError(
+                f"transformers-offload: step {step} arrived after its shard was written; please report "
+                "this with your transformers version."
+            )
+        buffer = self._buffer_for(step // self._capacity)
+        for name, tensor in tensors.items():
+            buffer.put(name, step, tensor)
+        while self._open:
+            first = min(self._open)
+            if not self._open[first].full(self._names):
+                break
+            sealed = self._open.pop(first)
+            self._sealed_until = sealed.first_step + sealed.capacity
+            self._jobs.put((sealed, sealed.capacity))
+
+    def has(self, name: str, step: int) -> bool:
+        """Whether `step` of stream `name` reached the store."""
+        if step < self._sealed_until:
+            return True
+        buffer = self._open.get(step // self._capacity) if self._capacity else None
+        return buffer is not None and step in buffer.filled.get(name, ())
+
+    def finish(self, num_steps: int, header: dict[str, Any], sequences: torch.Tensor | None,
+               error: BaseException | None, *, ring_waits: int) -> Generation:
+        """Write what is left of the first `num_steps` steps, wait for the writer, close the manifest entry."""
+        for index in sorted(self._open):
+            buffer = self._open.pop(index)
+            count = min(buffer.capacity, num_steps - buffer.first_step)
+            self._jobs.put((buffer, count) if count > 0 else (buffer, 0))
+        if sequences is not None:
+            self._jobs.put((None, 0))  # the sequences file, after the last shard
+            self._sequences = sequences
+        self._jobs.put(None)
+        self._thread.join()
+        entry = self._entry
+        if self._error is not None and self.failure is None:
+            self.failure = self._as_spill_error(self._error)
+        problem = error if error is not None else self.failure
+        entry["status"] = "complete" if problem is None else "failed"
+        entry["error"] = None if problem is None else repr(problem)
+        entry["num_steps"] = min(entry["num_steps"], num_steps)
+        if not entry["num_rows"]:
+            entry["num_rows"] = header["num_rows"]
+        try:
+            _format.write_manifest(self._spill.root, self._spill.manifest)
+        except OSError as write_error:
+            if problem is None:
+                self.failure = self._as_spill_error(write_error)
+            # Otherwise the previous manifest stays: it names every committed shard.
+        from .reader import generation_from_entry
+
+        stats = TransferStats(waits=ring_waits + self.counters.waits, bytes_written=self.counters.bytes_written,
+                              write_seconds=self.counters.write_seconds)
+        return generation_from_entry(self._spill.root, dict(entry), stats=stats)
+
+    def _steps_per_shard(self, tensors: dict[str, torch.Tensor]) -> int:
+        rows = next(iter(tensors.values())).shape[0] if tensors else 1
+        step_bytes = sum(
+            tensors[name].nbytes if name in tensors else rows * 8 for name in self._names
+        )
+        return max(1, self._spill.shard_bytes // max(1, step_bytes))
+
+    def _buffer_for(self, index: int) -> _ShardBuffer:
+        buffer = self._open.get(index)
+        if buffer is not None:
+            return buffer
+        with self._released:
+            if not self._free and self._allocated >= MAX_SHARD_BUFFERS:
+                self.counters.waits += 1
+                while not self._free and self._error is None:
+                    self._released.wait()
+            self._raise_failure()
+            if self._free:
+                buffer = self._free.pop()
+            else:
+                buffer = _ShardBuffer()
+                self._allocated += 1
+        buffer.reset(index, self._capacity)
+        self._open[index] = buffer
+        return buffer
+
+    def _raise_failure(self) -> None:
+        if self._error is not None:
+            self.failure = self._as_spill_error(self._error)
+            self._raised = True
+            raise self.failure from self._error
+
+    def _as_spill_error(self, error: BaseException) -> SpillError:
+        if isinstance(error, SpillError):
+            return error
+        steps = self._entry["num_steps"]
+        code = getattr(error, "errno", None) or errno.EIO
+        return SpillError(
+            code,
+            f"transformers-offload could not write the recording in {str(self._spill.root)!r}: "
+            f"{error}. The {steps} step(s) already written are intact and readable with "
+            "`open_recording`; free some space (or pick another `spill_dir`) and run again.",
+        )
+
+    # -- the writer thread -----------------------------------------------------------------------------
+    def _write_jobs(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            buffer, count = job
+            try:
+                if self._error is None:
+                    if buffer is None:
+                        self._write_sequences()
+                    elif count > 0:
+                        self._write_shard(buffer, count)
+            except BaseException as error:  # reported to generate() at its next step, or at the end
+                self._error = error
+            finally:
+                if buffer is not None:
+                    with self._released:
+                        self._free.append(buffer)
+                        self._released.notify_all()
+
+    def _write_shard(self, buffer: _ShardBuffer, count: int) -> None:
+        entry = self._entry
+        name = _format.shard_name(entry["index"], buffer.index)
+        tensors = {stream: buffer.tensors[stream][:count] for stream in self._names}
+        metadata = _format.shard_metadata(entry["index"], buffer.first_step)
+        started = time.perf_counter()
+        size = _format.write_atomically(
+            self._spill.root / name, lambda temporary: save_file(tensors, temporary, metadata=metadata)
+        )
+        if not entry["streams"]:
+            entry["num_rows"] = int(tensors["tokens"].shape[1])
+            entry["streams"] = {
+                stream: {
+                    "dtype": _format.dtype_name(tensor.dtype),
+                    "shape": list(tensor.shape[1:]),
+                    "encoding": "dense",
+                }
+                for stream, tensor in tensors.items()
+            }
+        entry["shards"].append({"file": name, "first_step": buffer.first_step, "num_steps": count})
+        entry["num_steps"] = buffer.first_step + count
+        _format.write_manifest(self._spill.root, self._spill.manifest)
+        self.counters.write_seconds += time.perf_counter() - started
+        self.counters.bytes_written += size
+
+    def _write_sequences(self) -> None:
+        entry = self._entry
+        name = _format.sequences_name(entry["index"])
+        sequences = self._sequences.contiguous()
+        _format.write_atomically(
+            self._spill.root / name, lambda temporary: save_file({"sequences": sequences}, temporary)
+        )
+        entry["sequences"] = name
+

@@ -1,0 +1,282 @@
+"""The reader: a recording directory opened lazily, its shards memory-mapped with safetensors."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from . import _format
+from ._format import RecordingError
+from .recording import Generation, Readable, TransferStats, pick
+
+_OPEN_SHARDS = 64  # shard files kept mapped per recording (least recently used are dropped)
+
+
+def open_recording(path: str | os.PathLike) -> Recording:
+    """Open a recording directory written by `Recorder(model, spill_dir=path)`.
+
+    The manifest and every shard's header are checked at once; tensor data is read only when asked
+    for, and only the selected steps and rows.
+
+    Args:
+        path (`str | os.PathLike`): the recording directory (the `spill_dir` the recorder was given).
+
+    Returns:
+        `Recording`: the recording's generations, with the recorder's accessors.
+
+    Raises:
+        RecordingError: the directory is missing, not a recording, of an unknown format version,
+            damaged (truncated shard, corrupted header, a shape or dtype that disagrees with the
+            manifest) or hostile (a manifest naming a file outside the directory). The error's `path`
+            names the file.
+
+    Example:
+        >>> run = open_recording("run/")  # doctest: +SKIP
+        >>> run.logits(steps=slice(0, 4), rows=[0])[0].shape  # doctest: +SKIP
+        torch.Size([1, 49152])
+    """
+    return Recording(Path(path))
+
+
+class Recording(Readable):
+    """A recording directory: its generations, oldest first, read lazily from the shards.
+
+    `logits()`, `scores()`, `tokens()`, `finished()`, `beam_parents()` and `beam_indices()` read one
+    generation (default: the latest) with the same contract as the `Recorder`'s (equal tensors); `for
+    gen in recording` iterates over the `Generation`s. Returned tensors map the shard files
+    copy-on-write; `close()` drops this object's own mappings.
+
+    Attributes:
+        path (`pathlib.Path`): the directory.
+        format_version (`int`): the format version it was written with.
+        created_by (`dict[str, str]`): versions of transformers-offload, transformers, torch,
+            safetensors and Python that wrote it.
+        model (`dict`): the recorded model's class, `name_or_path`, config class and vocabulary size.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        manifest = _format.read_manifest(path)
+        self.format_version: int = manifest["format_version"]
+        self.created_by: dict[str, Any] = manifest["created_by"]
+        self.model: dict[str, Any] = manifest["model"]
+        self._entries: list[dict[str, Any]] = manifest["generations"]
+        self._generations = tuple(generation_from_entry(path, entry) for entry in self._entries)
+
+    @property
+    def generations(self) -> tuple[Generation, ...]:
+        """Every generation of the recording, oldest first (incomplete ones included)."""
+        return self._generations
+
+    def generation(self, index: int = -1) -> Generation:
+        """One generation by index (default: the latest).
+
+        Raises:
+            LookupError: the recording holds no generation, or `index` is out of range.
+        """
+        return pick(self._generations, index, f"the recording in {str(self.path)!r} holds no generation.")
+
+    def __iter__(self) -> Iterator[Generation]:
+        return iter(self._generations)
+
+    def __len__(self) -> int:
+        return len(self._generations)
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-able summary: versions, model, and per generation its state, sizes and streams.
+
+        Each stream gives its `dtype`, `encoding`, per-step `shape` and `bytes` (of the readable
+        steps); each generation its `file_bytes` on disk (shards and sequences).
+        """
+        generations = []
+        for generation, entry in zip(self._generations, self._entries):
+            streams = {}
+            for name, stream in entry["streams"].items():
+                itemsize = torch.empty((), dtype=_format.dtype_of(stream["dtype"])).element_size()
+                streams[name] = {
+                    "dtype": stream["dtype"],
+                    "encoding": stream["encoding"],
+                    "shape": stream["shape"],
+                    "bytes": generation.num_steps * math.prod(stream["shape"]) * itemsize,
+                }
+            files = [shard["file"] for shard in entry["shards"]] + ([entry["sequences"]] if entry["sequences"] else [])
+            generations.append(
+                {
+                    "index": generation.index,
+                    "mode": generation.mode,
+                    "status": entry["status"],
+                    "complete": generation.complete,
+                    "error": generation.error,
+                    "num_steps": generation.num_steps,
+                    "num_rows": generation.num_rows,
+                    "num_beams": generation.num_beams,
+                    "prompt_length": generation.prompt_length,
+                    "num_shards": len(entry["shards"]),
+                    "file_bytes": sum((self.path / name).stat().st_size for name in files),
+                    "streams": streams,
+                }
+            )
+        return {
+            "path": str(self.path),
+            "format_version": self.format_version,
+            "created_by": self.created_by,
+            "model": self.model,
+            "generations": generations,
+        }
+
+    def close(self) -> None:
+        """Drop the shard mappings this object holds (tensors already returned keep theirs)."""
+        for generation in self._generations:
+            source = generation._source
+            if isinstance(source, ShardSource):
+                source.close()
+
+    def __enter__(self) -> Recording:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Recording({str(self.path)!r}, {len(self._generations)} generation(s))"
+
+
+def generation_from_entry(root: Path, entry: dict[str, Any], *, stats: TransferStats | None = None) -> Generation:
+    """A `Generation` reading the shards that one manifest entry names (checked here, read lazily)."""
+    manifest_path = root / _format.MANIFEST
+    source = ShardSource(root, entry)
+    sequences = None
+    if entry.get("sequences"):
+        sequences = _read_sequences(_format.inside(root, entry["sequences"], manifest_path))
+    status = entry["status"]
+    error = entry.get("error")
+    if status == "recording":
+        error = (
+            "the recording process stopped before this generation ended (killed, or still running): "
+            f"{entry['num_steps']} step(s) were committed"
+        )
+    eos = entry.get("eos_token_id") or []
+    lengths = entry.get("prompt_lengths")
+    return Generation(
+        index=int(entry.get("index", 0)),
+        mode=entry["mode"],
+        prompt_length=entry["prompt_length"],
+        prompt_lengths=None if lengths is None else tuple(int(n) for n in lengths),
+        num_rows=entry["num_rows"],
+        num_beams=entry["num_beams"],
+        num_steps=entry["num_steps"],
+        complete=status == "complete",
+        error=None if status == "complete" else str(error),
+        sequences=sequences,
+        pad_token_id=entry.get("pad_token_id"),
+        eos_token_id=tuple(int(n) for n in eos),
+        generation_config=dict(entry.get("generation_config") or {}),
+        stats=stats,
+        _source=source,
+    )
+
+
+class ShardSource:
+    """Reads one generation's steps from its shards; each shard is checked when first opened."""
+
+    def __init__(self, root: Path, entry: dict[str, Any]) -> None:
+        self._root = root
+        self._index = int(entry.get("index", 0))
+        self._entry = entry
+        self._stream_info = entry["streams"]
+        self.streams = tuple(entry["streams"])
+        self._shards = entry["shards"]
+        self._mapped: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
+        for shard in self._shards:  # headers only: the data stays on disk until read
+            self._tensors(shard)
+        self.close()
+
+    def read(self, name: str, steps: range, rows: Any) -> tuple[torch.Tensor, ...]:
+        if steps.step < 0:
+            return tuple(reversed(self.read(name, steps[::-1], rows)))
+        values: list[torch.Tensor] = []
+        for shard in self._shards:
+            first = shard["first_step"]
+            wanted = steps[_overlap(steps, range(first, first + shard["num_steps"]))]
+            if not len(wanted):
+                continue
+            tensor = self._tensors(shard)[name]  # memory-mapped: slicing reads nothing yet
+            picked = tensor[wanted.start - first : wanted[-1] - first + 1 : wanted.step]
+            if rows is not None:
+                picked = picked[:, rows]  # reads the selected rows only
+            values.extend(picked.unbind(0))
+        return tuple(values)
+
+    def close(self) -> None:
+        self._mapped.clear()
+
+    def _tensors(self, shard: dict[str, Any]) -> dict[str, torch.Tensor]:
+        name = shard["file"]
+        mapped = self._mapped.get(name)
+        if mapped is not None:
+            self._mapped.move_to_end(name)
+            return mapped
+        path = _format.inside(self._root, name, self._root / _format.MANIFEST)
+        mapped = _map_shard(path, self._index, shard, self._stream_info)
+        self._mapped[name] = mapped
+        if len(self._mapped) > _OPEN_SHARDS:
+            self._mapped.popitem(last=False)
+        return mapped
+
+
+def _overlap(steps: range, local: range) -> slice:
+    """The slice of `steps` (increasing) whose values fall inside `local`."""
+    lo = max(0, -(-(local.start - steps.start) // steps.step))
+    hi = max(lo, -(-(local.stop - steps.start) // steps.step))
+    return slice(lo, min(hi, len(steps)))
+
+
+def _map_shard(path: Path, generation: int, shard: dict[str, Any], streams: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Open one shard (memory-mapped, nothing read) and check it against the manifest."""
+    if not path.is_file():
+        raise RecordingError(path, "missing: the manifest names this shard but the file is not there.")
+    try:
+        with safe_open(str(path), framework="pt") as file:
+            metadata = file.metadata() or {}
+            tensors = {name: file.get_tensor(name) for name in file.keys()}
+    except (SafetensorError, OSError, RuntimeError) as error:
+        raise RecordingError(path, f"not a readable safetensors shard ({error}); the file is damaged.") from None
+    expected = _format.shard_metadata(generation, shard["first_step"])
+    for key in ("format", "generation", "first_step"):
+        if metadata.get(key) != expected[key]:
+            raise RecordingError(
+                path,
+                f"its metadata says {key}={metadata.get(key)!r}, the manifest expects {expected[key]!r}: "
+                "this is not the shard the manifest names.",
+            )
+    for name, stream in streams.items():
+        tensor = tensors.get(name)
+        if tensor is None:
+            raise RecordingError(path, f"holds no {name!r} tensor, which the manifest lists.")
+        shape = [shard["num_steps"], *stream["shape"]]
+        if list(tensor.shape) != shape or tensor.dtype != _format.dtype_of(stream["dtype"]):
+            raise RecordingError(
+                path,
+                f"tensor {name!r} is {list(tensor.shape)} {_format.dtype_name(tensor.dtype)}, the manifest "
+                f"says {shape} {stream['dtype']}.",
+            )
+    return tensors
+
+
+def _read_sequences(path: Path) -> torch.Tensor:
+    if not path.is_file():
+        raise RecordingError(path, "missing: the manifest names this sequences file but it is not there.")
+    try:
+        with safe_open(str(path), framework="pt") as file:
+            sequences = file.get_tensor("sequences")
+    except (SafetensorError, OSError, RuntimeError) as error:
+        raise RecordingError(path, f"not a readable safetensors file of sequences ({error}).") from None
+    if sequences.dim() != 2 or sequences.dtype != torch.int64:
+        raise RecordingError(path, f"`sequences` must be a 2-D int64 tensor, got {list(sequences.shape)} {sequences.dtype}.")
+    return sequences
