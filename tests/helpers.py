@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from transformers import LogitsProcessor
 
 
 def assert_steps_equal(recorded: tuple, reference: tuple, what: str) -> None:
@@ -23,3 +24,20 @@ def finished_from_sequences(sequences: torch.Tensor, prompt_length: int, eos: li
         out.append(finished.clone())
         finished |= torch.isin(generated[:, t], eos_ids)
     return out
+
+
+class Boom(Exception):
+    pass
+
+
+class FailAtStep(LogitsProcessor):
+    """A user processor that raises `error` when called for step `step` (0-based)."""
+
+    def __init__(self, step: int, error: BaseException) -> None:
+        self.step, self.error, self.calls = step, error, 0
+
+    def __call__(self, input_ids, scores):
+        if self.calls == self.step:
+            raise self.error
+        self.calls += 1
+        return scores

@@ -9,6 +9,7 @@ from transformers import LogitsProcessor
 from transformers_offload import Recorder, UnsupportedModeError
 
 from .conftest import left_padded_batch, make_tiny
+from .helpers import Boom, FailAtStep
 
 
 class CountForwards:
@@ -161,21 +162,6 @@ def test_stream_not_recorded(gpt2):
     assert len(rec.scores()) == 2
     with pytest.raises(KeyError, match="no 'logits' stream"):
         rec.logits()
-
-
-class Boom(Exception):
-    pass
-
-
-class FailAtStep(LogitsProcessor):
-    def __init__(self, step: int, error: BaseException) -> None:
-        self.step, self.error, self.calls = step, error, 0
-
-    def __call__(self, input_ids, scores):
-        if self.calls == self.step:
-            raise self.error
-        self.calls += 1
-        return scores
 
 
 @pytest.mark.parametrize("error", [Boom("disk on fire"), KeyboardInterrupt()])

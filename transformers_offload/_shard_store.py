@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import queue
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -258,7 +259,9 @@ class ShardStore:
         if isinstance(error, SpillError):
             return error
         steps = self._entry["num_steps"]
-        code = getattr(error, "errno", None) or errno.EIO
+        # safetensors reports I/O failures as `SafetensorError("... (os error 28)")`, without errno.
+        found = re.search(r"os error (\d+)", str(error))
+        code = getattr(error, "errno", None) or (int(found.group(1)) if found else errno.EIO)
         return SpillError(
             code,
             f"transformers-offload could not write the recording in {str(self._spill.root)!r}: "

@@ -1,0 +1,232 @@
+"""Spilling to shards: layout, waits, and what survives a fault (exception, Ctrl-C, SIGKILL, full disk)."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from transformers_offload import Recorder, SpillError, open_recording
+from transformers_offload import _shard_store
+
+from .conftest import left_padded_batch, make_tiny
+from .helpers import Boom, FailAtStep, assert_steps_equal
+
+NEW_TOKENS = 12
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _reference(model, **kwargs):
+    torch.manual_seed(0)
+    return model.generate(
+        **left_padded_batch(), max_new_tokens=NEW_TOKENS, return_dict_in_generate=True,
+        output_scores=True, output_logits=True, **kwargs,
+    )
+
+
+def _step_bytes(rows: int, vocab: int = 128) -> int:
+    return rows * vocab * 4 * 2 + rows * (8 + 1)  # logits, scores, tokens, finished
+
+
+@pytest.mark.parametrize("steps_per_shard", [1, 5, 12, 50])
+def test_shards_hold_the_steps_the_size_allows(gpt2, tmp_path, steps_per_shard):
+    with Recorder(gpt2, spill_dir=tmp_path / "run", shard_bytes=steps_per_shard * _step_bytes(3)) as rec:
+        torch.manual_seed(0)
+        gpt2.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    shards = manifest["generations"][0]["shards"]
+    expected = [min(steps_per_shard, NEW_TOKENS - first) for first in range(0, NEW_TOKENS, steps_per_shard)]
+    assert [shard["num_steps"] for shard in shards] == expected
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == sorted(
+        ["manifest.json", "g0000-sequences.safetensors", *(shard["file"] for shard in shards)]
+    )
+
+
+def test_default_shard_size_and_several_generations_in_one_directory(gpt2, tmp_path):
+    reference = _reference(gpt2)
+    with Recorder(gpt2, spill_dir=tmp_path / "run") as rec:
+        for _ in range(3):
+            torch.manual_seed(0)
+            gpt2.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=NEW_TOKENS)
+    run = open_recording(tmp_path / "run")
+    assert len(run) == 3 and [g.index for g in run] == [0, 1, 2]
+    for generation in run:
+        assert generation.complete and generation.stats is None
+        assert_steps_equal(generation.scores(), reference.scores, "scores")
+    assert rec.generation(1).stats.bytes_written > 0
+    assert rec.spill_dir == tmp_path / "run"
+
+
+def test_a_slow_writer_makes_generate_wait_and_the_waits_are_counted(gpt2, tmp_path, monkeypatch):
+    real = _shard_store.save_file
+
+    def slow_save_file(*args, **kwargs):
+        time.sleep(0.05)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(_shard_store, "save_file", slow_save_file)
+    reference = _reference(gpt2)
+    with Recorder(gpt2, spill_dir=tmp_path / "run", shard_bytes=1) as rec:  # one step per shard
+        torch.manual_seed(0)
+        gpt2.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=NEW_TOKENS)
+    assert rec.generation().stats.waits > 0
+    assert_steps_equal(open_recording(tmp_path / "run").logits(), reference.logits, "logits")
+
+
+def test_a_fast_writer_never_makes_generate_wait(gpt2, tmp_path):
+    with Recorder(gpt2, spill_dir=tmp_path / "run") as rec:  # the whole call fits in one shard
+        gpt2.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=NEW_TOKENS)
+    assert rec.generation().stats.waits == 0
+
+
+@pytest.mark.parametrize("error", [Boom("disk on fire"), KeyboardInterrupt()])
+@pytest.mark.parametrize("kwargs", [{}, {"num_beams": 3}], ids=["greedy", "beam"])
+def test_a_fault_mid_run_leaves_every_step_before_it_readable(gpt2, tmp_path, error, kwargs):
+    reference = _reference(gpt2, **kwargs)
+    with Recorder(gpt2, spill_dir=tmp_path / "run", shard_bytes=4 * _step_bytes(9)) as rec:
+        torch.manual_seed(0)
+        with pytest.raises(type(error)):
+            gpt2.generate(
+                **left_padded_batch(), logits_processor=[rec, FailAtStep(7, error)],
+                max_new_tokens=NEW_TOKENS, **kwargs,
+            )
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    entry = manifest["generations"][0]
+    assert entry["status"] == "failed" and type(error).__name__ in entry["error"]
+    run = open_recording(tmp_path / "run")
+    generation = run.generation()
+    assert not generation.complete and type(error).__name__ in generation.error
+    # Step 7 was interrupted inside its processors: steps 0-6 are whole (in beam search step 6's token
+    # is known only at step 7, so it is recorded as -1, like the last step of a finished search).
+    assert generation.num_steps == 7 and generation.sequences is None
+    assert_steps_equal(generation.logits(), reference.logits[:7], "logits")
+    assert_steps_equal(generation.scores(), reference.scores[:7], "scores")
+    assert not list((tmp_path / "run").glob("*.tmp"))
+
+
+def _killed_run(tmp_path: Path, kill_at: int) -> subprocess.CompletedProcess:
+    script = ROOT / "tests" / "scripts" / "spill_then_sigkill.py"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "run"), str(kill_at)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+
+
+def test_sigkill_mid_run_leaves_every_committed_shard_readable(tmp_path):
+    done = _killed_run(tmp_path, kill_at=23)
+    assert done.returncode == -9, done.stderr
+    steps_per_shard = 4
+    run = open_recording(tmp_path / "run")
+    generation = run.generation()
+    assert not generation.complete and "stopped before this generation ended" in generation.error
+    # The killing processor waited for the writer, so every step drained from the ring by then (at
+    # least all but the ring's 4 slots and the shard being filled) is committed.
+    assert generation.num_steps % steps_per_shard == 0 and 12 <= generation.num_steps <= 23
+    model = make_tiny("gpt2")
+    torch.manual_seed(0)
+    reference = model.generate(
+        **left_padded_batch(), max_new_tokens=30, min_new_tokens=30, do_sample=True,
+        return_dict_in_generate=True, output_scores=True, output_logits=True,
+    )
+    steps = generation.num_steps
+    assert_steps_equal(generation.logits(), reference.logits[:steps], "logits")
+    assert_steps_equal(generation.scores(), reference.scores[:steps], "scores")
+    prompt = left_padded_batch()["input_ids"].shape[1]
+    assert torch.equal(torch.stack(generation.tokens(), 1), reference.sequences[:, prompt : prompt + steps])
+
+
+@pytest.mark.parametrize("shards_written", [2, 3])  # 3: only the last shard, written after the loop
+def test_a_full_disk_gives_a_clear_error_and_keeps_earlier_shards(gpt2, tmp_path, monkeypatch, shards_written):
+    real = _shard_store.save_file
+    calls = {"n": 0}
+
+    def save_file_until_full(tensors, filename, metadata=None):
+        calls["n"] += 1
+        if calls["n"] > shards_written:
+            raise OSError(errno.ENOSPC, "No space left on device", str(filename))
+        real(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(_shard_store, "save_file", save_file_until_full)
+    reference = _reference(gpt2)
+    with Recorder(gpt2, spill_dir=tmp_path / "run", shard_bytes=3 * _step_bytes(3)) as rec:
+        torch.manual_seed(0)
+        with pytest.raises(SpillError, match="No space left on device.*intact and readable") as raised:
+            gpt2.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=NEW_TOKENS)
+    assert raised.value.errno == errno.ENOSPC
+    assert not rec.generation().complete
+    generation = open_recording(tmp_path / "run").generation()
+    assert not generation.complete and "SpillError" in generation.error
+    assert generation.num_steps == 3 * shards_written
+    assert_steps_equal(generation.scores(), reference.scores[: 3 * shards_written], "scores")
+    assert not list((tmp_path / "run").glob("*.tmp"))
+
+
+def _mount_tiny_filesystem(path: Path, size: str) -> bool:
+    path.mkdir()
+    if os.geteuid() != 0:
+        return False
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    return done.returncode == 0
+
+
+def test_a_really_full_filesystem(tmp_path):
+    """The same on a real 1 MiB filesystem (needs root to mount one; skipped otherwise)."""
+    mount = tmp_path / "small"
+    if not _mount_tiny_filesystem(mount, "1m"):
+        pytest.skip("cannot mount a tmpfs here (needs root); the monkeypatched full-disk test covers the path")
+    try:
+        model = make_tiny("gpt2")
+        with Recorder(model, spill_dir=mount / "run", shard_bytes=200_000) as rec:
+            with pytest.raises(SpillError, match="No space left on device") as raised:
+                model.generate(**left_padded_batch((3, 6, 8) * 8), logits_processor=[rec],
+                               max_new_tokens=100, min_new_tokens=100)
+        assert raised.value.errno == errno.ENOSPC
+        generation = open_recording(mount / "run").generation()
+        assert not generation.complete and 0 < generation.num_steps < 100
+        assert len(generation.logits()) == generation.num_steps
+    finally:
+        del rec
+        gc.collect()  # drop the shard mappings, so that the filesystem can go
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.parametrize(
+    "options, error, match",
+    [
+        ({"spill_dir": 5}, TypeError, "`spill_dir` must be a path"),
+        ({"shard_bytes": 1000}, ValueError, "pass `spill_dir` too"),
+        ({"spill_dir": "X", "shard_bytes": 0}, ValueError, "`shard_bytes` must be at least 1"),
+        ({"spill_dir": "X", "shard_bytes": 1.5}, TypeError, "`shard_bytes` must be an int"),
+    ],
+)
+def test_bad_spill_options(gpt2, tmp_path, options, error, match):
+    if options.get("spill_dir") == "X":
+        options = {**options, "spill_dir": tmp_path / "run"}
+    with pytest.raises(error, match=match):
+        Recorder(gpt2, **options)
+
+
+def test_spill_dir_must_be_new_or_empty(gpt2, tmp_path):
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="is not empty"):
+        Recorder(gpt2, spill_dir=tmp_path / "used")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FileExistsError, match="is not a directory"):
+        Recorder(gpt2, spill_dir=tmp_path / "file")
+    assert (tmp_path / "used" / "notes.txt").read_text() == "mine"
+    (tmp_path / "empty").mkdir()
+    with Recorder(gpt2, spill_dir=tmp_path / "empty") as rec:
+        with pytest.raises(ValueError, match="stay on disk"):
+            rec.clear()
+    # An empty recording is readable at once.
+    assert len(open_recording(tmp_path / "empty")) == 0
