@@ -62,13 +62,22 @@ def sequences_name(generation: int) -> str:
 
 
 def shard_metadata(generation: int, first_step: int) -> dict[str, str]:
-    """The safetensors `__metadata__` of a shard: lets the reader check that a file is the one named."""
-    return {
-        "format": FORMAT,
-        "format_version": str(FORMAT_VERSION),
-        "generation": str(generation),
-        "first_step": str(first_step),
-    }
+    """The safetensors `__metadata__` of a shard: lets the reader check that a file is the one named.
+
+    One key holding sorted JSON: safetensors stores `__metadata__` as a hash map, so several keys would
+    come out in a different order in each process, and shards would not be reproducible byte for byte.
+    """
+    fields = {"format": FORMAT, "format_version": FORMAT_VERSION, "generation": generation, "first_step": first_step}
+    return {FORMAT: json.dumps(fields, sort_keys=True)}
+
+
+def read_shard_metadata(metadata: dict[str, str] | None) -> dict[str, Any]:
+    """The fields `shard_metadata` wrote, or {} when they are missing or unreadable."""
+    try:
+        fields = json.loads((metadata or {}).get(FORMAT, "{}"))
+    except json.JSONDecodeError:
+        return {}
+    return fields if isinstance(fields, dict) else {}
 
 
 # -- writing -----------------------------------------------------------------------------------------

@@ -243,12 +243,12 @@ def _map_shard(path: Path, generation: int, shard: dict[str, Any], streams: dict
         raise RecordingError(path, "missing: the manifest names this shard but the file is not there.")
     try:
         with safe_open(str(path), framework="pt") as file:
-            metadata = file.metadata() or {}
+            metadata = _format.read_shard_metadata(file.metadata())
             tensors = {name: file.get_tensor(name) for name in file.keys()}
     except (SafetensorError, OSError, RuntimeError) as error:
         raise RecordingError(path, f"not a readable safetensors shard ({error}); the file is damaged.") from None
-    expected = _format.shard_metadata(generation, shard["first_step"])
-    for key in ("format", "generation", "first_step"):
+    expected = {"format": _format.FORMAT, "generation": generation, "first_step": shard["first_step"]}
+    for key in expected:
         if metadata.get(key) != expected[key]:
             raise RecordingError(
                 path,

@@ -1,0 +1,286 @@
+"""Reading recordings back: selections, laziness, the pinned format, damaged or hostile directories."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from transformers_offload import Recorder, RecordingError, open_recording
+
+from .conftest import left_padded_batch
+from .helpers import made_up_step, write_made_up_recording
+
+GOLDEN = Path(__file__).resolve().parent / "golden" / "tiny-recording"
+ROOT = Path(__file__).resolve().parent.parent
+ROWS, VOCAB, STEPS = 5, 16, 9
+
+
+@pytest.fixture
+def recording(tmp_path) -> Path:
+    """A made-up recording of 9 steps in shards of 4 steps."""
+    step_bytes = ROWS * VOCAB * 4 * 2 + ROWS * 9
+    write_made_up_recording(tmp_path / "run", steps=STEPS, rows=ROWS, vocab=VOCAB, shard_bytes=4 * step_bytes)
+    return tmp_path / "run"
+
+
+def _expected(name, steps, rows):
+    return [made_up_step(t, ROWS, VOCAB)[name][rows] for t in steps]
+
+
+# -- the pinned format ------------------------------------------------------------------------------
+def _golden_files(root: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(root.iterdir())}
+
+
+def test_the_format_is_pinned_byte_for_byte(tmp_path):
+    """A change here is a format change: bump FORMAT_VERSION, then run tests/golden/make.py."""
+    write_made_up_recording(tmp_path / "run", steps=3, rows=2, vocab=4, shard_bytes=164)
+    assert _golden_files(tmp_path / "run") == _golden_files(GOLDEN)
+
+
+def test_the_golden_recording_reads_back():
+    run = open_recording(GOLDEN)
+    assert run.format_version == 1 and run.model["class"] == "MadeUpForCausalLM"
+    generation = run.generation()
+    assert generation.complete and generation.num_steps == 3 and generation.prompt_lengths == (2, 2)
+    for name in ("logits", "scores", "tokens", "finished"):
+        values = getattr(generation, name)()
+        for step, value in enumerate(values):
+            assert torch.equal(value, made_up_step(step, 2, 4)[name])
+
+
+# -- selections ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "steps", [None, slice(2, 7), slice(3, None), slice(None, None, 2), slice(None, None, -1), range(1, 9, 3), slice(20, 30)]
+)
+@pytest.mark.parametrize("rows", [None, 3, slice(1, 4), [4, 0, 2], torch.tensor([1, 1])])
+def test_a_selection_equals_the_same_selection_of_everything(recording, steps, rows):
+    run = open_recording(recording)
+    chosen = range(STEPS) if steps is None else (range(STEPS)[steps] if isinstance(steps, slice) else steps)
+    index = slice(None) if rows is None else rows
+    for name in ("logits", "scores", "tokens", "finished"):
+        got = getattr(run, name)(steps=steps, rows=rows)
+        expected = _expected(name, chosen, index)
+        assert len(got) == len(expected)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected)), name
+
+
+def test_numpy_selection(recording):
+    run = open_recording(recording)
+    arrays = run.logits(steps=slice(4, 6), rows=[0], framework="np")
+    assert [a.shape for a in arrays] == [(1, VOCAB), (1, VOCAB)]
+    assert (arrays[1] == made_up_step(5, ROWS, VOCAB)["logits"][[0]].numpy()).all()
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"rows": 5}, IndexError, "out of range for 5 rows"),
+        ({"rows": [0, 7]}, IndexError, "outside the 5 rows"),
+        ({"rows": "all"}, TypeError, "`rows` must be"),
+        ({"steps": range(5, 12)}, IndexError, "outside the 9 recorded steps"),
+        ({"steps": 3}, TypeError, "`steps` must be a slice or a range"),
+        ({"framework": "tf"}, ValueError, "`framework`"),
+    ],
+)
+def test_bad_selections(recording, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        open_recording(recording).logits(**kwargs)
+
+
+def test_the_in_memory_recorder_takes_the_same_selections(gpt2):
+    with Recorder(gpt2) as rec:
+        gpt2.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=6)
+    everything = rec.scores()
+    picked = rec.scores(steps=slice(1, 5, 2), rows=[2, 0])
+    assert len(picked) == 2
+    assert torch.equal(picked[1], everything[3][[2, 0]])
+    with pytest.raises(TypeError, match="`generation` must be an int"):
+        rec.scores("last")
+
+
+def _resident_bytes() -> int:
+    """Resident bytes of file-backed mappings (the shards), without the process's own heap noise."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssFile:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no RssFile in /proc/self/status")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads resident memory from /proc (Linux)")
+def test_reading_one_row_of_one_step_reads_only_those_bytes(tmp_path):
+    rows, vocab, steps = 8, 32768, 48  # 2 MiB per step, 96 MiB in all, in shards of 16 steps
+    write_made_up_recording(tmp_path / "run", steps=steps, rows=rows, vocab=vocab, shard_bytes=16 * 2 * 2**20)
+    run = open_recording(tmp_path / "run")
+    run.logits(steps=slice(0, 1), rows=[0])  # warm up: the first read sets up allocator and mappings
+    before = _resident_bytes()
+    one = run.logits(steps=slice(30, 31), rows=[5])
+    assert torch.equal(one[0], made_up_step(30, rows, vocab)["logits"][[5]])
+    after_one = _resident_bytes()
+    total = sum(float(step.sum()) for step in run.logits())  # touches every page of the stream
+    after_all = _resident_bytes()
+    assert total != 0
+    assert after_one - before < 2 * 2**20, "reading one row of one step mapped far more than that row"
+    assert after_all - before > 32 * 2**20, "reading every step should map the stream (the test is blind)"
+
+
+# -- damaged and hostile recordings ------------------------------------------------------------------
+def _edit_manifest(root: Path, edit) -> None:
+    path = root / "manifest.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+def _truncate(root: Path) -> str:
+    path = root / "g0000-s00001.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    return path.name
+
+
+def _corrupt_header(root: Path) -> str:
+    path = root / "g0000-s00000.safetensors"
+    data = bytearray(path.read_bytes())
+    data[8:24] = b"\xff" * 16
+    path.write_bytes(bytes(data))
+    return path.name
+
+
+def _future_version(root: Path) -> str:
+    _edit_manifest(root, lambda m: m.update(format_version=99))
+    return "manifest.json"
+
+
+def _shape_disagrees(root: Path) -> str:
+    _edit_manifest(root, lambda m: m["generations"][0]["streams"]["logits"].update(shape=[ROWS, VOCAB + 1]))
+    return "g0000-s00000.safetensors"
+
+
+def _escaping_name(root: Path) -> str:
+    (root.parent / "outside.safetensors").write_bytes((root / "g0000-s00000.safetensors").read_bytes())
+    _edit_manifest(root, lambda m: m["generations"][0]["shards"][0].update(file="../outside.safetensors"))
+    return "manifest.json"
+
+
+def _absolute_name(root: Path) -> str:
+    _edit_manifest(root, lambda m: m["generations"][0]["shards"][0].update(file="/etc/passwd"))
+    return "manifest.json"
+
+
+def _escaping_symlink(root: Path) -> str:
+    outside = root.parent / "outside.safetensors"
+    shutil.move(root / "g0000-s00000.safetensors", outside)
+    (root / "g0000-s00000.safetensors").symlink_to(outside)
+    return "manifest.json"
+
+
+def _pickle_as_shard(root: Path) -> str:
+    (root / "g0000-s00000.safetensors").write_bytes(pickle.dumps({"logits": [1.0, 2.0]}))
+    return "g0000-s00000.safetensors"
+
+
+def _swapped_shards(root: Path) -> str:
+    first, second = root / "g0000-s00000.safetensors", root / "g0000-s00001.safetensors"
+    first_bytes = first.read_bytes()
+    first.write_bytes(second.read_bytes())
+    second.write_bytes(first_bytes)
+    return "g0000-s00000.safetensors"
+
+
+def _missing_shard(root: Path) -> str:
+    (root / "g0000-s00002.safetensors").unlink()
+    return "g0000-s00002.safetensors"
+
+
+def _not_json(root: Path) -> str:
+    (root / "manifest.json").write_text("{ this is not json")
+    return "manifest.json"
+
+
+def _unknown_encoding(root: Path) -> str:
+    _edit_manifest(root, lambda m: m["generations"][0]["streams"]["scores"].update(encoding="topk-64"))
+    return "manifest.json"
+
+
+def _more_steps_than_shards(root: Path) -> str:
+    _edit_manifest(root, lambda m: m["generations"][0].update(num_steps=STEPS + 5))
+    return "manifest.json"
+
+
+DAMAGE = {
+    "truncated shard": (_truncate, "damaged"),
+    "corrupted header": (_corrupt_header, "damaged"),
+    "unknown format version": (_future_version, "format version 99 is newer"),
+    "shape disagrees with the manifest": (_shape_disagrees, "the manifest says"),
+    "name escaping the directory": (_escaping_name, "not a plain file name"),
+    "absolute name": (_absolute_name, "not a plain file name"),
+    "symlink leading outside": (_escaping_symlink, "leads outside the recording"),
+    "pickle posing as a shard": (_pickle_as_shard, "not a readable safetensors shard"),
+    "swapped shards": (_swapped_shards, "not the shard the manifest names"),
+    "missing shard": (_missing_shard, "file is not there"),
+    "manifest not JSON": (_not_json, "not valid JSON"),
+    "unknown encoding": (_unknown_encoding, "encoding 'topk-64'"),
+    "steps beyond the shards": (_more_steps_than_shards, "shards hold 9 steps"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_damaged_or_hostile_recording_gives_a_typed_error_naming_the_file(recording, damage):
+    breaks, match = DAMAGE[damage]
+    culprit = breaks(recording)
+    with pytest.raises(RecordingError, match=match) as raised:
+        open_recording(recording)
+    assert raised.value.path.name == culprit
+    assert culprit in str(raised.value)
+
+
+def test_not_a_recording(tmp_path):
+    with pytest.raises(RecordingError, match="no such recording directory"):
+        open_recording(tmp_path / "nothing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RecordingError, match="not a transformers-offload recording"):
+        open_recording(tmp_path / "empty")
+
+
+# -- the command line ------------------------------------------------------------------------------
+def _inspect(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "transformers_offload", "inspect", *args], capture_output=True, text=True, env=env
+    )
+
+
+def test_inspect_prints_the_summary(recording):
+    done = _inspect(str(recording))
+    assert done.returncode == 0, done.stderr
+    text = done.stdout
+    assert "format 1" in text and "transformers x" in text and "torch y" in text
+    assert "MadeUpForCausalLM 'made-up' (MadeUpConfig), vocabulary 4" in text
+    assert "generation 0: sample, complete" in text
+    assert f"{STEPS} steps x {ROWS} rows" in text and "3 shard(s)" in text
+    assert "logits        float32   dense     (5, 16)" in text
+    assert "2.8 KiB" in text  # 9 steps x 5 rows x 16 x 4 bytes
+
+
+def test_inspect_json_and_incomplete(tmp_path):
+    write_made_up_recording(tmp_path / "run", steps=4, rows=2, vocab=4, shard_bytes=10**6, complete=False)
+    done = _inspect(str(tmp_path / "run"), "--json")
+    summary = json.loads(done.stdout)
+    generation = summary["generations"][0]
+    assert generation["complete"] is False and "KeyboardInterrupt" in generation["error"]
+    assert generation["streams"]["scores"]["bytes"] == 4 * 2 * 4 * 4
+    assert summary["created_by"]["torch"] == "y"
+
+
+def test_inspect_a_damaged_recording(recording):
+    _truncate(recording)
+    done = _inspect(str(recording))
+    assert done.returncode == 1 and "g0000-s00001.safetensors" in done.stderr and "Traceback" not in done.stderr
