@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-from transformers_offload import Recorder
+from transformers_offload import Recorder, open_recording
 
 from .helpers import assert_steps_equal, finished_from_sequences
 
@@ -29,17 +35,21 @@ def chat_batch(real_model):
     return tokenizer(texts, return_tensors="pt", padding=True)
 
 
+@pytest.mark.parametrize("store", ["memory", "spill"])
 @pytest.mark.parametrize("mode", sorted(MODES))
-def test_real_model_recording_is_exact(real_model, chat_batch, mode):
+def test_real_model_recording_is_exact(real_model, chat_batch, mode, store, tmp_path):
     model, tokenizer = real_model
     kwargs = dict(MODES[mode], max_new_tokens=40, min_new_tokens=32, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
     reference = model.generate(
         **chat_batch, return_dict_in_generate=True, output_scores=True, output_logits=True, **kwargs
     )
-    with Recorder(model) as rec:
+    options = {"spill_dir": tmp_path / "run", "shard_bytes": 2**20} if store == "spill" else {}
+    with Recorder(model, **options) as rec:
         torch.manual_seed(0)
         sequences = model.generate(**chat_batch, logits_processor=[rec], **kwargs)
+    if store == "spill":
+        rec = open_recording(tmp_path / "run")
     assert torch.equal(sequences, reference.sequences)
     assert len(rec.logits()) >= 32
     assert_steps_equal(rec.logits(), reference.logits, "logits")
@@ -65,3 +75,32 @@ def test_real_model_answers_the_capital_question(real_model, chat_batch):
     paris = tokenizer.encode(" Paris")[0]
     step = [int(t[0]) for t in rec.tokens()].index(paris)
     assert int(rec.logits()[step][0].argmax()) == paris
+
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS, CHECKPOINT, BATCH, SHARD_MIB = 512, 128, 4, 16
+STEP_MIB = BATCH * 49152 * 4 * 2 / 2**20  # raw logits and processed scores, float32
+
+
+def _peak_rss(store: str) -> dict:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "peak_rss.py"), "--store", store, "--steps", str(STEPS),
+         "--checkpoint", str(CHECKPOINT), "--batch", str(BATCH), "--shard-mib", str(SHARD_MIB)],
+        capture_output=True, text=True, timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_spilling_keeps_peak_memory_flat_while_the_memory_store_grows(real_model):
+    """Batch 4, 512 steps: peak RSS growth from step 128 to the end, each store in its own process.
+
+    Stock generate() grows too (its KV cache); the spilling recorder may add at most its three shard
+    buffers on top of that, whatever the number of steps; the in-memory store grows by every step's
+    logits and scores (1.5 MiB a step here).
+    """
+    stock, spill, memory = (_peak_rss(store) for store in ("none", "spill", "memory"))
+    late_steps = STEPS - CHECKPOINT
+    print(json.dumps({"stock": stock, "spill": spill, "memory": memory}, indent=1))
+    assert spill["growth_mib"] <= stock["growth_mib"] + 3 * SHARD_MIB, (stock, spill)
+    assert memory["growth_mib"] >= stock["growth_mib"] + 0.9 * late_steps * STEP_MIB, (stock, memory)
