@@ -104,3 +104,16 @@ def test_spilling_keeps_peak_memory_flat_while_the_memory_store_grows(real_model
     print(json.dumps({"stock": stock, "spill": spill, "memory": memory}, indent=1))
     assert spill["growth_mib"] <= stock["growth_mib"] + 3 * SHARD_MIB, (stock, spill)
     assert memory["growth_mib"] >= stock["growth_mib"] + 0.9 * late_steps * STEP_MIB, (stock, memory)
+
+
+def test_the_demo_records_to_a_directory_and_reads_it_back(real_model, tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "chat_demo.py"), "--out", str(tmp_path / "demo")],
+        capture_output=True, text=True, timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "generation 0: sample, complete" in done.stdout and "Paris" in done.stdout
+    for line in ("raw logits bit-identical to out.logits:       True",
+                 "processed scores bit-identical to out.scores: True"):
+        assert line in done.stdout
+    assert len(open_recording(tmp_path / "demo").generation().logits()) > 0

@@ -230,3 +230,13 @@ def test_spill_dir_must_be_new_or_empty(gpt2, tmp_path):
             rec.clear()
     # An empty recording is readable at once.
     assert len(open_recording(tmp_path / "empty")) == 0
+
+
+def test_a_call_that_fails_before_its_first_step(gpt2, tmp_path):
+    with Recorder(gpt2, spill_dir=tmp_path / "run") as rec:
+        with pytest.raises(Boom):
+            gpt2.generate(**left_padded_batch(), logits_processor=[rec, FailAtStep(0, Boom())], max_new_tokens=4)
+        gpt2.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=4)
+    first, second = open_recording(tmp_path / "run")
+    assert not first.complete and first.num_steps == 0 and first.logits() == () and first.tokens() == ()
+    assert second.complete and second.num_steps == 4

@@ -13,6 +13,7 @@ from typing import Any, Protocol, Sequence, Union
 import torch
 
 FRAMEWORKS = ("pt", "np")
+_STEP_STREAMS = ("logits", "scores", "tokens", "finished", "beam_parents")
 Rows = Union[int, slice, Sequence[int], torch.Tensor, None]
 Steps = Union[slice, range, None]
 
@@ -217,6 +218,8 @@ class Generation:
 
     def _get(self, name: str, steps: Steps, rows: Rows, framework: str) -> tuple[Any, ...]:
         _check_framework(framework)
+        if name not in self.streams and self.num_steps == 0 and name in _STEP_STREAMS:
+            return ()  # a call that failed before its first step left no stream behind
         if name not in self.streams:
             raise KeyError(
                 f"this recording has no {name!r} stream (it holds {sorted(self.streams)}); create the "

@@ -1,0 +1,71 @@
+"""The command line, run as `python -m transformers_offload inspect PATH [--json]`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from ._format import RecordingError
+from .reader import open_recording
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m transformers_offload",
+        description="Tools for recordings written by transformers-offload's Recorder(spill_dir=...).",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    inspect = commands.add_parser(
+        "inspect", help="summarise a recording: generations, steps, rows, streams, sizes, versions"
+    )
+    inspect.add_argument("path", help="the recording directory (the Recorder's spill_dir)")
+    inspect.add_argument("--json", action="store_true", help="print the summary as JSON")
+    arguments = parser.parse_args(argv)
+    try:
+        recording = open_recording(arguments.path)
+        summary = recording.describe()
+    except RecordingError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary, indent=2) if arguments.json else format_summary(summary))
+    return 0
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The `inspect` summary as text (one block per generation, one line per stream)."""
+    versions = ", ".join(f"{name} {version}" for name, version in summary["created_by"].items())
+    model = summary["model"]
+    name = f" {model['name_or_path']!r}" if model.get("name_or_path") else ""
+    lines = [
+        f"recording {summary['path']} (format {summary['format_version']})",
+        f"recorded with {versions}",
+        f"model {model.get('class')}{name} ({model.get('config_class')}), vocabulary {model.get('vocab_size')}",
+        f"{len(summary['generations'])} generation(s)",
+    ]
+    for generation in summary["generations"]:
+        state = "complete" if generation["complete"] else f"INCOMPLETE ({generation['status']}): {generation['error']}"
+        beams = f", {generation['num_beams']} beams" if generation["num_beams"] > 1 else ""
+        lines += [
+            "",
+            f"generation {generation['index']}: {generation['mode']}, {state}",
+            f"  {generation['num_steps']} steps x {generation['num_rows']} rows{beams}, prompt "
+            f"{generation['prompt_length']} tokens, {generation['num_shards']} shard(s), "
+            f"{_size(generation['file_bytes'])} on disk",
+            f"  {'stream':<14}{'dtype':<10}{'encoding':<10}{'shape per step':<18}{'bytes':>12}",
+        ]
+        for stream, info in generation["streams"].items():
+            shape = str(tuple(info["shape"]))
+            lines.append(
+                f"  {stream:<14}{info['dtype']:<10}{info['encoding']:<10}{shape:<18}{_size(info['bytes']):>12}"
+            )
+    return "\n".join(lines)
+
+
+def _size(count: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1024 or unit == "GiB":
+            return f"{count} B" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} GiB"  # pragma: no cover
