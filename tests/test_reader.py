@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -61,11 +62,24 @@ def test_the_golden_recording_reads_back():
 @pytest.mark.parametrize(
     "steps", [None, slice(2, 7), slice(3, None), slice(None, None, 2), slice(None, None, -1), range(1, 9, 3), slice(20, 30)]
 )
-@pytest.mark.parametrize("rows", [None, 3, slice(1, 4), [4, 0, 2], torch.tensor([1, 1])])
-def test_a_selection_equals_the_same_selection_of_everything(recording, steps, rows):
+@pytest.mark.parametrize(
+    "rows, index",
+    [
+        (None, slice(None)),
+        (3, 3),
+        (np.int64(2), 2),
+        (slice(1, 4), slice(1, 4)),
+        (slice(None, None, -2), [4, 2, 0]),
+        ([4, 0, 2], [4, 0, 2]),
+        (torch.tensor([1, 1]), [1, 1]),
+        ([True, False, True, False, True], [0, 2, 4]),
+        ([], []),
+    ],
+    ids=["all", "int", "numpy-int", "slice", "reversed", "list", "tensor", "mask", "none"],
+)
+def test_a_selection_equals_the_same_selection_of_everything(recording, steps, rows, index):
     run = open_recording(recording)
     chosen = range(STEPS) if steps is None else (range(STEPS)[steps] if isinstance(steps, slice) else steps)
-    index = slice(None) if rows is None else rows
     for name in ("logits", "scores", "tokens", "finished"):
         got = getattr(run, name)(steps=steps, rows=rows)
         expected = _expected(name, chosen, index)
@@ -86,6 +100,8 @@ def test_numpy_selection(recording):
         ({"rows": 5}, IndexError, "out of range for 5 rows"),
         ({"rows": [0, 7]}, IndexError, "outside the 5 rows"),
         ({"rows": "all"}, TypeError, "`rows` must be"),
+        ({"rows": [1.5]}, TypeError, "`rows` must be"),
+        ({"rows": [True, False]}, IndexError, "mask must have 5 entries"),
         ({"steps": range(5, 12)}, IndexError, "outside the 9 recorded steps"),
         ({"steps": 3}, TypeError, "`steps` must be a slice or a range"),
         ({"framework": "tf"}, ValueError, "`framework`"),
@@ -215,7 +231,70 @@ def _more_steps_than_shards(root: Path) -> str:
     return "manifest.json"
 
 
+def _set(**fields):
+    """Damage: set fields of generation 0 in the manifest."""
+
+    def damage(root: Path) -> str:
+        _edit_manifest(root, lambda m: m["generations"][0].update(fields))
+        return "manifest.json"
+
+    return damage
+
+
+def _same_file_twice(root: Path) -> str:
+    _edit_manifest(root, lambda m: m["generations"][0]["shards"][1].update(file="g0000-s00000.safetensors"))
+    return "manifest.json"
+
+
+def _deeply_nested(root: Path) -> str:
+    (root / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    return "manifest.json"
+
+
+def _huge_number(root: Path) -> str:
+    (root / "manifest.json").write_text('{"format": "transformers-offload", "format_version": ' + "9" * 5000 + "}")
+    return "manifest.json"
+
+
+def _manifest_symlinked_from_outside(root: Path) -> str:
+    outside = root.parent / "elsewhere.json"
+    shutil.move(root / "manifest.json", outside)
+    (root / "manifest.json").symlink_to(outside)
+    return "manifest.json"
+
+
+def _wrong_sequences(root: Path) -> str:
+    from safetensors.torch import save_file
+
+    save_file({"sequences": torch.zeros(ROWS, 1, dtype=torch.long)}, str(root / "g0000-sequences.safetensors"))
+    return "g0000-sequences.safetensors"
+
+
+def _directory_as_shard(root: Path) -> str:
+    (root / "g0000-s00001.safetensors").unlink()
+    (root / "g0000-s00001.safetensors").mkdir()
+    return "g0000-s00001.safetensors"
+
+
 DAMAGE = {
+    "same file named twice": (_same_file_twice, "twice"),
+    "deeply nested JSON": (_deeply_nested, "not valid JSON"),
+    "huge number": (_huge_number, "not valid JSON"),
+    "manifest symlinked from outside": (_manifest_symlinked_from_outside, "leads outside the recording"),
+    "sequences of the wrong width": (_wrong_sequences, "disagree with the manifest"),
+    "directory posing as a shard": (_directory_as_shard, "file is not there"),
+    "eos_token_id not a list": (_set(eos_token_id=5), "`eos_token_id` must be a list"),
+    "prompt_lengths not a list": (_set(prompt_lengths="ab"), "`prompt_lengths` must be list or null"),
+    "prompt_lengths of strings": (_set(prompt_lengths=["a"]), "must list non-negative integers"),
+    "index not an int": (_set(index="x"), "`index` must be a int"),
+    "index out of order": (_set(index=3), "generations are listed in order"),
+    "generation_config not an object": (_set(generation_config=[1, 2]), "`generation_config` must be a dict"),
+    "NUL in a file name": (_set(sequences="a\x00b"), "not a plain file name"),
+    "no beams": (_set(num_beams=0), "`num_beams` must be at least 1"),
+    "rows disagree with the streams": (_set(num_rows=999), "disagrees with `num_rows` 999"),
+    "negative prompt length": (_set(prompt_length=-4), "must not be negative"),
+    "beam mode without parents": (_set(mode="beam_search"), "lack \\['beam_parents'\\]"),
+
     "truncated shard": (_truncate, "damaged"),
     "corrupted header": (_corrupt_header, "damaged"),
     "unknown format version": (_future_version, "format version 99 is newer"),
@@ -278,6 +357,17 @@ def test_inspect_json_and_incomplete(tmp_path):
     assert generation["complete"] is False and "KeyboardInterrupt" in generation["error"]
     assert generation["streams"]["scores"]["bytes"] == 4 * 2 * 4 * 4
     assert summary["created_by"]["torch"] == "y"
+
+
+def test_inspect_into_a_closed_pipe_and_on_a_file(recording):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        f"{sys.executable} -m transformers_offload inspect {recording} | head -n 1",
+        shell=True, capture_output=True, text=True, env=env,
+    )
+    assert done.stdout.startswith("recording ") and "Traceback" not in done.stderr
+    done = _inspect(str(recording / "manifest.json"))
+    assert done.returncode == 1 and "is a file, not a recording directory" in done.stderr
 
 
 def test_inspect_a_damaged_recording(recording):

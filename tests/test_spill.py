@@ -240,3 +240,54 @@ def test_a_call_that_fails_before_its_first_step(gpt2, tmp_path):
     first, second = open_recording(tmp_path / "run")
     assert not first.complete and first.num_steps == 0 and first.logits() == () and first.tokens() == ()
     assert second.complete and second.num_steps == 4
+
+
+def test_a_huge_shard_size_is_capped_by_the_steps_the_call_can_run(gpt2, tmp_path):
+    with Recorder(gpt2, spill_dir=tmp_path / "run", shard_bytes=2**40) as rec:
+        gpt2.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=4)
+    generation = open_recording(tmp_path / "run").generation()
+    assert generation.complete and generation.num_steps == 4
+
+
+def test_any_failure_of_the_store_closes_the_generation_as_failed(gpt2, tmp_path, monkeypatch):
+    """Not only disk errors: e.g. no host memory left for a shard buffer."""
+    real = _shard_store._ShardBuffer.reset
+    calls = {"n": 0}
+
+    def reset_until_out_of_memory(self, index, capacity):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("DefaultCPUAllocator: not enough memory")
+        real(self, index, capacity)
+
+    monkeypatch.setattr(_shard_store._ShardBuffer, "reset", reset_until_out_of_memory)
+    with Recorder(gpt2, spill_dir=tmp_path / "run", shard_bytes=3 * _step_bytes(3)) as rec:
+        with pytest.raises(RuntimeError, match="not enough memory"):
+            gpt2.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=NEW_TOKENS)
+    assert len(rec.generations) == 1 and not rec.generation().complete
+    generation = open_recording(tmp_path / "run").generation()
+    assert "not enough memory" in generation.error and generation.num_steps == 6
+
+
+def test_a_removed_spill_dir_gives_a_spill_error_before_the_next_call_runs(gpt2, tmp_path):
+    import shutil
+
+    forwards = {"n": 0}
+    handle = gpt2.register_forward_hook(lambda *args: forwards.__setitem__("n", forwards["n"] + 1))
+    with Recorder(gpt2, spill_dir=tmp_path / "run") as rec:
+        gpt2.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=2)
+        shutil.rmtree(tmp_path / "run")
+        before = forwards["n"]
+        with pytest.raises(SpillError, match="cannot write to `spill_dir`.*still exists"):
+            gpt2.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=2)
+        assert forwards["n"] == before
+    handle.remove()
+
+
+def test_beam_accessors_of_a_beam_generation_without_steps(gpt2, tmp_path):
+    with Recorder(gpt2, spill_dir=tmp_path / "run") as rec:
+        with pytest.raises(Boom):
+            gpt2.generate(**left_padded_batch(), logits_processor=[rec, FailAtStep(0, Boom())], max_new_tokens=4,
+                          num_beams=2)
+    generation = open_recording(tmp_path / "run").generation()
+    assert generation.is_beam and generation.beam_parents() == () and generation.num_steps == 0

@@ -14,13 +14,13 @@ from typing import Any, Callable
 import torch
 
 from . import _compat
-from ._shard_store import SpillError
 from ._transfer import HostRing
 from .recording import Generation
 
-# Opens the store of one call: given the stream names and the call's header, returns an object with
-# `drain(step, tensors)`, `has(name, step)`, `finish(...) -> Generation` and `failure`.
-OpenStore = Callable[[list[str], dict[str, Any]], Any]
+# Opens the store of one call: given the stream names, the call's header and the most steps it can
+# run, returns an object with `drain(step, tensors)`, `has(name, step)`, `finish(...) -> Generation`
+# and `failure`.
+OpenStore = Callable[[list[str], dict[str, Any], int], Any]
 
 
 class UnsupportedModeError(ValueError):
@@ -69,6 +69,7 @@ class Capture:
         self._no_beam_finished: torch.Tensor | None = None
         self._forward_logits: torch.Tensor | None = None
         self._previous_ids: torch.Tensor | None = None
+        self._late_error: BaseException | None = None
 
     # -- set-up, from the processor-list hook, before the decoding loop ------------------------------
     def start(self, generation_config: Any, prompt_length: int) -> None:
@@ -96,7 +97,9 @@ class Capture:
                 if not key.startswith("_")
             },
         )
-        self.store = self.open_store(self.names, self.header)
+        max_length = getattr(generation_config, "max_length", None)
+        max_steps = max(1, max_length - self.prompt_length) if isinstance(max_length, int) else 2**31
+        self.store = self.open_store(self.names, self.header, max_steps)
         self.ring = HostRing(self.ring_slots, self.store.drain)
         self.started = True
 
@@ -108,8 +111,11 @@ class Capture:
 
     @property
     def failure(self) -> BaseException | None:
-        """The store's own failure (a shard that could not be written), raised after the call ends."""
-        return None if self.store is None else self.store.failure
+        """What failed while the call's recording was closed (a shard that could not be written...):
+        raised once the manifest says how the call ended."""
+        if self.store is not None and self.store.failure is not None:
+            return self.store.failure
+        return self._late_error
 
     @property
     def is_beam(self) -> bool:
@@ -193,8 +199,9 @@ class Capture:
             self.ring.put(steps - 1, "tokens", last)
         try:
             self.ring.flush()
-        except SpillError:
-            pass  # kept as the store's `failure`: raised once the manifest says how the call ended
+        except Exception as late:  # noqa: BLE001 - kept, and raised once the recording is closed
+            self._late_error = late
+            error = error if error is not None else late
         self._previous_ids = None
         self._forward_logits = None
         self._finished = None

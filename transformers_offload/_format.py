@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -84,10 +85,14 @@ def read_shard_metadata(metadata: dict[str, str] | None) -> dict[str, Any]:
 def write_atomically(path: Path, write: Callable[[Path], None]) -> int:
     """Write `path` so that it is either absent/old or complete: `write(temporary)`, fsync, rename.
 
+    The temporary file is `path`'s name with a unique middle part and `.tmp`, next to it.
+
     Returns the bytes written. The temporary file is removed when `write` fails (a full disk...), and
     the error is raised.
     """
-    temporary = path.with_name(path.name + ".tmp")
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    os.close(fd)
+    temporary = Path(name)
     try:
         write(temporary)
         with open(temporary, "rb+") as file:
@@ -121,19 +126,27 @@ def _fsync_directory(directory: Path) -> None:
 
 
 # -- reading -----------------------------------------------------------------------------------------
+BEAM_MODES = ("beam_search", "beam_sample")  # whose generations carry `beam_parents`
+PER_ROW_STREAMS = ("tokens", "finished", "beam_parents")  # shape (rows,)
+REQUIRED_STREAMS = ("tokens", "finished")
+
+
 def read_manifest(root: Path) -> dict[str, Any]:
     """Load and check `root/manifest.json`; raise `RecordingError` naming what is wrong."""
     path = root / MANIFEST
-    if not root.is_dir():
+    if not root.exists():
         raise RecordingError(root, "no such recording directory.")
+    if not root.is_dir():
+        raise RecordingError(root, "is a file, not a recording directory (pass the directory `spill_dir` named).")
     if not path.is_file():
         raise RecordingError(
             path, "missing: this directory is not a transformers-offload recording (no manifest)."
         )
+    inside(root, MANIFEST, path)  # a manifest symlinked from elsewhere is not this recording's
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise RecordingError(path, f"not valid JSON ({error}); the manifest is damaged.") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
+        raise RecordingError(path, f"not valid JSON ({type(error).__name__}: {error}); the manifest is damaged.") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise RecordingError(path, f"not a transformers-offload manifest (no \"format\": {FORMAT!r}).")
     version = manifest.get("format_version")
@@ -149,17 +162,22 @@ def read_manifest(root: Path) -> dict[str, Any]:
     _field(manifest, "generations", list, path)
     _field(manifest, "created_by", dict, path)
     _field(manifest, "model", dict, path)
+    files: set[str] = set()
     for index, entry in enumerate(manifest["generations"]):
-        check_generation(entry, index, root, path)
+        check_generation(entry, index, root, path, files)
     return manifest
 
 
-def check_generation(entry: Any, index: int, root: Path, path: Path) -> None:
-    """Check one generation entry of the manifest: types, stream shapes, and every file name."""
+def check_generation(entry: Any, index: int, root: Path, path: Path, files: set[str]) -> None:
+    """Check one generation entry of the manifest: types, values, stream shapes, and every file name.
+
+    `files` collects the names seen so far: no file may be named twice in a recording.
+    """
     where = f"generation {index}"
     if not isinstance(entry, dict):
         raise RecordingError(path, f"{where} must be a JSON object, got {type(entry).__name__}.")
     for key, kind in (
+        ("index", int),
         ("status", str),
         ("mode", str),
         ("num_steps", int),
@@ -168,14 +186,31 @@ def check_generation(entry: Any, index: int, root: Path, path: Path) -> None:
         ("prompt_length", int),
         ("streams", dict),
         ("shards", list),
+        ("eos_token_id", list),
+        ("generation_config", dict),
     ):
         _field(entry, key, kind, path, where)
+    if entry["index"] != index:
+        raise RecordingError(path, f"{where} says `index` {entry['index']}; generations are listed in order.")
     if entry["status"] not in STATUSES:
         raise RecordingError(path, f"{where}: unknown `status` {entry['status']!r}; expected {STATUSES}.")
-    if entry["num_steps"] < 0 or entry["num_rows"] < 0:
-        raise RecordingError(path, f"{where}: negative `num_steps` or `num_rows`.")
-    for name, stream in entry["streams"].items():
+    for key in ("num_steps", "num_rows", "prompt_length"):
+        if entry[key] < 0:
+            raise RecordingError(path, f"{where}: `{key}` must not be negative, got {entry[key]}.")
+    if entry["num_beams"] < 1:
+        raise RecordingError(path, f"{where}: `num_beams` must be at least 1, got {entry['num_beams']}.")
+    for key, kinds in (("error", (str,)), ("pad_token_id", (int,)), ("sequences", (str,)), ("prompt_lengths", (list,))):
+        value = entry.get(key)
+        if value is not None and (not isinstance(value, kinds) or isinstance(value, bool)):
+            raise RecordingError(path, f"{where}: `{key}` must be {kinds[0].__name__} or null, got {value!r}.")
+    for key in ("eos_token_id", "prompt_lengths"):
+        values = entry.get(key) or []
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+            raise RecordingError(path, f"{where}: `{key}` must list non-negative integers, got {values!r}.")
+    streams = entry["streams"]
+    for name, stream in streams.items():
         _check_stream(name, stream, path, where)
+    _check_stream_set(entry, path, where)
     expected_first = 0
     for shard in entry["shards"]:
         if not isinstance(shard, dict):
@@ -183,7 +218,7 @@ def check_generation(entry: Any, index: int, root: Path, path: Path) -> None:
         _field(shard, "file", str, path, where)
         _field(shard, "first_step", int, path, where)
         _field(shard, "num_steps", int, path, where)
-        inside(root, shard["file"], path)
+        _claim(root, shard["file"], path, files)
         if shard["first_step"] != expected_first or shard["num_steps"] < 1:
             raise RecordingError(
                 path,
@@ -195,11 +230,32 @@ def check_generation(entry: Any, index: int, root: Path, path: Path) -> None:
         raise RecordingError(
             path, f"{where}: its shards hold {expected_first} steps, the manifest says {entry['num_steps']}."
         )
-    sequences = entry.get("sequences")
-    if sequences is not None:
-        if not isinstance(sequences, str):
-            raise RecordingError(path, f"{where}: `sequences` must be a file name or null.")
-        inside(root, sequences, path)
+    if entry.get("sequences") is not None:
+        _claim(root, entry["sequences"], path, files)
+
+
+def _check_stream_set(entry: dict[str, Any], path: Path, where: str) -> None:
+    """Streams agree with each other, with `num_rows`, and with the mode (beam search has parents)."""
+    streams = entry["streams"]
+    if not entry["shards"]:
+        return  # nothing written yet: the streams are not known
+    missing = [name for name in REQUIRED_STREAMS if name not in streams]
+    if entry["mode"] in BEAM_MODES and "beam_parents" not in streams:
+        missing.append("beam_parents")
+    if missing:
+        raise RecordingError(path, f"{where}: the streams lack {missing}, which every {entry['mode']!r} recording has.")
+    if "beam_parents" in streams and entry["mode"] not in BEAM_MODES:
+        raise RecordingError(path, f"{where}: holds `beam_parents` but its mode is {entry['mode']!r}.")
+    rows = entry["num_rows"]
+    if entry["mode"] in BEAM_MODES and (rows == 0 or rows % entry["num_beams"]):
+        raise RecordingError(path, f"{where}: {rows} rows are not a whole number of prompts of {entry['num_beams']} beams.")
+    for name, stream in streams.items():
+        shape = stream["shape"]
+        per_row = name in PER_ROW_STREAMS
+        if (per_row and shape != [rows]) or (not per_row and (len(shape) != 2 or shape[0] != rows)):
+            raise RecordingError(
+                path, f"{where}: stream {name!r} has per-step shape {shape}, which disagrees with `num_rows` {rows}."
+            )
 
 
 def _check_stream(name: str, stream: Any, path: Path, where: str) -> None:
@@ -220,12 +276,24 @@ def _check_stream(name: str, stream: Any, path: Path, where: str) -> None:
         )
 
 
+def _claim(root: Path, name: str, path: Path, files: set[str]) -> None:
+    inside(root, name, path)
+    if name in files:
+        raise RecordingError(path, f"names file {name!r} twice; every shard is its own file.")
+    files.add(name)
+
+
 def inside(root: Path, name: str, path: Path) -> Path:
     """`root / name`, refused unless `name` is a plain file name that stays inside `root`."""
-    if not name or name in (".", "..") or Path(name).name != name or "\\" in name or "/" in name:
+    bad = not name or name in (".", "..") or "\x00" in name
+    if bad or Path(name).name != name or "\\" in name or "/" in name:
         raise RecordingError(path, f"names file {name!r}, which is not a plain file name inside the recording.")
     target = root / name
-    if target.resolve().parent != root.resolve():
+    try:
+        leads_out = target.resolve().parent != root.resolve()
+    except (OSError, RuntimeError, ValueError):  # a name too long, a symlink loop...
+        leads_out = True
+    if leads_out:
         raise RecordingError(path, f"names file {name!r}, which leads outside the recording directory.")
     return target
 

@@ -15,6 +15,7 @@ waits only when all of them are taken, and such waits are counted.
 from __future__ import annotations
 
 import errno
+import os
 import queue
 import re
 import threading
@@ -62,6 +63,13 @@ class Spill:
                 "empty directory. Pick another path (or remove that one)."
             )
         root.mkdir(parents=True, exist_ok=True)
+        try:  # claim the directory: of two recorders racing for it, one gets FileExistsError
+            os.close(os.open(root / _format.MANIFEST, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            raise FileExistsError(
+                f"`spill_dir` {str(root)!r} already holds a recording (another Recorder got there "
+                "first). Pick another path."
+            ) from None
         self.root = root
         self.shard_bytes = shard_bytes
         self.manifest: dict[str, Any] = {
@@ -73,8 +81,14 @@ class Spill:
         }
         _format.write_manifest(root, self.manifest)
 
-    def open_store(self, names: list[str], header: dict[str, Any]) -> ShardStore:
-        """Add a generation (status `"recording"`) to the manifest, durably, and return its store."""
+    def open_store(self, names: list[str], header: dict[str, Any], max_steps: int = 2**31) -> ShardStore:
+        """Add a generation (status `"recording"`) to the manifest, durably, and return its store.
+
+        `max_steps` (the most steps the call can run) caps the shard buffers' size.
+
+        Raises:
+            SpillError: the manifest cannot be written (the directory was removed, the disk is full).
+        """
         index = len(self.manifest["generations"])
         entry = {
             "index": index,
@@ -93,9 +107,16 @@ class Spill:
             "shards": [],
             "sequences": None,
         }
+        try:
+            _format.write_manifest(self.root, {**self.manifest, "generations": [*self.manifest["generations"], entry]})
+        except OSError as error:
+            raise SpillError(
+                error.errno or errno.EIO,
+                f"transformers-offload cannot write to `spill_dir` {str(self.root)!r} ({error}); nothing of "
+                "this generate() call was run. Check that the directory still exists and has space.",
+            ) from error
         self.manifest["generations"].append(entry)
-        _format.write_manifest(self.root, self.manifest)
-        return ShardStore(self, entry, names)
+        return ShardStore(self, entry, names, max_steps)
 
 
 class _ShardBuffer:
@@ -141,8 +162,9 @@ class _Counters:
 class ShardStore:
     """Packs one generation's drained steps into shards and writes them on a background thread."""
 
-    def __init__(self, spill: Spill, entry: dict[str, Any], names: list[str]) -> None:
+    def __init__(self, spill: Spill, entry: dict[str, Any], names: list[str], max_steps: int) -> None:
         self._spill = spill
+        self._max_steps = max_steps
         self._entry = entry
         self._names = names
         self._capacity = 0  # steps per shard, fixed by the first drained step
@@ -163,18 +185,22 @@ class ShardStore:
     def drain(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
         """Copy one step's host tensors into its shard buffer; hand over every shard that is complete."""
         if self._raised:
-            return  # the failure was raised in generate(); what remains is not written
-        self._raise_failure()
-        if not self._capacity:
-            self._capacity = self._steps_per_shard(tensors)
-        if step < self._sealed_until:
-            raise RuntimeError(
-                f"transformers-offload: step {step} arrived after its shard was written; please report "
-                "this with your transformers version."
-            )
-        buffer = self._buffer_for(step // self._capacity)
-        for name, tensor in tensors.items():
-            buffer.put(name, step, tensor)
+            return  # a failure was raised in generate(); what remains is not written
+        try:
+            self._raise_failure()
+            if not self._capacity:
+                self._capacity = self._steps_per_shard(tensors)
+            if step < self._sealed_until:
+                raise RuntimeError(
+                    f"transformers-offload: step {step} arrived after its shard was written; please "
+                    "report this with your transformers version."
+                )
+            buffer = self._buffer_for(step // self._capacity)
+            for name, tensor in tensors.items():
+                buffer.put(name, step, tensor)
+        except BaseException:
+            self._raised = True  # later steps would leave a gap: keep what is complete so far
+            raise
         while self._open:
             first = min(self._open)
             if not self._open[first].full(self._names):
@@ -228,7 +254,7 @@ class ShardStore:
         step_bytes = sum(
             tensors[name].nbytes if name in tensors else rows * 8 for name in self._names
         )
-        return max(1, self._spill.shard_bytes // max(1, step_bytes))
+        return max(1, min(self._max_steps, self._spill.shard_bytes // max(1, step_bytes)))
 
     def _buffer_for(self, index: int) -> _ShardBuffer:
         buffer = self._open.get(index)

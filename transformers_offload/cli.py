@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -29,7 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     except RecordingError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    print(json.dumps(summary, indent=2) if arguments.json else format_summary(summary))
+    try:
+        print(json.dumps(summary, indent=2) if arguments.json else format_summary(summary))
+        sys.stdout.flush()
+    except BrokenPipeError:  # `inspect ... | head`: the reader left, which is fine
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 

@@ -105,7 +105,7 @@ class Recording(Readable):
                     "shape": stream["shape"],
                     "bytes": generation.num_steps * math.prod(stream["shape"]) * itemsize,
                 }
-            files = [shard["file"] for shard in entry["shards"]] + ([entry["sequences"]] if entry["sequences"] else [])
+            files = [shard["file"] for shard in entry["shards"]] + [entry["sequences"]] * bool(entry.get("sequences"))
             generations.append(
                 {
                     "index": generation.index,
@@ -118,7 +118,7 @@ class Recording(Readable):
                     "num_beams": generation.num_beams,
                     "prompt_length": generation.prompt_length,
                     "num_shards": len(entry["shards"]),
-                    "file_bytes": sum((self.path / name).stat().st_size for name in files),
+                    "file_bytes": sum(_size_of(self.path / name) for name in files),
                     "streams": streams,
                 }
             )
@@ -153,7 +153,7 @@ def generation_from_entry(root: Path, entry: dict[str, Any], *, stats: TransferS
     source = ShardSource(root, entry)
     sequences = None
     if entry.get("sequences"):
-        sequences = _read_sequences(_format.inside(root, entry["sequences"], manifest_path))
+        sequences = _read_sequences(_format.inside(root, entry["sequences"], manifest_path), entry)
     status = entry["status"]
     error = entry.get("error")
     if status == "recording":
@@ -180,6 +180,13 @@ def generation_from_entry(root: Path, entry: dict[str, Any], *, stats: TransferS
         stats=stats,
         _source=source,
     )
+
+
+def _size_of(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError as error:
+        raise RecordingError(path, f"cannot be read any more ({error.strerror}): was it deleted?") from None
 
 
 class ShardSource:
@@ -269,7 +276,7 @@ def _map_shard(path: Path, generation: int, shard: dict[str, Any], streams: dict
     return tensors
 
 
-def _read_sequences(path: Path) -> torch.Tensor:
+def _read_sequences(path: Path, entry: dict[str, Any]) -> torch.Tensor:
     if not path.is_file():
         raise RecordingError(path, "missing: the manifest names this sequences file but it is not there.")
     try:
@@ -279,4 +286,12 @@ def _read_sequences(path: Path) -> torch.Tensor:
         raise RecordingError(path, f"not a readable safetensors file of sequences ({error}).") from None
     if sequences.dim() != 2 or sequences.dtype != torch.int64:
         raise RecordingError(path, f"`sequences` must be a 2-D int64 tensor, got {list(sequences.shape)} {sequences.dtype}.")
+    returned, length = sequences.shape
+    prompts = entry["num_rows"] // entry["num_beams"]
+    if length < entry["prompt_length"] or returned < 1 or (prompts and returned % prompts):
+        raise RecordingError(
+            path,
+            f"`sequences` {list(sequences.shape)} disagree with the manifest (prompt length "
+            f"{entry['prompt_length']}, {prompts} prompt(s)).",
+        )
     return sequences

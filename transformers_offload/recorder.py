@@ -245,10 +245,10 @@ class Recorder(Readable, LogitsProcessor, StoppingCriteria):
             with self._lock:
                 self._active = None
 
-    def _open_store(self, names: list[str], header: dict[str, Any]) -> Any:
+    def _open_store(self, names: list[str], header: dict[str, Any], max_steps: int) -> Any:
         if self._spill is None:
             return MemoryStore(names)
-        return self._spill.open_store(names, header)
+        return self._spill.open_store(names, header, max_steps)
 
     # -- as a processor, it is never called while the hooks are in place ------------------------------
     def __call__(self, input_ids: torch.LongTensor, scores: Any) -> Any:  # type: ignore[override]

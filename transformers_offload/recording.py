@@ -7,6 +7,7 @@ accessors.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence, Union
 
@@ -14,6 +15,7 @@ import torch
 
 FRAMEWORKS = ("pt", "np")
 _STEP_STREAMS = ("logits", "scores", "tokens", "finished", "beam_parents")
+_BEAM_MODES = ("beam_search", "beam_sample")
 Rows = Union[int, slice, Sequence[int], torch.Tensor, None]
 Steps = Union[slice, range, None]
 
@@ -212,8 +214,13 @@ class Generation:
         )
         return indices.numpy() if framework == "np" else indices
 
+    @property
+    def is_beam(self) -> bool:
+        """Whether this generation is a beam search (`beam_parents()` and `beam_indices()` exist)."""
+        return self.mode in _BEAM_MODES
+
     def _require_beams(self, what: str) -> None:
-        if "beam_parents" not in self.streams:
+        if not self.is_beam:
             raise ValueError(f"`{what}()` exists for beam search only; this generation ran {self.mode!r}.")
 
     def _get(self, name: str, steps: Steps, rows: Rows, framework: str) -> tuple[Any, ...]:
@@ -297,19 +304,41 @@ def _step_range(steps: Steps, num_steps: int) -> range:
 
 
 def _row_index(rows: Rows, num_rows: int) -> Any:
-    if rows is None or isinstance(rows, slice):
-        return rows
+    """`rows` as an index into the row axis: None, an int (drops the axis), a slice, or row indices."""
+    if rows is None:
+        return None
+    if isinstance(rows, slice):
+        return rows if (rows.step or 1) > 0 else torch.tensor(range(num_rows)[rows], dtype=torch.long)
+    wrong = TypeError(
+        f"`rows` must be an int, a slice, a sequence of row indices or a boolean mask of {num_rows} rows, "
+        f"got {rows!r}."
+    )
     if isinstance(rows, bool):
-        raise TypeError(f"`rows` must be an int, a slice or a sequence of row indices, got {rows!r}.")
-    if isinstance(rows, int):
-        if not -num_rows <= rows < num_rows:
-            raise IndexError(f"`rows` {rows} is out of range for {num_rows} rows.")
-        return rows
+        raise wrong
+    if not isinstance(rows, (list, tuple, range, torch.Tensor)) and not hasattr(rows, "__array__"):
+        try:
+            row = operator.index(rows)  # int, NumPy integer
+        except TypeError:
+            raise wrong from None
+        if not -num_rows <= row < num_rows:
+            raise IndexError(f"`rows` {row} is out of range for {num_rows} rows.")
+        return row
     try:
-        index = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
+        index = torch.as_tensor(rows)
     except (TypeError, ValueError, RuntimeError):
-        raise TypeError(f"`rows` must be an int, a slice or a sequence of row indices, got {rows!r}.") from None
-    if index.numel() and (int(index.min()) < -num_rows or int(index.max()) >= num_rows):
+        raise wrong from None
+    if index.dim() == 0 and not index.is_floating_point() and index.dtype != torch.bool:
+        return _row_index(int(index), num_rows)
+    if index.numel() == 0:
+        return torch.zeros(0, dtype=torch.long)
+    if index.dtype == torch.bool:
+        if index.shape != (num_rows,):
+            raise IndexError(f"a boolean `rows` mask must have {num_rows} entries, got shape {tuple(index.shape)}.")
+        return index.nonzero().flatten()
+    if index.is_floating_point() or index.is_complex() or index.dim() != 1:
+        raise wrong
+    index = index.to(torch.long)
+    if int(index.min()) < -num_rows or int(index.max()) >= num_rows:
         raise IndexError(f"`rows` {index.tolist()} reaches outside the {num_rows} rows.")
     return index
 

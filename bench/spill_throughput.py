@@ -1,0 +1,123 @@
+"""Spill throughput against a plain sequential write of the same bytes to the same disk, in one run.
+
+    .venv/bin/python bench/spill_throughput.py [--dir DIR] [--rows 8] [--vocab 49152] [--steps 256]
+                                               [--shard-mib 64] [--repeats 3]
+
+No model: made-up `(rows, vocab)` float32 logits and scores per step go straight into the spill store
+(the layer under the recorder), which packs them into shards and writes them on its background
+thread (safetensors, fsync, rename, manifest). Two figures for the store:
+- end to end: bytes of shards / seconds from the first step handed over to the end of `finish()`;
+- writer: bytes of shards / seconds the writer thread spent writing them (`TransferStats`).
+The baseline writes the same number of files of the same size with `write()` + `fsync`, one after
+another, into the same directory. Median of the repeats, cases interleaved. Writes
+bench/results/spill_throughput.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from transformers_offload._shard_store import Spill
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def spill(root: Path, steps: list[dict[str, torch.Tensor]], shard_bytes: int) -> dict[str, float]:
+    store = Spill(root, shard_bytes=shard_bytes, model_info={}, created_by={}).open_store(
+        ["logits", "scores", "tokens", "finished"],
+        {"index": 0, "mode": "sample", "prompt_length": 1, "prompt_lengths": None, "num_beams": 1,
+         "pad_token_id": 0, "eos_token_id": (), "generation_config": {}},
+    )
+    started = time.perf_counter()
+    for step, tensors in enumerate(steps):
+        store.drain(step, tensors)
+    generation = store.finish(len(steps), {"num_rows": steps[0]["tokens"].shape[0]}, None, None, ring_waits=0)
+    seconds = time.perf_counter() - started
+    stats = generation.stats
+    return {"bytes": stats.bytes_written, "seconds": seconds, "writer_seconds": stats.write_seconds,
+            "shards": len(list(root.glob("*-s*.safetensors")))}
+
+
+def plain_write(root: Path, total_bytes: int, files: int) -> dict[str, float]:
+    root.mkdir()
+    size = total_bytes // files
+    payload = os.urandom(min(size, 2**20)) * (size // min(size, 2**20) + 1)
+    payload = memoryview(payload)[:size]
+    started = time.perf_counter()
+    for index in range(files):
+        with open(root / f"plain-{index:05d}.bin", "wb") as file:
+            file.write(payload)
+            file.flush()
+            os.fsync(file.fileno())
+    return {"bytes": size * files, "seconds": time.perf_counter() - started}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", type=Path, help="where to write (default: a temporary directory)")
+    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=49152)
+    parser.add_argument("--steps", type=int, default=256)
+    parser.add_argument("--shard-mib", type=float, default=64.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    generator = torch.Generator().manual_seed(0)
+    steps = [
+        {
+            "logits": torch.randn(args.rows, args.vocab, generator=generator),
+            "scores": torch.randn(args.rows, args.vocab, generator=generator),
+            "tokens": torch.randint(0, args.vocab, (args.rows,), generator=generator),
+            "finished": torch.zeros(args.rows, dtype=torch.bool),
+        }
+        for _ in range(args.steps)
+    ]
+    base = args.dir or Path(tempfile.mkdtemp(prefix="spill-bench-"))
+    base.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, list[dict[str, float]]] = {"spill": [], "plain": []}
+    try:
+        for repeat in range(args.repeats):
+            result = spill(base / f"spill-{repeat}", steps, int(args.shard_mib * 2**20))
+            runs["spill"].append(result)
+            runs["plain"].append(plain_write(base / f"plain-{repeat}", result["bytes"], result["shards"]))
+            shutil.rmtree(base / f"spill-{repeat}")
+            shutil.rmtree(base / f"plain-{repeat}")
+    finally:
+        if args.dir is None:
+            shutil.rmtree(base, ignore_errors=True)
+
+    def rate(results: list[dict[str, float]], key: str = "seconds") -> float:
+        return statistics.median(r["bytes"] / 1e6 / r[key] for r in results)
+
+    table = {
+        "plain write + fsync (baseline)": rate(runs["plain"]),
+        "spill, end to end": rate(runs["spill"]),
+        "spill, writer thread only": rate(runs["spill"], "writer_seconds"),
+    }
+    baseline = table["plain write + fsync (baseline)"]
+    total_mb = runs["spill"][0]["bytes"] / 1e6
+    print(f"{total_mb:.0f} MB in {runs['spill'][0]['shards']} shards of {args.shard_mib:g} MiB, "
+          f"{args.steps} steps x {args.rows} rows x {args.vocab}, median of {args.repeats}")
+    print(f"| case | MB/s | x plain write |\n| --- | ---: | ---: |")
+    for name, value in table.items():
+        print(f"| {name} | {value:.0f} | {value / baseline:.2f} |")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "spill_throughput.json").write_text(json.dumps({
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
+        "mb_per_s": table, "runs": runs,
+    }, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
