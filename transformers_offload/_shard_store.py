@@ -224,8 +224,8 @@ class ShardStore:
             count = min(buffer.capacity, num_steps - buffer.first_step)
             self._jobs.put((buffer, count) if count > 0 else (buffer, 0))
         if sequences is not None:
+            self._sequences = sequences  # set before the job: the writer reads it
             self._jobs.put((None, 0))  # the sequences file, after the last shard
-            self._sequences = sequences
         self._jobs.put(None)
         self._thread.join()
         entry = self._entry
