@@ -191,11 +191,16 @@ def _absolute_name(root: Path) -> str:
     return "manifest.json"
 
 
-def _escaping_symlink(root: Path) -> str:
-    outside = root.parent / "outside.safetensors"
-    shutil.move(root / "g0000-s00000.safetensors", outside)
-    (root / "g0000-s00000.safetensors").symlink_to(outside)
+def _move_out_and_link(root: Path, name: str) -> str:
+    """Move `name` out of the recording and leave a symbolic link to it in its place."""
+    outside = root.parent / f"outside-{name}"
+    shutil.move(root / name, outside)
+    (root / name).symlink_to(outside)
     return "manifest.json"
+
+
+def _escaping_symlink(root: Path) -> str:
+    return _move_out_and_link(root, "g0000-s00000.safetensors")
 
 
 def _pickle_as_shard(root: Path) -> str:
@@ -257,10 +262,7 @@ def _huge_number(root: Path) -> str:
 
 
 def _manifest_symlinked_from_outside(root: Path) -> str:
-    outside = root.parent / "elsewhere.json"
-    shutil.move(root / "manifest.json", outside)
-    (root / "manifest.json").symlink_to(outside)
-    return "manifest.json"
+    return _move_out_and_link(root, "manifest.json")
 
 
 def _wrong_sequences(root: Path) -> str:
