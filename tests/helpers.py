@@ -2,8 +2,26 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
-from transformers import LogitsProcessor
+import transformers
+from packaging.version import Version
+from transformers import GenerationConfig, LogitsProcessor
+
+TRANSFORMERS = Version(transformers.__version__)
+# `output_logits` exists from 4.38. In 4.38-4.39 `out.logits` shares storage with the tensor that
+# in-place processors (repetition penalty...) modify, so Hugging Face's own raw logits are exact only
+# from 4.40; before that the reference is a clean capture of the model's forward output.
+HAS_OUTPUT_LOGITS = hasattr(GenerationConfig(), "output_logits")
+HF_LOGITS_EXACT = TRANSFORMERS >= Version("4.40")
+
+
+def missing_options(kwargs: dict) -> list[str]:
+    """Generation options in `kwargs` that this transformers release does not know (e.g. `min_p`)."""
+    known = GenerationConfig()
+    extra = {"eos_token_id", "pad_token_id", "logits_processor", "max_new_tokens"}
+    return [name for name in kwargs if name not in extra and not hasattr(known, name)]
 
 
 def assert_steps_equal(recorded: tuple, reference: tuple, what: str) -> None:
@@ -12,6 +30,24 @@ def assert_steps_equal(recorded: tuple, reference: tuple, what: str) -> None:
         assert mine.device.type == "cpu", f"{what}[{step}] is on {mine.device}"
         assert mine.dtype == theirs.dtype, f"{what}[{step}]: dtype {mine.dtype} vs {theirs.dtype}"
         assert torch.equal(mine, theirs.cpu()), f"{what}[{step}] differs from Hugging Face's"
+
+
+def assert_same_beam_rows(mine: torch.Tensor, theirs: torch.Tensor, tokens: tuple, parents: tuple) -> None:
+    """`beam_indices()` against `out.beam_indices`: equal, or, where they name different rows, rows
+    that hold the very same hypothesis at that step (the same generated tokens, rebuilt from the
+    recorded ancestry). A search with identical hypotheses in several rows may name any of them, and
+    CPU kernels need not give such rows bit-identical scores, so nothing else can tell them apart."""
+    assert mine.shape == theirs.shape, f"beam_indices shape {tuple(mine.shape)} vs {tuple(theirs.shape)}"
+    assert torch.equal(mine == -1, theirs == -1), "beam_indices end at different steps"
+    hypotheses = [[()] * tokens[0].shape[0]]  # per step, per row: the generated tokens so far
+    for step_tokens, step_parents in zip(tokens[:-1], parents[:-1]):
+        previous = hypotheses[-1]
+        hypotheses.append([previous[int(p)] + (int(t),) for t, p in zip(step_tokens, step_parents)])
+    for sequence, step in (mine != theirs).nonzero().tolist():
+        a, b = int(mine[sequence, step]), int(theirs[sequence, step])
+        assert hypotheses[step][a] == hypotheses[step][b], (
+            f"beam_indices[{sequence}, {step}]: row {a} vs Hugging Face's row {b}, which hold different hypotheses"
+        )
 
 
 def finished_from_sequences(sequences: torch.Tensor, prompt_length: int, eos: list[int]) -> list[torch.Tensor]:
@@ -73,3 +109,46 @@ def write_made_up_recording(root, *, steps: int, rows: int, vocab: int, shard_by
     sequences = torch.arange(rows * (2 + steps)).reshape(rows, 2 + steps) % vocab if complete else None
     error = None if complete else KeyboardInterrupt()
     return store.finish(steps, {**header, "num_rows": rows}, sequences, error, ring_waits=0)
+
+
+@dataclass
+class Reference:
+    """What Hugging Face computed for a call: the tensors a recording must equal (`torch.equal`)."""
+
+    sequences: torch.Tensor
+    scores: tuple
+    logits: tuple  # out.logits where exact (4.40+), else the model's forward output per step
+    beam_indices: torch.Tensor | None  # (returned, generated length): 4.50's layout on every release
+
+
+def hf_reference(model, **kwargs) -> Reference:
+    """Run `model.generate(**kwargs)` with Hugging Face's own per-step outputs, as the reference.
+
+    The model's next-token logits are also captured from its forward output, which is what a
+    processor list receives before any processor runs; from 4.40 they must equal `out.logits`.
+    """
+    captured = []
+
+    def capture(module, args, output):
+        captured.append(output.logits[:, -1, :].detach().clone())
+
+    handle = model.register_forward_hook(capture)
+    try:
+        out = model.generate(
+            **kwargs, return_dict_in_generate=True, output_scores=True,
+            **({"output_logits": True} if HAS_OUTPUT_LOGITS else {}),
+        )
+    finally:
+        handle.remove()
+    steps = len(out.scores)
+    logits = tuple(step.to(out.scores[0].dtype) if HF_LOGITS_EXACT else step for step in captured[:steps])
+    if HF_LOGITS_EXACT:
+        assert_steps_equal(logits, out.logits, "the model's forward logits against out.logits")
+        logits = out.logits
+    beam_indices = getattr(out, "beam_indices", None)
+    if beam_indices is not None:
+        # Up to 4.49 padded with -1 to max_length; from 4.50 cut to the generated length.
+        generated = out.sequences.shape[1] - kwargs["input_ids"].shape[1]
+        assert (beam_indices[:, generated:] == -1).all()
+        beam_indices = beam_indices[:, :generated]
+    return Reference(out.sequences, out.scores, logits, beam_indices)

@@ -13,6 +13,9 @@ from transformers_offload import Recorder
 from transformers_offload._hooks import is_hooked
 
 from .conftest import left_padded_batch, make_tiny
+from packaging.version import Version
+
+from .helpers import TRANSFORMERS, hf_reference
 
 HOOKED = ("generate", "_get_logits_processor", "_get_stopping_criteria")
 
@@ -104,10 +107,7 @@ def test_two_models_in_two_threads():
     batch = left_padded_batch()
     references = []
     for model in models:
-        out = model.generate(
-            **batch, max_new_tokens=24, return_dict_in_generate=True, output_scores=True, output_logits=True
-        )
-        references.append(out)
+        references.append(hf_reference(model, **batch, max_new_tokens=24))
     recorders = [Recorder(model) for model in models]
     barrier = threading.Barrier(2)
     errors = []
@@ -144,6 +144,8 @@ class _SeeStepInRing(StoppingCriteria):
         ring = self.rec._active.ring
         slot = ring._slots[ring._current]
         self.seen.append((slot.step, sorted(set(slot.written)), len(ring._slots)))
+        if TRANSFORMERS < Version("4.39"):
+            return False  # up to 4.38 a criterion answers for the whole batch
         return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
 
@@ -155,7 +157,9 @@ def test_each_step_is_copied_within_the_step_and_the_ring_stays_bounded(gpt2):
             **batch, logits_processor=[rec], stopping_criteria=StoppingCriteriaList([probe]),
             max_new_tokens=40, min_new_tokens=40,
         )
-    assert len(probe.seen) == 40
+    # Up to 4.38 the criteria list stops at the first criterion that says done: at the last step the
+    # max-length criterion answers before the probe is asked.
+    assert len(probe.seen) == (40 if TRANSFORMERS >= Version("4.39") else 39)
     for step, (slot_step, written, slots) in enumerate(probe.seen):
         assert slot_step == step
         assert {"logits", "scores", "finished"} <= set(written)
@@ -191,10 +195,8 @@ def test_a_nested_call_without_the_recorder_is_not_recorded(gpt2):
                 gpt2.generate(torch.full((1, 8), 9), max_new_tokens=2)
             return scores
 
-    reference = gpt2.generate(
-        **batch, max_new_tokens=5, logits_processor=[PeekAhead()], return_dict_in_generate=True,
-        output_scores=True, output_logits=True,
-    )
+    inner["done"] = True  # the reference run makes no nested call: it would not change the outer one
+    reference = hf_reference(gpt2, **batch, max_new_tokens=5, logits_processor=[PeekAhead()])
     inner["done"] = False
     with Recorder(gpt2) as rec:
         gpt2.generate(**batch, max_new_tokens=5, logits_processor=[rec, PeekAhead()])

@@ -333,7 +333,7 @@ def test_not_a_recording(tmp_path):
 
 # -- the command line ------------------------------------------------------------------------------
 def _inspect(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
     return subprocess.run(
         [sys.executable, "-m", "transformers_offload", "inspect", *args], capture_output=True, text=True, env=env
     )
@@ -362,7 +362,7 @@ def test_inspect_json_and_incomplete(tmp_path):
 
 
 def test_inspect_into_a_closed_pipe_and_on_a_file(recording):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
     done = subprocess.run(
         f"{sys.executable} -m transformers_offload inspect {recording} | head -n 1",
         shell=True, capture_output=True, text=True, env=env,

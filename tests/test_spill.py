@@ -18,7 +18,7 @@ from transformers_offload import Recorder, SpillError, open_recording
 from transformers_offload import _shard_store
 
 from .conftest import left_padded_batch, make_tiny
-from .helpers import Boom, FailAtStep, assert_steps_equal
+from .helpers import Boom, FailAtStep, assert_steps_equal, hf_reference
 
 NEW_TOKENS = 12
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,10 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _reference(model, **kwargs):
     torch.manual_seed(0)
-    return model.generate(
-        **left_padded_batch(), max_new_tokens=NEW_TOKENS, return_dict_in_generate=True,
-        output_scores=True, output_logits=True, **kwargs,
-    )
+    return hf_reference(model, **{**left_padded_batch(), "max_new_tokens": NEW_TOKENS, **kwargs})
 
 
 def _step_bytes(rows: int, vocab: int = 128) -> int:
@@ -114,7 +111,7 @@ def test_a_fault_mid_run_leaves_every_step_before_it_readable(gpt2, tmp_path, er
 
 def _killed_run(tmp_path: Path, kill_at: int) -> subprocess.CompletedProcess:
     script = ROOT / "tests" / "scripts" / "spill_then_sigkill.py"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
     return subprocess.run(
         [sys.executable, str(script), str(tmp_path / "run"), str(kill_at)],
         env=env, capture_output=True, text=True, timeout=300,
@@ -131,12 +128,7 @@ def test_sigkill_mid_run_leaves_every_committed_shard_readable(tmp_path):
     # The killing processor waited for the writer, so every step drained from the ring by then (at
     # least all but the ring's 4 slots and the shard being filled) is committed.
     assert generation.num_steps % steps_per_shard == 0 and 12 <= generation.num_steps <= 23
-    model = make_tiny("gpt2")
-    torch.manual_seed(0)
-    reference = model.generate(
-        **left_padded_batch(), max_new_tokens=30, min_new_tokens=30, do_sample=True,
-        return_dict_in_generate=True, output_scores=True, output_logits=True,
-    )
+    reference = _reference(make_tiny("gpt2"), max_new_tokens=30, min_new_tokens=30, do_sample=True)
     steps = generation.num_steps
     assert_steps_equal(generation.logits(), reference.logits[:steps], "logits")
     assert_steps_equal(generation.scores(), reference.scores[:steps], "scores")
