@@ -9,10 +9,16 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
+from transformers.generation import (
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from transformers_offload import DeviceAccumulationWarning, Recorder, open_recording
 
-from .conftest import EOS, PAD, left_padded_batch
+from .conftest import EOS, PAD, left_padded_batch, make_tiny
 from .helpers import (
     HF_LOGITS_EXACT,
     TRANSFORMERS,
@@ -215,3 +221,46 @@ def test_numpy_framework_gives_the_same_values(gpt2):
     assert rec.finished(framework="np")[0].dtype.name == "bool"
     with pytest.raises(ValueError, match="framework"):
         rec.scores(framework="jax")
+
+
+@pytest.mark.parametrize("case", ["greedy", "sample_top_k_top_p", "beam_search", "beam_sample"])
+def test_a_bfloat16_model_keeps_the_dtypes_transformers_gives(case):
+    """Raw logits stay in the model's dtype up to 4.44 and are float32 from 4.45, as in out.logits."""
+    model = make_tiny("llama").to(torch.bfloat16)
+    _, _, _, reference, sequences, rec = _run_pair(model, case, [], 0)
+    assert torch.equal(sequences, reference.sequences)
+    assert_steps_equal(rec.logits(), reference.logits, "logits")
+    assert_steps_equal(rec.scores(), reference.scores, "scores")
+
+
+# The processors (and warpers) generate() builds for these options, in the order it applies them.
+REPLAY = {
+    "no_processors": ({}, []),
+    "repetition_penalty": ({"repetition_penalty": 1.3}, [RepetitionPenaltyLogitsProcessor(1.3)]),
+    "sampling": (
+        {"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.9},
+        [TemperatureLogitsWarper(0.7), TopKLogitsWarper(20), TopPLogitsWarper(0.9)],
+    ),
+    "penalty_and_sampling": (
+        {"do_sample": True, "repetition_penalty": 1.2, "temperature": 1.3, "top_k": 40},
+        [RepetitionPenaltyLogitsProcessor(1.2), TemperatureLogitsWarper(1.3), TopKLogitsWarper(40)],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REPLAY))
+def test_replaying_the_processors_on_the_raw_logits_gives_the_processed_scores(gpt2, name):
+    """What holds on every release, 4.36 included (no `output_logits` there to compare with): the
+    processed scores are the recorded raw logits run through the very processors generate() used."""
+    kwargs, processors = REPLAY[name]
+    batch = left_padded_batch((6, 6, 6))  # no padding: 5.x's repetition penalty skips left padding
+    with Recorder(gpt2) as rec:
+        torch.manual_seed(SEED)
+        sequences = gpt2.generate(**batch, logits_processor=[rec], max_new_tokens=NEW_TOKENS, **kwargs)
+    prompt = batch["input_ids"].shape[1]
+    assert len(rec.scores()) == sequences.shape[1] - prompt
+    for step, (raw, processed) in enumerate(zip(rec.logits(), rec.scores())):
+        replayed = raw.clone()
+        for processor in processors:
+            replayed = processor(sequences[:, : prompt + step], replayed)
+        assert torch.equal(replayed, processed), f"step {step}: replaying {name} differs"

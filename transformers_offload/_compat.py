@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 import transformers
+from packaging.version import Version
 from transformers import GenerationMixin
 # Where the list classes live, re-exported so that no other module imports transformers' internals.
 from transformers.generation import LogitsProcessorList, StoppingCriteriaList  # noqa: F401
@@ -108,13 +109,17 @@ def asks_outputs_on_device(generation_config: Any) -> bool:
     return bool(generation_config.return_dict_in_generate) and bool(wants)
 
 
-def beam_raw_logits(model_logits: torch.Tensor) -> torch.Tensor:
-    """Beam search's raw next-token logits from the forward output, as transformers takes them.
+# From 4.45 the decoding loops copy the next-token logits to float32 before any processor runs, and
+# `out.logits` holds that copy; up to 4.44 they keep the model's dtype. Nothing in the API tells the
+# two apart, so this one is a version number (accelerate-style, see STYLE.md).
+UPCASTS_LOGITS = Version(TRANSFORMERS_VERSION) >= Version("4.45.0")
 
-    From 4.45 transformers copies `logits[:, -1, :]` to float32 before `log_softmax`; `out.logits` holds
-    that copy. (Older releases keep the model's dtype: handled with the version matrix.)
-    """
-    return model_logits[:, -1, :].to(dtype=torch.float32, copy=True)
+
+def beam_raw_logits(model_logits: torch.Tensor) -> torch.Tensor:
+    """Beam search's raw next-token logits from the forward output, as transformers takes them
+    (`out.logits`): `logits[:, -1, :]`, copied, in float32 from 4.45 and in the model's dtype before."""
+    dtype = torch.float32 if UPCASTS_LOGITS else model_logits.dtype
+    return model_logits[:, -1, :].to(dtype=dtype, copy=True)
 
 
 def output_sequences(output: Any) -> torch.Tensor | None:
