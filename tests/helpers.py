@@ -148,7 +148,8 @@ def hf_reference(model, **kwargs) -> Reference:
     beam_indices = getattr(out, "beam_indices", None)
     if beam_indices is not None:
         # Up to 4.49 padded with -1 to max_length; from 4.50 cut to the generated length.
-        generated = out.sequences.shape[1] - kwargs["input_ids"].shape[1]
+        prompt = 1 if model.config.is_encoder_decoder else kwargs["input_ids"].shape[1]  # decoder start
+        generated = out.sequences.shape[1] - prompt
         assert (beam_indices[:, generated:] == -1).all()
         beam_indices = beam_indices[:, :generated]
     return Reference(out.sequences, out.scores, logits, beam_indices)

@@ -13,7 +13,7 @@ import torch
 
 from transformers_offload import Recorder, open_recording
 
-from .helpers import assert_steps_equal, finished_from_sequences
+from .helpers import assert_steps_equal, finished_from_sequences, hf_reference
 
 pytestmark = pytest.mark.slow
 
@@ -117,3 +117,17 @@ def test_the_demo_records_to_a_directory_and_reads_it_back(real_model, tmp_path)
                  "processed scores bit-identical to out.scores: True"):
         assert line in done.stdout
     assert len(open_recording(tmp_path / "demo").generation().logits()) > 0
+
+
+def test_stop_strings_end_rows_and_the_recording_stays_exact(real_model, chat_batch):
+    model, tokenizer = real_model
+    kwargs = dict(max_new_tokens=30, stop_strings=["Paris"], tokenizer=tokenizer, pad_token_id=tokenizer.pad_token_id)
+    reference = hf_reference(model, **chat_batch, **kwargs)
+    with Recorder(model) as rec:
+        sequences = model.generate(**chat_batch, logits_processor=[rec], **kwargs)
+    assert torch.equal(sequences, reference.sequences)
+    assert_steps_equal(rec.logits(), reference.logits, "logits")
+    assert_steps_equal(rec.scores(), reference.scores, "scores")
+    prompt = chat_batch["input_ids"].shape[1]
+    paris = tokenizer.decode(sequences[0, prompt:]).find("Paris")
+    assert paris >= 0 and rec.finished()[-1][0], "the stop string did not end the first row"

@@ -1,0 +1,80 @@
+"""More decoding set-ups, each against Hugging Face's own outputs: one new token, a static cache,
+encoder-decoder models (decoder steps), and stop strings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import BartConfig, BartForConditionalGeneration, T5Config, T5ForConditionalGeneration
+
+from transformers_offload import Recorder
+
+from .conftest import EOS, PAD, left_padded_batch, make_tiny
+from .helpers import TRANSFORMERS, assert_same_beam_rows, assert_steps_equal, hf_reference, missing_options
+
+MODES = {
+    "greedy": {},
+    "sample": {"do_sample": True, "top_k": 20},
+    "beam_search": {"num_beams": 3, "num_return_sequences": 2},
+}
+
+
+def _check(model, batch, **kwargs):
+    missing = missing_options(kwargs)
+    if missing:
+        pytest.skip(f"transformers {TRANSFORMERS} has no {missing}")
+    torch.manual_seed(0)
+    reference = hf_reference(model, **batch, **kwargs)
+    with Recorder(model) as rec:
+        torch.manual_seed(0)
+        sequences = model.generate(**batch, logits_processor=[rec], **kwargs)
+    assert torch.equal(sequences, reference.sequences)
+    assert_steps_equal(rec.logits(), reference.logits, "logits")
+    assert_steps_equal(rec.scores(), reference.scores, "scores")
+    if reference.beam_indices is not None:
+        assert_same_beam_rows(rec.beam_indices(), reference.beam_indices, rec.tokens(), rec.beam_parents())
+    return rec
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_one_new_token(tiny_model, mode):
+    rec = _check(tiny_model, left_padded_batch(), max_new_tokens=1, **MODES[mode])
+    assert rec.generation().num_steps == 1
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sample"])
+def test_static_cache(mode):
+    model = make_tiny("llama")
+    _check(model, left_padded_batch(), max_new_tokens=8, cache_implementation="static", **MODES[mode])
+
+
+def _tiny_t5():
+    config = T5Config(
+        vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        decoder_start_token_id=PAD, pad_token_id=PAD, eos_token_id=EOS,
+    )
+    return T5ForConditionalGeneration(config)
+
+
+def _tiny_bart():
+    config = BartConfig(
+        vocab_size=128, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+        pad_token_id=PAD, eos_token_id=EOS, bos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None,
+    )
+    return BartForConditionalGeneration(config)
+
+
+ENCODER_DECODERS = {"t5": _tiny_t5, "bart": _tiny_bart}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("name", sorted(ENCODER_DECODERS))
+def test_encoder_decoder_models_record_their_decoder_steps(name, mode):
+    torch.manual_seed(0)
+    model = ENCODER_DECODERS[name]().eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    rec = _check(model, left_padded_batch(), max_new_tokens=10, **MODES[mode])
+    generation = rec.generation()
+    assert generation.prompt_length == 1  # the decoder starts from its start token
