@@ -12,23 +12,29 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 if [ "$#" -gt 0 ]; then
-    releases=("$@")
+    entries=("$@")
 else
-    mapfile -t releases < <(grep -v '^\s*#' scripts/matrix-releases.txt | grep -v '^\s*$')
+    mapfile -t entries < <(grep -v '^\s*#' scripts/matrix-releases.txt | grep -v '^\s*$')
 fi
 mkdir -p .matrix/results
 failed=()
-for release in "${releases[@]}"; do
+releases=()
+for entry in "${entries[@]}"; do
+    read -r release extra <<<"$entry"
+    releases+=("$release")
     target=".matrix/transformers-$release"
-    if [ ! -f "$target/.installed" ]; then
+    if [ "$(cat "$target/.installed" 2>/dev/null)" != "$entry" ]; then
         rm -rf "$target"
+        # shellcheck disable=SC2086  # $extra: further requirements, one word each
         .venv/bin/python -m pip install --quiet --disable-pip-version-check --target "$target" \
-            "transformers==$release" 2>&1 | grep -v "^WARNING: Location" || true
+            "transformers==$release" $extra 2>&1 | grep -v "^WARNING: Location" || true
         .venv/bin/python -c "import sys; sys.path.insert(0, '$target'); import transformers; assert transformers.__version__ == '$release'"
-        touch "$target/.installed"
+        echo "$entry" >"$target/.installed"
     fi
-    echo "== transformers $release"
-    if PYTHONPATH="$PWD/$target" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLOAD_MATRIX="$release" \
+    PYTHONPATH="$PWD/$target" .venv/bin/python -c "import numpy, safetensors, torch, transformers; print(
+        f'== transformers {transformers.__version__}, torch {torch.__version__}, numpy {numpy.__version__}, '
+        f'safetensors {safetensors.__version__}')"
+    if PYTHONPATH="$PWD/$target" HF_HUB_OFFLINE=1 \
         .venv/bin/python -m pytest -q -m "not slow and not cuda" -p no:cacheprovider \
         --junitxml ".matrix/results/$release.xml" ${MATRIX_PYTEST_ARGS:-} tests; then
         :

@@ -4,4 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLOAD_REQUIRE_REAL_MODEL=1
-exec .venv/bin/python -m pytest "$@"
+# Results per transformers release feed the README's support table (scripts/support_table.py).
+release="$(.venv/bin/python -c 'import transformers; print(transformers.__version__)')"
+mkdir -p .matrix/results
+exec .venv/bin/python -m pytest --junitxml ".matrix/results/$release.xml" "$@"

@@ -1,4 +1,4 @@
-"""Everything that depends on the installed transformers or torch release, as feature checks.
+"""Everything that depends on the installed transformers, torch or safetensors release.
 
 No other module of the package looks at a version number or probes transformers' internals.
 """
@@ -6,6 +6,7 @@ No other module of the package looks at a version number or probes transformers'
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import torch
@@ -139,3 +140,12 @@ def final_tap_on_warper_list(mode: str) -> bool:
     sampling; from 4.45 they are appended to the processor list (before `LogitNormalization`).
     """
     return HAS_SEPARATE_WARPER_LIST and mode == "sample"
+
+
+def errno_in_message(message: str) -> int | None:
+    """The OS error number inside a safetensors I/O error, which carries no `errno` attribute.
+
+    safetensors 0.4 writes `IoError(Os { code: 28, ... })`; newer releases `... (os error 28)`.
+    """
+    found = re.search(r"os error (\d+)|Os \{ code: (\d+)", message)
+    return None if found is None else int(found.group(1) or found.group(2))

@@ -17,7 +17,6 @@ from __future__ import annotations
 import errno
 import os
 import queue
-import re
 import threading
 import time
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from . import _format
+from . import _compat, _format
 from .recording import Generation, TransferStats
 
 DEFAULT_SHARD_BYTES = 64 * 2**20
@@ -285,9 +284,7 @@ class ShardStore:
         if isinstance(error, SpillError):
             return error
         steps = self._entry["num_steps"]
-        # safetensors reports I/O failures as `SafetensorError("... (os error 28)")`, without errno.
-        found = re.search(r"os error (\d+)", str(error))
-        code = getattr(error, "errno", None) or (int(found.group(1)) if found else errno.EIO)
+        code = getattr(error, "errno", None) or _compat.errno_in_message(str(error)) or errno.EIO
         return SpillError(
             code,
             f"transformers-offload could not write the recording in {str(self._spill.root)!r}: "
