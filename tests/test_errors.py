@@ -61,7 +61,6 @@ def test_options_are_keyword_only(gpt2):
         (dict(num_beams=4, num_beam_groups=2, diversity_penalty=1.0), "group_beam_search"),
         (dict(num_beams=2, force_words_ids=[[5]]), "constrained_beam_search"),
         (dict(dola_layers="low"), "dola_generation"),
-        (dict(num_beams=2, low_memory=True), "low_memory"),
     ],
 )
 # transformers 4.43-4.44 warn, when checking a DoLa config, that `repetition_penalty` 1.0 is not the

@@ -36,10 +36,10 @@ def check_mode(generation_config: Any, assistant_model: Any) -> str:
             f"runs {mode!r} (transformers {_compat.TRANSFORMERS_VERSION}). Remove the Recorder from "
             "`logits_processor` for this call, or use one of the supported modes."
         )
-    if mode in _compat.BEAM_MODES and _compat.uses_low_memory_beam_search(generation_config):
+    if mode in _compat.BEAM_MODES and _compat.refuses_low_memory_beam_search(generation_config):
         raise UnsupportedModeError(
-            "transformers-offload does not record `low_memory=True` beam search yet; pass "
-            "`low_memory=False` or remove the Recorder from `logits_processor`."
+            f"transformers {_compat.TRANSFORMERS_VERSION} does not run `low_memory=True` beam search "
+            "(it was removed in 4.50); pass `low_memory=False`."
         )
     return mode
 
@@ -67,7 +67,7 @@ class Capture:
         self._step = -1
         self._finished: torch.Tensor | None = None
         self._no_beam_finished: torch.Tensor | None = None
-        self._forward_logits: torch.Tensor | None = None
+        self._forward_logits: list[torch.Tensor] = []
         self._previous_ids: torch.Tensor | None = None
         self._late_error: BaseException | None = None
 
@@ -128,7 +128,8 @@ class Capture:
             return
         logits = getattr(output, "logits", None)  # generate() always asks for a ModelOutput
         if logits is not None:
-            self._forward_logits = _compat.beam_raw_logits(logits)
+            # low_memory beam search (4.38-4.49) runs one forward per sub-batch: joined in on_raw.
+            self._forward_logits.append(_compat.beam_raw_logits(logits))
 
     def on_raw(self, input_ids: torch.Tensor, scores: torch.Tensor) -> None:
         """Called with what the first processor receives, before it runs."""
@@ -136,13 +137,14 @@ class Capture:
             self._step += 1
             step = self._step
             if "logits" in self.streams:
-                if self._forward_logits is None:
+                if not self._forward_logits:
                     raise RuntimeError(
                         "transformers-offload saw no model forward before this beam-search step, so it "
                         "cannot record the raw logits; please report this with your transformers version."
                     )
-                self.ring.put(step, "logits", self._forward_logits)
-            self._forward_logits = None
+                parts = self._forward_logits
+                self.ring.put(step, "logits", parts[0] if len(parts) == 1 else torch.cat(parts))
+            self._forward_logits = []
             if self._no_beam_finished is None:
                 self._no_beam_finished = torch.zeros(input_ids.shape[0], dtype=torch.bool)
             # Running beams never finish (finished hypotheses leave them): known on the host.
@@ -203,7 +205,7 @@ class Capture:
             self._late_error = late
             error = error if error is not None else late
         self._previous_ids = None
-        self._forward_logits = None
+        self._forward_logits = []
         self._finished = None
         num_steps = _complete_steps(self.store, self.names, steps)
         sequences = _compat.output_sequences(output)

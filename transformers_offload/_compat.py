@@ -82,9 +82,14 @@ def provisional_generation_config(model: Any, generation_config: Any, kwargs: di
     return config
 
 
-def uses_low_memory_beam_search(generation_config: Any) -> bool:
-    """`low_memory=True` splits the beam forward into one call per row (4.39-4.49)."""
-    return bool(getattr(generation_config, "low_memory", False))
+# `low_memory=True` beam search runs each step's forward in sub-batches (4.38-4.49; the recorder joins
+# their logits); from 4.50 transformers refuses it itself, after building the processor list.
+REFUSES_LOW_MEMORY_BEAM_SEARCH = Version(TRANSFORMERS_VERSION) >= Version("4.50.0")
+
+
+def refuses_low_memory_beam_search(generation_config: Any) -> bool:
+    """Whether transformers will refuse this beam search for `low_memory=True` (4.50+)."""
+    return REFUSES_LOW_MEMORY_BEAM_SEARCH and bool(getattr(generation_config, "low_memory", False))
 
 
 def rows_done(is_done: Any, token: torch.Tensor, eos_ids: torch.Tensor | None) -> torch.Tensor:
@@ -117,7 +122,7 @@ UPCASTS_LOGITS = Version(TRANSFORMERS_VERSION) >= Version("4.45.0")
 
 
 def beam_raw_logits(model_logits: torch.Tensor) -> torch.Tensor:
-    """Beam search's raw next-token logits from the forward output, as transformers takes them
+    """Beam search's raw next-token logits from a forward output, as transformers takes them
     (`out.logits`): `logits[:, -1, :]`, copied, in float32 from 4.45 and in the model's dtype before."""
     dtype = torch.float32 if UPCASTS_LOGITS else model_logits.dtype
     return model_logits[:, -1, :].to(dtype=dtype, copy=True)
