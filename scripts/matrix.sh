@@ -31,7 +31,7 @@ for entry in "${entries[@]}"; do
         .venv/bin/python -c "import sys; sys.path.insert(0, '$target'); import transformers; assert transformers.__version__ == '$release'"
         echo "$entry" >"$target/.installed"
     fi
-    PYTHONPATH="$PWD/$target" .venv/bin/python -c "import numpy, safetensors, torch, transformers; print(
+    PYTHONPATH="$PWD/$target" .venv/bin/python -W ignore -c "import numpy, safetensors, torch, transformers; print(
         f'== transformers {transformers.__version__}, torch {torch.__version__}, numpy {numpy.__version__}, '
         f'safetensors {safetensors.__version__}')"
     if PYTHONPATH="$PWD/$target" HF_HUB_OFFLINE=1 \
