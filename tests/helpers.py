@@ -6,15 +6,15 @@ from dataclasses import dataclass
 
 import torch
 import transformers
-from packaging.version import Version
 from transformers import GenerationConfig, LogitsProcessor
 
-TRANSFORMERS = Version(transformers.__version__)
-# `output_logits` exists from 4.38. In 4.38-4.39 `out.logits` shares storage with the tensor that
-# in-place processors (repetition penalty...) modify, so Hugging Face's own raw logits are exact only
-# from 4.40; before that the reference is a clean capture of the model's forward output.
+from transformers_offload import _compat
+
+TRANSFORMERS = transformers.__version__  # for messages; release facts live in _compat
+# `output_logits` exists from 4.38, but Hugging Face's own raw logits are exact only from 4.40 (see
+# `_compat.HF_RAW_LOGITS_EXACT`); before that the reference is a clean capture of the forward output.
 HAS_OUTPUT_LOGITS = hasattr(GenerationConfig(), "output_logits")
-HF_LOGITS_EXACT = TRANSFORMERS >= Version("4.40")
+HF_LOGITS_EXACT = _compat.HF_RAW_LOGITS_EXACT
 
 
 def missing_options(kwargs: dict) -> list[str]:

@@ -7,9 +7,7 @@ import pytest
 import torch
 from transformers import BartConfig, BartForConditionalGeneration, T5Config, T5ForConditionalGeneration
 
-from packaging.version import Version
-
-from transformers_offload import Recorder, UnsupportedModeError
+from transformers_offload import Recorder, UnsupportedModeError, _compat
 
 from .conftest import EOS, PAD, left_padded_batch, make_tiny
 from .helpers import TRANSFORMERS, assert_same_beam_rows, assert_steps_equal, hf_reference, missing_options
@@ -88,7 +86,7 @@ def test_encoder_decoder_models_record_their_decoder_steps(name, mode):
 def test_low_memory_beam_search(tiny_model, mode, record_property):
     """4.38-4.49 run each step's forward in sub-batches; 4.50+ refuse `low_memory=True` themselves."""
     kwargs = {"beam_sample": {"num_beams": 3, "do_sample": True}, "beam_search": MODES["beam_search"]}[mode]
-    if TRANSFORMERS >= Version("4.50"):
+    if _compat.REFUSES_LOW_MEMORY_BEAM_SEARCH:
         record_property("outcome", "refused")  # for the README's support table
         with Recorder(tiny_model) as rec:
             with pytest.raises(UnsupportedModeError, match="low_memory=True"):

@@ -13,6 +13,9 @@ import torch
 import transformers
 from packaging.version import Version
 from transformers import GenerationMixin
+
+from . import _format
+
 # Where the list classes live, re-exported so that no other module imports transformers' internals.
 from transformers.generation import LogitsProcessorList, StoppingCriteriaList  # noqa: F401
 
@@ -30,7 +33,7 @@ LIST_BUILDERS = ("_get_logits_processor", "_get_stopping_criteria") + (
 # Generation modes this release of the recorder records exactly. Other modes are refused before the
 # decoding loop starts (see `_capture.check_mode`).
 SUPPORTED_MODES = ("greedy_search", "sample", "beam_search", "beam_sample")
-BEAM_MODES = ("beam_search", "beam_sample")
+BEAM_MODES = _format.BEAM_MODES
 
 
 def generation_mode(generation_config: Any, assistant_model: Any) -> str:
@@ -114,6 +117,15 @@ def asks_outputs_on_device(generation_config: Any) -> bool:
     wants = generation_config.output_scores or getattr(generation_config, "output_logits", False)
     return bool(generation_config.return_dict_in_generate) and bool(wants)
 
+
+# From 4.40 `out.logits` is exactly what the first processor received; in 4.38-4.39 it shares storage
+# with the tensor in-place processors modify (and 4.36 has no `output_logits`). The recorder does not
+# depend on it; the tests use it to pick their reference.
+HF_RAW_LOGITS_EXACT = Version(TRANSFORMERS_VERSION) >= Version("4.40.0")
+
+# Up to 4.38 a stopping criterion answers for the whole batch with one bool and the list stops at the
+# first that says done; from 4.39 (which added `EosTokenCriteria`) each answers per row.
+CRITERIA_ANSWER_PER_ROW = hasattr(transformers.generation, "EosTokenCriteria")
 
 # From 4.45 the decoding loops copy the next-token logits to float32 before any processor runs, and
 # `out.logits` holds that copy; up to 4.44 they keep the model's dtype. Nothing in the API tells the

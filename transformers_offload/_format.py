@@ -20,6 +20,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 ENCODINGS = ("dense",)  # how a stream's values are laid out in a shard; later: sparse, top-k...
 STATUSES = ("recording", "complete", "failed")
+BEAM_MODES = ("beam_search", "beam_sample")  # whose generations carry `beam_parents`
 
 # safetensors dtype names for the dtypes a recording holds.
 _DTYPES = {
@@ -126,7 +127,6 @@ def _fsync_directory(directory: Path) -> None:
 
 
 # -- reading -----------------------------------------------------------------------------------------
-BEAM_MODES = ("beam_search", "beam_sample")  # whose generations carry `beam_parents`
 PER_ROW_STREAMS = ("tokens", "finished", "beam_parents")  # shape (rows,)
 REQUIRED_STREAMS = ("tokens", "finished")
 

@@ -20,13 +20,15 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import save_file
 
 from . import _compat, _format
+from .reader import generation_from_entry
 from .recording import Generation, TransferStats
 
 DEFAULT_SHARD_BYTES = 64 * 2**20
@@ -137,13 +139,13 @@ class _ShardBuffer:
     def put(self, name: str, step: int, tensor: torch.Tensor) -> None:
         buffer = self.tensors.get(name)
         if buffer is None or buffer.shape[1:] != tensor.shape or buffer.dtype != tensor.dtype:
-            buffer = torch.empty((self.capacity, *tensor.shape), dtype=tensor.dtype)
-            self.tensors[name] = buffer
-            if any(self.filled.get(name, ())):
+            if self.filled.get(name):
                 raise RuntimeError(
                     f"transformers-offload: stream {name!r} changed shape or dtype within a shard "
                     f"(now {tuple(tensor.shape)} {tensor.dtype}); please report this."
                 )
+            buffer = torch.empty((self.capacity, *tensor.shape), dtype=tensor.dtype)
+            self.tensors[name] = buffer
         buffer[step - self.first_step].copy_(tensor)
         self.filled.setdefault(name, set()).add(step)
 
@@ -172,7 +174,8 @@ class ShardStore:
         self._free: list[_ShardBuffer] = []
         self._allocated = 0
         self._released = threading.Condition()
-        self._jobs: queue.Queue[tuple[_ShardBuffer | None, int] | None] = queue.Queue()
+        # Jobs for the writer: (what to write, or None; the shard buffer to hand back, or None).
+        self._jobs: queue.Queue[tuple[Callable[[], None] | None, _ShardBuffer | None] | None] = queue.Queue()
         self._error: BaseException | None = None
         self._raised = False
         self.counters = _Counters()
@@ -206,7 +209,7 @@ class ShardStore:
                 break
             sealed = self._open.pop(first)
             self._sealed_until = sealed.first_step + sealed.capacity
-            self._jobs.put((sealed, sealed.capacity))
+            self._jobs.put((partial(self._write_shard, sealed, sealed.capacity), sealed))
 
     def has(self, name: str, step: int) -> bool:
         """Whether `step` of stream `name` reached the store."""
@@ -221,10 +224,9 @@ class ShardStore:
         for index in sorted(self._open):
             buffer = self._open.pop(index)
             count = min(buffer.capacity, num_steps - buffer.first_step)
-            self._jobs.put((buffer, count) if count > 0 else (buffer, 0))
+            self._jobs.put((partial(self._write_shard, buffer, count) if count > 0 else None, buffer))
         if sequences is not None:
-            self._sequences = sequences  # set before the job: the writer reads it
-            self._jobs.put((None, 0))  # the sequences file, after the last shard
+            self._jobs.put((partial(self._write_sequences, sequences), None))  # after the last shard
         self._jobs.put(None)
         self._thread.join()
         entry = self._entry
@@ -242,8 +244,6 @@ class ShardStore:
             if problem is None:
                 self.failure = self._as_spill_error(write_error)
             # Otherwise the previous manifest stays: it names every committed shard.
-        from .reader import generation_from_entry
-
         stats = TransferStats(waits=ring_waits + self.counters.waits, bytes_written=self.counters.bytes_written,
                               write_seconds=self.counters.write_seconds)
         return generation_from_entry(self._spill.root, dict(entry), stats=stats)
@@ -298,13 +298,10 @@ class ShardStore:
             job = self._jobs.get()
             if job is None:
                 return
-            buffer, count = job
+            write, buffer = job
             try:
-                if self._error is None:
-                    if buffer is None:
-                        self._write_sequences()
-                    elif count > 0:
-                        self._write_shard(buffer, count)
+                if write is not None and self._error is None:
+                    write()
             except BaseException as error:  # reported to generate() at its next step, or at the end
                 self._error = error
             finally:
@@ -338,10 +335,10 @@ class ShardStore:
         self.counters.write_seconds += time.perf_counter() - started
         self.counters.bytes_written += size
 
-    def _write_sequences(self) -> None:
+    def _write_sequences(self, sequences: torch.Tensor) -> None:
         entry = self._entry
         name = _format.sequences_name(entry["index"])
-        sequences = self._sequences.contiguous()
+        sequences = sequences.contiguous()
         _format.write_atomically(
             self._spill.root / name, lambda temporary: save_file({"sequences": sequences}, temporary)
         )

@@ -98,7 +98,7 @@ class Recording(Readable):
         for generation, entry in zip(self._generations, self._entries):
             streams = {}
             for name, stream in entry["streams"].items():
-                itemsize = torch.empty((), dtype=_format.dtype_of(stream["dtype"])).element_size()
+                itemsize = _format.dtype_of(stream["dtype"]).itemsize
                 streams[name] = {
                     "dtype": stream["dtype"],
                     "encoding": stream["encoding"],
@@ -161,13 +161,12 @@ def generation_from_entry(root: Path, entry: dict[str, Any], *, stats: TransferS
             "the recording process stopped before this generation ended (killed, or still running): "
             f"{entry['num_steps']} step(s) were committed"
         )
-    eos = entry.get("eos_token_id") or []
     lengths = entry.get("prompt_lengths")
     return Generation(
-        index=int(entry.get("index", 0)),
+        index=entry["index"],
         mode=entry["mode"],
         prompt_length=entry["prompt_length"],
-        prompt_lengths=None if lengths is None else tuple(int(n) for n in lengths),
+        prompt_lengths=None if lengths is None else tuple(lengths),
         num_rows=entry["num_rows"],
         num_beams=entry["num_beams"],
         num_steps=entry["num_steps"],
@@ -175,8 +174,8 @@ def generation_from_entry(root: Path, entry: dict[str, Any], *, stats: TransferS
         error=None if status == "complete" else str(error),
         sequences=sequences,
         pad_token_id=entry.get("pad_token_id"),
-        eos_token_id=tuple(int(n) for n in eos),
-        generation_config=dict(entry.get("generation_config") or {}),
+        eos_token_id=tuple(entry["eos_token_id"]),
+        generation_config=dict(entry["generation_config"]),
         stats=stats,
         _source=source,
     )
@@ -194,8 +193,7 @@ class ShardSource:
 
     def __init__(self, root: Path, entry: dict[str, Any]) -> None:
         self._root = root
-        self._index = int(entry.get("index", 0))
-        self._entry = entry
+        self._index = entry["index"]
         self._stream_info = entry["streams"]
         self.streams = tuple(entry["streams"])
         self._shards = entry["shards"]
@@ -246,14 +244,8 @@ def _overlap(steps: range, local: range) -> slice:
 
 def _map_shard(path: Path, generation: int, shard: dict[str, Any], streams: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Open one shard (memory-mapped, nothing read) and check it against the manifest."""
-    if not path.is_file():
-        raise RecordingError(path, "missing: the manifest names this shard but the file is not there.")
-    try:
-        with safe_open(str(path), framework="pt") as file:
-            metadata = _format.read_shard_metadata(file.metadata())
-            tensors = {name: file.get_tensor(name) for name in file.keys()}
-    except (SafetensorError, OSError, RuntimeError) as error:
-        raise RecordingError(path, f"not a readable safetensors shard ({error}); the file is damaged.") from None
+    raw_metadata, tensors = _map(path, "shard")
+    metadata = _format.read_shard_metadata(raw_metadata)
     expected = {"format": _format.FORMAT, "generation": generation, "first_step": shard["first_step"]}
     for key in expected:
         if metadata.get(key) != expected[key]:
@@ -276,14 +268,21 @@ def _map_shard(path: Path, generation: int, shard: dict[str, Any], streams: dict
     return tensors
 
 
-def _read_sequences(path: Path, entry: dict[str, Any]) -> torch.Tensor:
+def _map(path: Path, what: str) -> tuple[dict[str, str] | None, dict[str, torch.Tensor]]:
+    """A safetensors file's metadata and tensors, memory-mapped (nothing read), or `RecordingError`."""
     if not path.is_file():
-        raise RecordingError(path, "missing: the manifest names this sequences file but it is not there.")
+        raise RecordingError(path, f"missing: the manifest names this {what} but the file is not there.")
     try:
         with safe_open(str(path), framework="pt") as file:
-            sequences = file.get_tensor("sequences")
+            return file.metadata(), {name: file.get_tensor(name) for name in file.keys()}
     except (SafetensorError, OSError, RuntimeError) as error:
-        raise RecordingError(path, f"not a readable safetensors file of sequences ({error}).") from None
+        raise RecordingError(path, f"not a readable safetensors {what} ({error}); the file is damaged.") from None
+
+
+def _read_sequences(path: Path, entry: dict[str, Any]) -> torch.Tensor:
+    sequences = _map(path, "sequences file")[1].get("sequences")
+    if sequences is None:
+        raise RecordingError(path, "holds no `sequences` tensor.")
     if sequences.dim() != 2 or sequences.dtype != torch.int64:
         raise RecordingError(path, f"`sequences` must be a 2-D int64 tensor, got {list(sequences.shape)} {sequences.dtype}.")
     returned, length = sequences.shape

@@ -13,9 +13,10 @@ from typing import Any, Protocol, Sequence, Union
 
 import torch
 
+from ._format import BEAM_MODES
+
 FRAMEWORKS = ("pt", "np")
 _STEP_STREAMS = ("logits", "scores", "tokens", "finished", "beam_parents")
-_BEAM_MODES = ("beam_search", "beam_sample")
 Rows = Union[int, slice, Sequence[int], torch.Tensor, None]
 Steps = Union[slice, range, None]
 
@@ -217,7 +218,7 @@ class Generation:
     @property
     def is_beam(self) -> bool:
         """Whether this generation is a beam search (`beam_parents()` and `beam_indices()` exist)."""
-        return self.mode in _BEAM_MODES
+        return self.mode in BEAM_MODES
 
     def _require_beams(self, what: str) -> None:
         if not self.is_beam:
