@@ -48,9 +48,10 @@ class Capture:
     """Records one `generate()` call into a ring and a store; becomes a `Generation` when it ends."""
 
     def __init__(self, *, streams: tuple[str, ...], ring_slots: int, assistant_model: Any,
-                 open_store: OpenStore, index: int, attention_mask: Any = None) -> None:
+                 open_store: OpenStore, index: int, attention_mask: Any = None, threaded: bool = False) -> None:
         self.streams = streams
         self.ring_slots = ring_slots
+        self.threaded = threaded
         self.open_store = open_store
         self.store: Any = None
         self.ring: HostRing | None = None
@@ -100,7 +101,9 @@ class Capture:
         max_length = getattr(generation_config, "max_length", None)
         max_steps = max(1, max_length - self.prompt_length) if isinstance(max_length, int) else 2**31
         self.store = self.open_store(self.names, self.header, max_steps)
-        self.ring = HostRing(self.ring_slots, self.store.drain)
+        # Beam search adds a step's token and parent one step later, while its slot is still held.
+        slots = max(self.ring_slots, 2) if self.is_beam else self.ring_slots
+        self.ring = HostRing(slots, self.store.drain, threaded=self.threaded)
         self.started = True
 
     @property
@@ -169,6 +172,8 @@ class Capture:
         if self.is_beam or self._finished is None:
             return  # beam search passes candidate rows here, not running beams
         token = input_ids[:, -1]
+        if self.eos_ids is not None and self.eos_ids.device != token.device:
+            self.eos_ids = self.eos_ids.to(token.device)  # once: a copy from the host waits for the device
         self.ring.put(self._step, "tokens", token)
         self._finished = self._finished | _compat.rows_done(is_done, token, self.eos_ids)
 

@@ -107,7 +107,7 @@ def rows_done(is_done: Any, token: torch.Tensor, eos_ids: torch.Tensor | None) -
         return is_done.to(dtype=torch.bool)
     done = torch.full(token.shape, bool(is_done), dtype=torch.bool, device=token.device)
     if eos_ids is not None:
-        done |= torch.isin(token, eos_ids.to(token.device))
+        done |= torch.isin(token, eos_ids)
     return done
 
 

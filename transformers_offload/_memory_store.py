@@ -22,7 +22,9 @@ class MemoryStore:
         """Keep a copy of `tensors` (host slot buffers that the ring reuses) for `step`."""
         for name, tensor in tensors.items():
             # The last write of a step wins: a step recorded twice keeps its final value.
-            self._steps.setdefault(name, {})[step] = tensor.clone()
+            # Plain pageable memory: a clone of a pinned slot could stay pinned.
+            kept = torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor)
+            self._steps.setdefault(name, {})[step] = kept
 
     def has(self, name: str, step: int) -> bool:
         """Whether `step` of stream `name` reached the store."""

@@ -1,18 +1,30 @@
 """The transfer: a bounded ring of host slots that each step's tensors are copied into.
 
 A step's captured tensors (raw logits, processed scores, tokens, finished mask...) are copied into one
-slot as soon as they exist, inside the step that produced them. On CUDA the slots are pinned host
-memory and the copies are non-blocking; the host waits on a slot's event only when the slot is
-reused, or when the ring is flushed at the end of a generation. On CPU the same path runs with plain
-copies (`Tensor.to("cpu")` would return the very tensor that later processors modify in place, so the
-ring always copies).
+slot as soon as they exist, inside the step that produced them.
 
-When a slot is reused or flushed, its content is handed to the store (`drain`), which keeps its own
-copy; the slot's buffers are then reused for a later step.
+On CUDA nothing in the per-step path waits for the device:
+
+1. the tensor is first copied on the device, on the stream that computed it, into the slot's staging
+   buffer (a device-to-device copy, ordered before any later in-place edit of the tensor);
+2. a side stream waits on an event recorded after that copy, copies the staging buffer into the
+   slot's pinned host buffer (`non_blocking=True`) and records the slot's event;
+3. a drainer thread waits on the slot's event and hands the host buffers to the store (which keeps
+   its own copy), so neither that wait nor the store's host copy runs in `generate()`'s thread.
+
+`generate()`'s thread waits only when it needs a slot the drainer has not released yet (counted in
+`waits`). On CPU the same ring runs with plain copies and drains in the calling thread
+(`Tensor.to("cpu")` would return the very tensor that later processors modify in place, so the ring
+always copies).
+
+A step's slot is handed to the store once the ring has moved two steps past it (beam search learns a
+step's token and parent one step later), or earlier when the ring needs the slot back.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -23,10 +35,17 @@ Drain = Callable[[int, dict[str, torch.Tensor]], None]
 
 @dataclass
 class _Slot:
-    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # host (pinned on CUDA)
+    staging: dict[str, torch.Tensor] = field(default_factory=dict)  # device, CUDA only
     written: list[str] = field(default_factory=list)
     step: int | None = None
-    event: torch.cuda.Event | None = None
+    submitted: bool = False
+    copied: dict[torch.device, torch.cuda.Event] = field(default_factory=dict)  # per device, on the side stream
+    staged: dict[torch.device, torch.cuda.Event] = field(default_factory=dict)  # per device, on the compute stream
+    free: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        self.free.set()
 
 
 class HostRing:
@@ -35,18 +54,34 @@ class HostRing:
     Args:
         slots (`int`): number of host slots (steps in flight), at least 1.
         drain (`Callable[[int, dict[str, torch.Tensor]], None]`): called with a step and its host tensors
-            (CPU, read-only views of the slot: the callee copies what it keeps) when the slot is reused
-            or the ring is flushed, in step order.
+            (CPU, read-only views of the slot: the callee copies what it keeps), in step order.
+        threaded (`bool`, *optional*, defaults to False): drain in a background thread (the CUDA path),
+            so that `put` never waits for a device copy unless the ring is full. A failure of `drain`
+            is then raised by the next `put` or by `flush`.
     """
 
-    def __init__(self, slots: int, drain: Drain) -> None:
+    def __init__(self, slots: int, drain: Drain, *, threaded: bool = False) -> None:
         self._slots = [_Slot() for _ in range(slots)]
         self._drain = drain
         self._current = -1
-        self.waits = 0  # times the host had to wait for a device copy still in flight
+        self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._queue: queue.SimpleQueue[_Slot | None] | None = None
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None  # what the drainer thread's drain raised
+        self._failure_raised = False
+        if threaded:
+            self._queue = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._drainer, name="transformers-offload-drain", daemon=True)
+            self._thread.start()
+        self.waits = 0  # times the caller had to wait for a slot (a device copy or a drain still running)
 
     def put(self, step: int, stream: str, tensor: torch.Tensor) -> None:
-        """Copy `tensor` (any device) into the host slot of `step`, under the name `stream`."""
+        """Copy `tensor` (any device) into the host slot of `step`, under the name `stream`.
+
+        Raises:
+            BaseException: what the drain raised for an earlier step (threaded ring).
+        """
+        self._raise_drain_error()
         slot = self._slot_for(step)
         buffer = slot.buffers.get(stream)
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
@@ -54,37 +89,106 @@ class HostRing:
             buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pinned)
             slot.buffers[stream] = buffer
         if tensor.device.type == "cuda":
-            buffer.copy_(tensor, non_blocking=True)
-            if slot.event is None:
-                slot.event = torch.cuda.Event()
-            slot.event.record()
+            self._copy_from_cuda(slot, stream, tensor, buffer)
         else:
             buffer.copy_(tensor)
         slot.written.append(stream)
 
     def flush(self) -> None:
-        """Wait for every pending copy and drain every occupied slot, in step order."""
-        count = len(self._slots)
-        for offset in range(1, count + 1):
-            self._release(self._slots[(self._current + offset) % count])
+        """Drain every occupied slot in step order and wait until the store has them all.
 
+        Raises:
+            BaseException: what the drain raised (threaded ring).
+        """
+        for slot in sorted((s for s in self._slots if s.step is not None), key=lambda s: s.step):
+            self._submit(slot)
+        for slot in self._slots:
+            slot.free.wait()
+        if self._queue is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._queue = None
+        self._raise_drain_error()
+
+    # -- the generate() side -------------------------------------------------------------------------
     def _slot_for(self, step: int) -> _Slot:
         for slot in self._slots:  # a step still held takes late entries (beam search's tokens)
-            if slot.step == step:
+            if slot.step == step and not slot.submitted:
                 return slot
+        # A new step: hand over every slot two or more steps behind it, oldest first.
+        behind = [s for s in self._slots if s.step is not None and not s.submitted and s.step <= step - 2]
+        for slot in sorted(behind, key=lambda s: s.step):
+            self._submit(slot)
         self._current = (self._current + 1) % len(self._slots)
         slot = self._slots[self._current]
-        self._release(slot)
+        if slot.step is not None:
+            self._submit(slot)  # the ring is short: the slot goes before its two steps are up
+        if not slot.free.is_set():
+            self.waits += 1
+            slot.free.wait()
+            self._raise_drain_error()
         slot.step = step
+        slot.submitted = False
         return slot
 
-    def _release(self, slot: _Slot) -> None:
-        if slot.step is None:
+    def _submit(self, slot: _Slot) -> None:
+        if slot.submitted or slot.step is None:
             return
-        if slot.event is not None:
-            if not slot.event.query():
-                self.waits += 1  # the copy is still in flight: the host waits for it
-            slot.event.synchronize()
-        self._drain(slot.step, {name: slot.buffers[name] for name in slot.written})
-        slot.step = None
-        slot.written = []
+        slot.submitted = True
+        slot.free.clear()
+        if self._queue is not None:
+            self._queue.put(slot)
+            return
+        if any(not event.query() for event in slot.copied.values()):
+            self.waits += 1  # the copy is still in flight: the host waits for it
+        self._release(slot)
+
+    def _copy_from_cuda(self, slot: _Slot, stream: str, tensor: torch.Tensor, buffer: torch.Tensor) -> None:
+        device = tensor.device
+        compute = torch.cuda.current_stream(device)
+        side = self._copy_streams.get(device)
+        if side is None:
+            side = self._copy_streams[device] = torch.cuda.Stream(device=device)
+        staging = slot.staging.get(stream)
+        if staging is None or staging.shape != tensor.shape or staging.dtype != tensor.dtype or staging.device != device:
+            staging = slot.staging[stream] = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+        copied = slot.copied.get(device)
+        if copied is not None:
+            compute.wait_event(copied)  # a step written twice: its first copy may still read the staging buffer
+        staging.copy_(tensor)  # on the compute stream: before any later in-place edit of `tensor`
+        staged = slot.staged.get(device)
+        if staged is None:
+            staged = slot.staged[device] = torch.cuda.Event()
+        staged.record(compute)
+        side.wait_event(staged)
+        with torch.cuda.stream(side):
+            buffer.copy_(staging, non_blocking=True)
+        if copied is None:
+            copied = slot.copied[device] = torch.cuda.Event()
+        copied.record(side)
+
+    def _raise_drain_error(self) -> None:
+        if self._failure is not None and not self._failure_raised:
+            self._failure_raised = True
+            raise self._failure
+
+    # -- the store side --------------------------------------------------------------------------------
+    def _release(self, slot: _Slot) -> None:
+        try:
+            if self._failure is None:  # after a failure nothing more reaches the store
+                for event in slot.copied.values():
+                    event.synchronize()
+                self._drain(slot.step, {name: slot.buffers[name] for name in slot.written})
+        except BaseException as error:  # noqa: BLE001 - kept; raised in the generate() thread
+            self._failure = error
+            if self._queue is None:
+                self._failure_raised = True
+                raise
+        finally:
+            slot.step = None
+            slot.written = []
+            slot.free.set()
+
+    def _drainer(self) -> None:
+        for slot in iter(self._queue.get, None):
+            self._release(slot)

@@ -214,6 +214,7 @@ class Recorder(Readable, LogitsProcessor, StoppingCriteria):
                 open_store=self._open_store,
                 index=len(self._generations),
                 attention_mask=attention_mask,
+                threaded=_on_cuda(self._model),
             )
             return self._active
 
@@ -274,6 +275,12 @@ class Recorder(Readable, LogitsProcessor, StoppingCriteria):
             f"Recorder({self._model_name}, streams={self._streams}, ring_slots={self._ring_slots}, "
             f"{len(self._generations)} generation(s), {state})"
         )
+
+
+def _on_cuda(model: Any) -> bool:
+    """Whether `model` computes on CUDA: then the ring drains in its own thread."""
+    device = getattr(model, "device", None)
+    return isinstance(device, torch.device) and device.type == "cuda"
 
 
 def _model_info(model: Any) -> dict[str, Any]:
