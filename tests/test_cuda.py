@@ -1,4 +1,5 @@
-"""The CUDA path: pinned host slots, non-blocking copies, exact values. Skipped without a GPU."""
+"""The CUDA path: pinned host slots, copies on a side stream, no host synchronisation in the step,
+exact values, flat device memory. Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 
 from transformers_offload import Recorder, open_recording
+from transformers_offload import _capture, _transfer
 from transformers_offload._transfer import HostRing
 
 from .conftest import left_padded_batch, make_tiny
@@ -14,9 +16,10 @@ from .helpers import assert_steps_equal
 pytestmark = pytest.mark.cuda
 
 
-def test_ring_uses_pinned_slots_and_waits_only_on_reuse():
+@pytest.mark.parametrize("threaded", [False, True])
+def test_ring_uses_pinned_slots_and_waits_only_on_reuse(threaded):
     kept = []
-    ring = HostRing(2, lambda step, tensors: kept.append((step, tensors["x"].clone())))
+    ring = HostRing(2, lambda step, tensors: kept.append((step, tensors["x"].clone())), threaded=threaded)
     for step in range(5):
         ring.put(step, "x", torch.full((4, 8), float(step), device="cuda"))
     assert all(slot.buffers["x"].is_pinned() for slot in ring._slots)
@@ -26,10 +29,11 @@ def test_ring_uses_pinned_slots_and_waits_only_on_reuse():
     assert 0 <= ring.waits <= 5  # counted only when a copy was still in flight (3 reuses + 2 at the flush)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("store", ["memory", "spill"])
 @pytest.mark.parametrize("kwargs", [dict(), dict(do_sample=True, top_k=20), dict(num_beams=3)])
-def test_recording_on_cuda_equals_hugging_face(kwargs, store, tmp_path):
-    model = make_tiny("llama").to("cuda")
+def test_recording_on_cuda_equals_hugging_face(kwargs, store, dtype, tmp_path):
+    model = make_tiny("llama").to("cuda", dtype)
     batch = {k: v.to("cuda") for k, v in left_padded_batch().items()}
     torch.manual_seed(0)
     reference = model.generate(
@@ -46,17 +50,75 @@ def test_recording_on_cuda_equals_hugging_face(kwargs, store, tmp_path):
     assert_steps_equal(rec.scores(), reference.scores, "scores")
 
 
-def test_device_memory_does_not_grow_with_steps():
+@pytest.mark.parametrize("store", ["memory", "spill"])
+@pytest.mark.parametrize("kwargs", [dict(), dict(num_beams=3)])
+def test_device_memory_does_not_grow_with_steps(kwargs, store, tmp_path):
     model = make_tiny("llama").to("cuda")
     batch = {k: v.to("cuda") for k, v in left_padded_batch().items()}
     peaks = []
     for steps in (16, 96):
-        with Recorder(model) as rec:
+        options = {"spill_dir": tmp_path / str(steps)} if store == "spill" else {}
+        with Recorder(model, **options) as rec:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-            model.generate(**batch, logits_processor=[rec], max_new_tokens=steps, min_new_tokens=steps)
+            model.generate(**batch, logits_processor=[rec], max_new_tokens=steps, min_new_tokens=steps, **kwargs)
             torch.cuda.synchronize()
             peaks.append(torch.cuda.max_memory_allocated() - base)
     # The KV cache grows with steps (a few KB per step for this model); the recorder adds nothing per step.
     assert peaks[1] - peaks[0] < 512 * 1024, peaks
+
+
+def test_an_in_place_edit_after_the_put_does_not_reach_the_recording():
+    # The copy to the host runs on a side stream; the staging copy on the compute stream comes first.
+    kept = {}
+    ring = HostRing(2, lambda step, tensors: kept.update({step: tensors["x"].clone()}), threaded=True)
+    sources = [torch.full((64, 50_000), float(step + 1), device="cuda") for step in range(6)]
+    for step, source in enumerate(sources):
+        ring.put(step, "x", source)
+        source.mul_(0)
+    ring.flush()
+    assert all(torch.equal(kept[s], torch.full((64, 50_000), float(s + 1))) for s in range(6))
+
+
+def test_the_memory_store_keeps_pageable_copies_of_the_pinned_slots():
+    model = make_tiny("llama").to("cuda")
+    batch = {k: v.to("cuda") for k, v in left_padded_batch().items()}
+    with Recorder(model) as rec:
+        model.generate(**batch, logits_processor=[rec], max_new_tokens=4)
+    assert not any(step.is_pinned() for step in rec.logits() + rec.scores())
+
+
+def _strict(function):
+    """`function`, run with CUDA's sync debug mode set to raise on any synchronising call."""
+
+    def strict(*args, **kwargs):
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return function(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+
+    return strict
+
+
+def test_sync_debug_mode_catches_a_synchronising_call():
+    with pytest.raises(RuntimeError, match="synchroniz"):
+        _strict(lambda: torch.ones(1, device="cuda").item())()
+
+
+@pytest.mark.parametrize("store", ["memory", "spill"])
+@pytest.mark.parametrize("kwargs", [dict(), dict(do_sample=True, top_k=20), dict(num_beams=3)])
+def test_the_recorder_makes_no_synchronising_call_in_the_step_path(kwargs, store, tmp_path, monkeypatch):
+    # generate() itself synchronises every step; only the recorder's own per-step code runs strict.
+    for name in ("on_forward", "on_raw", "on_processed", "on_stopping"):
+        monkeypatch.setattr(_capture.Capture, name, _strict(getattr(_capture.Capture, name)))
+    monkeypatch.setattr(_transfer.HostRing, "put", _strict(_transfer.HostRing.put))
+    model = make_tiny("llama").to("cuda")
+    batch = {k: v.to("cuda") for k, v in left_padded_batch().items()}
+    options = {"spill_dir": tmp_path / "run", "shard_bytes": 20_000} if store == "spill" else {}
+    with Recorder(model, **options) as rec:
+        model.generate(**batch, logits_processor=[rec], max_new_tokens=24, min_new_tokens=24, **kwargs)
+    assert rec.generation().num_steps == 24
+    assert rec.generation().complete

@@ -1,0 +1,122 @@
+"""What the benchmarks share: the per-step memory probe, the machine description, tables, JSON, plots."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import transformers
+from transformers.generation import StoppingCriteria
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def rss_bytes() -> int:
+    """This process's resident set now, in bytes (Linux `/proc/self/statm`; the peak elsewhere)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return peak_rss_bytes()
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set so far, in bytes (`ru_maxrss` is KiB on Linux, bytes on macOS)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+class MemoryProbe(StoppingCriteria):
+    """A stopping criterion that never stops and notes `read()` once per step (after the token is
+    appended): the memory-against-steps trace. Every case of a benchmark carries it, the baseline too.
+
+    `read` must not synchronise with the device (`torch.cuda.memory_allocated` and the RSS are host
+    counters). It returns a `(rows,)` bool tensor of False on `input_ids`' device, made once.
+    """
+
+    def __init__(self, read: Callable[[], int]) -> None:
+        self.read = read
+        self.trace: list[int] = []
+        self._never: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        self.trace.append(self.read())
+        if self._never is None or self._never.shape[0] != input_ids.shape[0]:
+            self._never = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        return self._never
+
+
+def machine() -> dict[str, Any]:
+    """The hardware and versions a result was measured on."""
+    info = {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+    return info
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Print `rows` as a Markdown table (also returned), numbers right-aligned."""
+    cells = [[_cell(value) for value in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    right = [all(isinstance(row[i], (int, float)) for row in rows) for i in range(len(headers))]
+    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |"]
+    lines.append("| " + " | ".join(("-" * (w - 1) + ":") if r else "-" * w for w, r in zip(widths, right)) + " |")
+    for row in cells:
+        lines.append("| " + " | ".join(c.rjust(w) if r else c.ljust(w) for c, w, r in zip(row, widths, right)) + " |")
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 100 else f"{value:.1f}"
+    return str(value)
+
+
+def write_json(path: Path, record: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+def plot_traces(path: Path, panels: dict[str, dict[str, Sequence[float]]], *, ylabel: str, title: str) -> None:
+    """One panel per key of `panels`, one line per case: a value per step (the memory trace)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise ImportError(
+            "the benchmark plots need matplotlib: `pip install 'transformers-offload[bench]'`"
+        ) from error
+    figure, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+    for axis, (name, lines) in zip(axes[0], panels.items()):
+        for label, values in lines.items():
+            axis.plot(range(len(values)), values, label=label)
+        axis.set_title(name)
+        axis.set_xlabel("step")
+        axis.set_ylabel(ylabel)
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    figure.suptitle(title)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    print(f"wrote {path}")

@@ -1,0 +1,247 @@
+"""Device memory and time on a GPU: stock generate() against generate() with outputs and the Recorder.
+
+    python bench/gpu.py [--models smollm2-135m llama-1.1b] [--batch 64] [--new-tokens 1000]
+                        [--budget-s 290] [--out bench/results]
+    python bench/gpu.py --dry-run        # the same code end to end on CPU, tiny models, no GPU figures
+
+Per model, in one process and in this order: a warm-up, stock generate (no outputs, the baseline),
+the Recorder in memory, the Recorder spilling to `--spill-root`, generate with `output_scores` +
+`output_logits` (`return_dict_in_generate=True`), and the baseline again (its two timings are
+averaged). Greedy, bf16, batch 64, 1,000 new tokens with no end-of-sequence token (every row runs to
+the end), random prompts of 32 tokens. For each case: `torch.cuda.max_memory_allocated()` after
+`reset_peak_memory_stats()`, time between `torch.cuda.synchronize()` calls, and whether the
+sequences equal the baseline's. Every case, the baseline too, carries a stopping criterion that
+notes `torch.cuda.memory_allocated()` after each step (a host counter: no synchronisation), for the
+memory-against-steps plot.
+
+Models are built from configs with random weights, on the GPU (no download, and the GPU machine
+reaches no network): `smollm2-135m` has SmolLM2-135M's exact shape (30 layers, vocabulary 49,152),
+`llama-1.1b` TinyLlama-1.1B's (22 layers, hidden 2,048, vocabulary 32,000; 1.1 B parameters).
+Memory and time depend on the shapes, not on the weights' values.
+
+Writes `gpu.json` and `gpu.png` under `--out` (`gpu-dry-run.*` with `--dry-run`) and prints two
+tables: ratios to the baseline, and the upstream attempt's shape (initial, peak, increase, time,
+overhead, sequences match). `--budget-s` stops starting new cases once that many seconds have passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+import torch  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from _common import RESULTS, MemoryProbe, machine, plot_traces, print_table, rss_bytes, write_json  # noqa: E402
+from transformers_offload import Recorder  # noqa: E402
+
+SHAPES = {
+    # SmolLM2-135M-Instruct's config.json (the real model of the CPU benchmarks), weights random.
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True,
+                         max_position_embeddings=8192, rms_norm_eps=1e-5),
+    # TinyLlama-1.1B's shape: a Llama-style model of about 1 B parameters.
+    "llama-1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                       num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False,
+                       max_position_embeddings=2048, rms_norm_eps=1e-5),
+}
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16)
+CASES = ("baseline", "recorder (memory)", "recorder (spill)", "output_scores + output_logits", "baseline (again)")
+PROMPT_LENGTH = 32
+
+
+def build(name: str, device: torch.device, dry_run: bool) -> LlamaForCausalLM:
+    shape = dict(SHAPES[name])
+    if dry_run:
+        shape.update(TINY, vocab_size=min(shape["vocab_size"], 1024))
+    config = LlamaConfig(**shape, bos_token_id=0, eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+class Meter:
+    """Device memory and synchronised time of one case (host RSS on the CPU dry run)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated() if self.cuda else rss_bytes()
+
+    def run(self, case: Callable[[MemoryProbe], torch.Tensor]) -> dict[str, Any]:
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        initial = self.allocated()
+        probe = MemoryProbe(self.allocated)
+        started = time.perf_counter()
+        sequences = case(probe)
+        if self.cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+        peak = torch.cuda.max_memory_allocated() if self.cuda else max([initial, *probe.trace])
+        return {"sequences": sequences, "initial": initial, "peak": peak, "seconds": seconds, "trace": probe.trace}
+
+
+def bench_model(name: str, args: argparse.Namespace, device: torch.device, deadline: float) -> dict[str, Any]:
+    model = build(name, device, args.dry_run)
+    params = sum(p.numel() for p in model.parameters())
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(1, model.config.vocab_size, (args.batch, PROMPT_LENGTH), generator=generator)
+    batch = {"input_ids": input_ids.to(device), "attention_mask": torch.ones_like(input_ids).to(device)}
+    common = dict(max_new_tokens=args.new_tokens, do_sample=False)
+    spill_root = Path(args.spill_root or tempfile.mkdtemp(prefix="offload-bench-"))
+    stats: dict[str, Any] = {}
+
+    def baseline(probe):
+        return model.generate(**batch, **common, stopping_criteria=[probe])
+
+    def outputs(probe):
+        out = model.generate(**batch, **common, stopping_criteria=[probe], return_dict_in_generate=True,
+                             output_scores=True, output_logits=True)
+        return out.sequences  # the per-step tensors are freed with `out`, after the peak was read
+
+    def recorder(spill: bool):
+        def run(probe):
+            spill_dir = spill_root / f"{name}-run" if spill else None
+            with Recorder(model, spill_dir=spill_dir) as rec:
+                sequences = model.generate(**batch, **common, stopping_criteria=[probe], logits_processor=[rec])
+            generation = rec.generation()
+            stats["recorder (spill)" if spill else "recorder (memory)"] = {
+                "steps": generation.num_steps, "waits": generation.stats.waits,
+                "bytes_written": generation.stats.bytes_written,
+                "write_seconds": round(generation.stats.write_seconds, 3),
+            }
+            del rec, generation
+            if spill:
+                shutil.rmtree(spill_dir)
+            return sequences
+
+        return run
+
+    runs = {CASES[0]: baseline, CASES[1]: recorder(False), CASES[2]: recorder(True), CASES[3]: outputs,
+            CASES[4]: baseline}
+    meter = Meter(device)
+    model.generate(**batch, max_new_tokens=8, do_sample=False)  # warm-up: kernels, allocator, cuBLAS
+    results: dict[str, dict[str, Any]] = {}
+    for case, run in runs.items():
+        if time.perf_counter() > deadline:
+            print(f"[{name}] budget spent: {case!r} not run", flush=True)
+            continue
+        results[case] = meter.run(run)
+        print(f"[{name}] {case}: {results[case]['seconds']:.2f} s, peak "
+              f"{results[case]['peak'] / 2**20:.1f} MiB", flush=True)
+    shutil.rmtree(spill_root, ignore_errors=True)
+    del model
+    return summarize(name, params, args, results, stats)
+
+
+def summarize(name: str, params: int, args: argparse.Namespace, results: dict[str, dict[str, Any]],
+              stats: dict[str, Any]) -> dict[str, Any]:
+    base_runs = [results[c] for c in (CASES[0], CASES[4]) if c in results]
+    base_seconds = sum(r["seconds"] for r in base_runs) / len(base_runs)
+    base_increase = sum(r["peak"] - r["initial"] for r in base_runs) / len(base_runs)
+    reference = results[CASES[0]]["sequences"]
+    extra_outputs = None
+    if CASES[3] in results:
+        extra_outputs = results[CASES[3]]["peak"] - results[CASES[3]]["initial"] - base_increase
+    rows = []
+    for case, result in results.items():
+        increase = result["peak"] - result["initial"]
+        extra = increase - base_increase
+        row = {
+            "case": case,
+            "initial_mib": result["initial"] / 2**20,
+            "peak_mib": result["peak"] / 2**20,
+            "increase_mib": increase / 2**20,
+            "extra_over_baseline_mib": extra / 2**20,
+            "seconds": result["seconds"],
+            "time_ratio_to_baseline": result["seconds"] / base_seconds,
+            "sequences_match": bool(torch.equal(result["sequences"].cpu(), reference.cpu())),
+            "trace_mib": [round(v / 2**20, 2) for v in result["trace"]],
+        }
+        if extra_outputs and case.startswith("recorder"):
+            row["extra_share_of_outputs_extra"] = extra / extra_outputs
+        row.update(stats.get(case, {}))
+        rows.append(row)
+    return {"model": name, "parameters": params, "batch": args.batch, "new_tokens": args.new_tokens,
+            "baseline_seconds_mean": base_seconds, "cases": rows}
+
+
+def report(models: list[dict[str, Any]]) -> None:
+    for entry in models:
+        print(f"\n{entry['model']} ({entry['parameters'] / 1e9:.2f} B parameters), batch {entry['batch']}, "
+              f"{entry['new_tokens']} new tokens")
+        print_table(
+            ["case", "extra peak over baseline (MiB)", "share of outputs' extra", "time (s)", "x baseline",
+             "waits"],
+            [[r["case"], r["extra_over_baseline_mib"], r.get("extra_share_of_outputs_extra", "-"), r["seconds"],
+              r["time_ratio_to_baseline"], r.get("waits", "-")] for r in entry["cases"]],
+        )
+        print()
+        print_table(
+            ["case", "initial (MB)", "peak (MB)", "increase (MB)", "time (s)", "overhead", "sequences match"],
+            [[r["case"], r["initial_mib"] * 2**20 / 1e6, r["peak_mib"] * 2**20 / 1e6,
+              r["increase_mib"] * 2**20 / 1e6, r["seconds"], f"{(r['time_ratio_to_baseline'] - 1) * 100:+.1f}%",
+              r["sequences_match"]] for r in entry["cases"]],
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=tuple(SHAPES), default=list(SHAPES))
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=1000)
+    parser.add_argument("--budget-s", type=float, default=290.0, help="start no case after this many seconds")
+    parser.add_argument("--spill-root", help="where the spilling case writes (default: a temporary directory)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--dry-run", action="store_true",
+                        help="run on CPU with tiny models (batch 4, 16 new tokens unless given): checks the "
+                        "script end to end; its figures are not GPU figures")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    if args.dry_run:
+        device = torch.device("cpu")
+        if args.batch == parser.get_default("batch"):
+            args.batch = 4
+        if args.new_tokens == parser.get_default("new_tokens"):
+            args.new_tokens = 16
+    elif torch.cuda.is_available():
+        device = torch.device("cuda")
+    else:
+        parser.error("no CUDA device is visible; run with --dry-run to check the script on CPU")
+    stem = "gpu-dry-run" if args.dry_run else "gpu"
+    models = [bench_model(name, args, device, started + args.budget_s) for name in args.models]
+    report(models)
+    record = {"machine": machine(), "dry_run": args.dry_run, "wall_seconds": time.perf_counter() - started,
+              "models": models}
+    write_json(args.out / f"{stem}.json", record)
+    plot_traces(
+        args.out / f"{stem}.png",
+        {f"{m['model']}, batch {m['batch']}": {r["case"]: [v / 1024 for v in r["trace_mib"]] for r in m["cases"]}
+         for m in models},
+        ylabel="device memory allocated (GiB)" if device.type == "cuda" else "resident set (GiB)",
+        title=f"memory against steps ({'CPU dry run' if args.dry_run else machine().get('gpu', '')})",
+    )
+    print(f"total {time.perf_counter() - started:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
