@@ -139,15 +139,15 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, deadl
     runs = {CASES[0]: baseline, CASES[1]: recorder(False), CASES[2]: recorder(True), CASES[3]: outputs,
             CASES[4]: baseline}
     meter = Meter(device)
-    model.generate(**batch, max_new_tokens=8, do_sample=False)  # warm-up: kernels, allocator, cuBLAS
+    model.generate(**batch, max_new_tokens=64, do_sample=False)  # warm-up: kernels, allocator, cuBLAS
     results: dict[str, dict[str, Any]] = {}
     for case, run in runs.items():
         if time.perf_counter() > deadline:
             print(f"[{name}] budget spent: {case!r} not run", flush=True)
             continue
         results[case] = meter.run(run)
-        print(f"[{name}] {case}: {results[case]['seconds']:.2f} s, peak "
-              f"{results[case]['peak'] / 2**20:.1f} MiB", flush=True)
+        print(f"[{name}] {case}: {results[case]['seconds']:.2f} s, peak {results[case]['peak'] / 2**20:.1f} MiB"
+              f"{', ' + str(stats[case]) if case in stats else ''}", flush=True)
     shutil.rmtree(spill_root, ignore_errors=True)
     del model
     return summarize(name, params, args, results, stats)
@@ -228,11 +228,13 @@ def main() -> None:
     else:
         parser.error("no CUDA device is visible; run with --dry-run to check the script on CPU")
     stem = "gpu-dry-run" if args.dry_run else "gpu"
-    models = [bench_model(name, args, device, started + args.budget_s) for name in args.models]
+    models = []
+    for name in args.models:
+        models.append(bench_model(name, args, device, started + args.budget_s))
+        record = {"machine": machine(), "dry_run": args.dry_run, "wall_seconds": time.perf_counter() - started,
+                  "models": models}
+        write_json(args.out / f"{stem}.json", record)  # after each model: a later timeout keeps it
     report(models)
-    record = {"machine": machine(), "dry_run": args.dry_run, "wall_seconds": time.perf_counter() - started,
-              "models": models}
-    write_json(args.out / f"{stem}.json", record)
     plot_traces(
         args.out / f"{stem}.png",
         {f"{m['model']}, batch {m['batch']}": {r["case"]: [v / 1024 for v in r["trace_mib"]] for r in m["cases"]}

@@ -27,14 +27,15 @@ print("python", platform.python_version(), "torch", torch.__version__, "transfor
 } 2>&1 | tee "$OUT/machine.txt"
 
 started=$SECONDS
-timeout 180 "$PYTHON" -m pytest -q -p no:cacheprovider -W default -m cuda tests/test_cuda.py \
+timeout "${TESTS_TIMEOUT:-180}" "$PYTHON" -m pytest -q -p no:cacheprovider -W default -m cuda tests/test_cuda.py \
     --junitxml "$OUT/cuda-tests.xml" 2>&1 | tee "$OUT/cuda-tests.log"
 tests_rc=${PIPESTATUS[0]}
 echo "cuda tests: exit $tests_rc after $((SECONDS - started)) s" | tee -a "$OUT/cuda-tests.log"
 
 started=$SECONDS
 rm -rf .bench-spill && mkdir -p .bench-spill  # on the checkout's disk, not a tmpfs /tmp
-timeout 300 "$PYTHON" bench/gpu.py --out "$OUT" --budget-s 240 --spill-root .bench-spill "${dry_run[@]}" 2>&1 | tee "$OUT/gpu-bench.log"
+timeout "${BENCH_TIMEOUT:-300}" "$PYTHON" bench/gpu.py --out "$OUT" --budget-s "${BENCH_BUDGET:-240}" \
+    --spill-root .bench-spill "${dry_run[@]}" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/gpu-bench.log"
 bench_rc=${PIPESTATUS[0]}
 echo "gpu benchmark: exit $bench_rc after $((SECONDS - started)) s" | tee -a "$OUT/gpu-bench.log"
 rm -rf .bench-spill

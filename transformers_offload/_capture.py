@@ -172,8 +172,11 @@ class Capture:
         if self.is_beam or self._finished is None:
             return  # beam search passes candidate rows here, not running beams
         token = input_ids[:, -1]
-        if self.eos_ids is not None and self.eos_ids.device != token.device:
-            self.eos_ids = self.eos_ids.to(token.device)  # once: a copy from the host waits for the device
+        if self.eos_ids is not None and not isinstance(is_done, torch.Tensor) and self.eos_ids.device != token.device:
+            # Up to 4.38 EOS is checked here (`rows_done`). Once, and from pinned memory: a plain copy
+            # from the host would wait for the device.
+            eos = self.eos_ids.pin_memory() if token.is_cuda else self.eos_ids
+            self.eos_ids = eos.to(token.device, non_blocking=True)
         self.ring.put(self._step, "tokens", token)
         self._finished = self._finished | _compat.rows_done(is_done, token, self.eos_ids)
 
