@@ -122,3 +122,30 @@ def test_the_recorder_makes_no_synchronising_call_in_the_step_path(kwargs, store
         model.generate(**batch, logits_processor=[rec], max_new_tokens=24, min_new_tokens=24, **kwargs)
     assert rec.generation().num_steps == 24
     assert rec.generation().complete
+
+
+def test_the_compute_stream_never_waits_for_a_host_copy(monkeypatch):
+    waiting = []
+    original = torch.cuda.Stream.wait_event
+
+    def spy(stream, event):
+        waiting.append(stream)
+        return original(stream, event)
+
+    monkeypatch.setattr(torch.cuda.Stream, "wait_event", spy)
+    ring = HostRing(2, lambda step, tensors: None, threaded=True)
+    for step in range(6):
+        for name in ("logits", "finished", "scores", "tokens"):
+            ring.put(step, name, torch.ones(8, 1000, device="cuda"))
+    ring.flush()
+    compute = torch.cuda.current_stream()
+    assert waiting and not any(stream == compute for stream in waiting)  # only the side stream waits
+
+
+def test_a_step_written_twice_on_cuda_keeps_the_last_value():
+    kept = {}
+    ring = HostRing(2, lambda step, tensors: kept.update({step: tensors["x"].clone()}), threaded=True)
+    ring.put(0, "x", torch.zeros(64, 50_000, device="cuda"))
+    ring.put(0, "x", torch.ones(64, 50_000, device="cuda"))
+    ring.flush()
+    assert torch.equal(kept[0], torch.ones(64, 50_000))

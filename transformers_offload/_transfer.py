@@ -153,8 +153,10 @@ class HostRing:
         if staging is None or staging.shape != tensor.shape or staging.dtype != tensor.dtype or staging.device != device:
             staging = slot.staging[stream] = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
         copied = slot.copied.get(device)
-        if copied is not None:
-            compute.wait_event(copied)  # a step written twice: its first copy may still read the staging buffer
+        if copied is not None and stream in slot.written:
+            # This step's `stream` is written again: its first copy may still read the staging buffer.
+            # (Other waits are not needed: a reused slot was drained, so its copies are done.)
+            compute.wait_event(copied)
         staging.copy_(tensor)  # on the compute stream: before any later in-place edit of `tensor`
         staged = slot.staged.get(device)
         if staged is None:
