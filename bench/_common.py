@@ -120,3 +120,30 @@ def plot_traces(path: Path, panels: dict[str, dict[str, Sequence[float]]], *, yl
     figure.savefig(path, dpi=110)
     plt.close(figure)
     print(f"wrote {path}")
+
+
+def plot_bars(path: Path, panels: dict[str, dict[str, float]], *, title: str) -> None:
+    """One panel per key of `panels`, one bar per case."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise ImportError(
+            "the benchmark plots need matplotlib: `pip install 'transformers-offload[bench]'`"
+        ) from error
+    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
+    for axis, (name, bars) in zip(axes[0], panels.items()):
+        axis.bar(list(bars), list(bars.values()), color="tab:blue")
+        for index, value in enumerate(bars.values()):
+            axis.annotate(f"{value:.3g}", (index, value), ha="center", va="bottom", fontsize=8)
+        axis.set_title(name, fontsize=10)
+        axis.tick_params(axis="x", labelsize=8)
+        axis.grid(axis="y", alpha=0.3)
+    figure.suptitle(title)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    print(f"wrote {path}")

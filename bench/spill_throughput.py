@@ -1,7 +1,7 @@
 """Spill throughput against a plain sequential write of the same bytes to the same disk, in one run.
 
     .venv/bin/python bench/spill_throughput.py [--dir DIR] [--rows 8] [--vocab 49152] [--steps 256]
-                                               [--shard-mib 64] [--repeats 3]
+                                               [--shard-mib 64] [--repeats 3] [--out bench/results]
 
 No model: made-up `(rows, vocab)` float32 logits and scores per step go straight into the spill store
 (the layer under the recorder), which packs them into shards and writes them on its background
@@ -9,27 +9,41 @@ thread (safetensors, fsync, rename, manifest). Two figures for the store:
 - end to end: bytes of shards / seconds from the first step handed over to the end of `finish()`;
 - writer: bytes of shards / seconds the writer thread spent writing them (`TransferStats`).
 The baseline writes the same number of files of the same size with `write()` + `fsync`, one after
-another, into the same directory. Median of the repeats, cases interleaved. Writes
-bench/results/spill_throughput.json.
+another, into the same directory: this disk's own sequential write bandwidth. Median of the repeats,
+cases interleaved. Writes `spill_throughput.json` and `spill_throughput.png` under `--out`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from transformers_offload._shard_store import Spill
+import torch  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from _common import RESULTS, machine, plot_bars, print_table, write_json  # noqa: E402
+from transformers_offload._shard_store import Spill  # noqa: E402
+
+
+def made_up_steps(rows: int, vocab: int, steps: int) -> list[dict[str, torch.Tensor]]:
+    """What the ring hands the store per step, with random values: float32 logits and scores."""
+    generator = torch.Generator().manual_seed(0)
+    return [
+        {
+            "logits": torch.randn(rows, vocab, generator=generator),
+            "scores": torch.randn(rows, vocab, generator=generator),
+            "tokens": torch.randint(0, vocab, (rows,), generator=generator),
+            "finished": torch.zeros(rows, dtype=torch.bool),
+        }
+        for _ in range(steps)
+    ]
 
 
 def spill(root: Path, steps: list[dict[str, torch.Tensor]], shard_bytes: int) -> dict[str, float]:
@@ -70,18 +84,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=256)
     parser.add_argument("--shard-mib", type=float, default=64.0)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
 
-    generator = torch.Generator().manual_seed(0)
-    steps = [
-        {
-            "logits": torch.randn(args.rows, args.vocab, generator=generator),
-            "scores": torch.randn(args.rows, args.vocab, generator=generator),
-            "tokens": torch.randint(0, args.vocab, (args.rows,), generator=generator),
-            "finished": torch.zeros(args.rows, dtype=torch.bool),
-        }
-        for _ in range(args.steps)
-    ]
+    steps = made_up_steps(args.rows, args.vocab, args.steps)
     base = args.dir or Path(tempfile.mkdtemp(prefix="spill-bench-"))
     base.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict[str, float]]] = {"spill": [], "plain": []}
@@ -108,15 +114,12 @@ def main() -> None:
     total_mb = runs["spill"][0]["bytes"] / 1e6
     print(f"{total_mb:.0f} MB in {runs['spill'][0]['shards']} shards of {args.shard_mib:g} MiB, "
           f"{args.steps} steps x {args.rows} rows x {args.vocab}, median of {args.repeats}")
-    print(f"| case | MB/s | x plain write |\n| --- | ---: | ---: |")
-    for name, value in table.items():
-        print(f"| {name} | {value:.0f} | {value / baseline:.2f} |")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "spill_throughput.json").write_text(json.dumps({
+    print_table(["case", "MB/s", "x plain write"], [[name, value, value / baseline] for name, value in table.items()])
+    write_json(args.out / "spill_throughput.json", {
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
-        "mb_per_s": table, "runs": runs,
-    }, indent=1) + "\n")
+        "machine": machine(), "mb_per_s": table, "runs": runs,
+    })
+    plot_bars(args.out / "spill_throughput.png", {"MB/s (median)": table}, title="spill against a plain write + fsync")
 
 
 if __name__ == "__main__":

@@ -56,7 +56,6 @@ def test_options_are_keyword_only(gpt2):
 @pytest.mark.parametrize(
     ("kwargs", "mode"),
     [
-        (dict(prompt_lookup_num_tokens=3), "assisted_generation"),
         (dict(penalty_alpha=0.6, top_k=4), "contrastive_search"),
         (dict(num_beams=4, num_beam_groups=2, diversity_penalty=1.0), "group_beam_search"),
         (dict(num_beams=2, force_words_ids=[[5]]), "constrained_beam_search"),
@@ -75,18 +74,6 @@ def test_unsupported_modes_fail_before_generation(gpt2, kwargs, mode):
             gpt2.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=3, **kwargs)
     assert forwards.count == 0
     assert rec.generations == ()
-
-
-def test_assistant_model_fails_before_generation(gpt2):
-    forwards = CountForwards(gpt2)
-    assistant = make_tiny("gpt2", seed=3)
-    with Recorder(gpt2) as rec:
-        with pytest.raises(UnsupportedModeError, match="assisted_generation"):
-            gpt2.generate(
-                **left_padded_batch(lengths=(4,)), logits_processor=[rec], assistant_model=assistant,
-                max_new_tokens=3,
-            )
-    assert forwards.count == 0
 
 
 def test_recorder_of_another_model_is_refused_before_work(gpt2):

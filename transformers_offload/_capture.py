@@ -30,6 +30,12 @@ class UnsupportedModeError(ValueError):
 def check_mode(generation_config: Any, assistant_model: Any) -> str:
     """The decoding mode `generation_config` asks for, or `UnsupportedModeError` naming it."""
     mode = _compat.generation_mode(generation_config, assistant_model)
+    if mode == _compat.ASSISTED_MODE and getattr(generation_config, "assistant_early_exit", None):
+        raise UnsupportedModeError(
+            f"transformers-offload does not record assisted decoding with `assistant_early_exit` "
+            f"(transformers {_compat.TRANSFORMERS_VERSION}): its drafts run the recorded model itself. "
+            "Use an `assistant_model` or `prompt_lookup_num_tokens`, or remove the Recorder for this call."
+        )
     if mode not in _compat.SUPPORTED_MODES:
         raise UnsupportedModeError(
             f"transformers-offload records {', '.join(_compat.SUPPORTED_MODES)} for now; this call "
@@ -59,6 +65,7 @@ class Capture:
         self.attention_mask = attention_mask
         self.started = False
         self.mode = ""
+        self.do_sample = False
         self.prompt_length = 0
         self.num_beams = 1
         self.num_rows = 0
@@ -66,6 +73,8 @@ class Capture:
         self.accumulates_on_device = False
         self.header: dict[str, Any] = {"index": index}
         self._step = -1
+        self._tokens_until = 0  # steps [0, _tokens_until) have their token recorded
+        self._target_forward = False  # assisted decoding: the recorded model ran since the last check
         self._finished: torch.Tensor | None = None
         self._no_beam_finished: torch.Tensor | None = None
         self._forward_logits: list[torch.Tensor] = []
@@ -76,6 +85,7 @@ class Capture:
     def start(self, generation_config: Any, prompt_length: int) -> None:
         mode = check_mode(generation_config, self.assistant_model)
         self.mode = mode
+        self.do_sample = bool(generation_config.do_sample)
         self.prompt_length = int(prompt_length)
         self.num_beams = int(generation_config.num_beams or 1) if mode in _compat.BEAM_MODES else 1
         eos = generation_config.eos_token_id
@@ -124,9 +134,16 @@ class Capture:
     def is_beam(self) -> bool:
         return self.mode in _compat.BEAM_MODES
 
+    @property
+    def is_assisted(self) -> bool:
+        return self.mode == _compat.ASSISTED_MODE
+
     # -- taps, inside the decoding loop --------------------------------------------------------------
     def on_forward(self, output: Any) -> None:
-        """Beam search: keep this forward's next-token logits as transformers takes them."""
+        """Beam search: keep this forward's next-token logits as transformers takes them. Assisted
+        decoding: note that the recorded model (not the assistant) ran."""
+        if self.is_assisted:
+            self._target_forward = True
         if not self.is_beam:
             return
         logits = getattr(output, "logits", None)  # generate() always asks for a ModelOutput
@@ -154,6 +171,10 @@ class Capture:
             self.ring.put(step, "finished", self._no_beam_finished)
             self._record_ancestry(step, input_ids)
             return
+        if self.is_assisted and not self._target_forward:
+            return  # an assistant's draft, or prompt lookup probing its candidates with made-up scores
+        # Assisted decoding calls the list once per candidate position; a rejected position is
+        # written again later (the last write of a step wins) or has no token and is dropped.
         self._step = input_ids.shape[-1] - self.prompt_length
         self.num_rows = input_ids.shape[0]
         if self._finished is None:
@@ -164,20 +185,31 @@ class Capture:
 
     def on_processed(self, input_ids: torch.Tensor, scores: torch.Tensor) -> None:
         """Called with what the last processor or warper returned."""
+        if self.is_assisted and not self._target_forward:
+            return
         if "scores" in self.streams:
-            self.ring.put(self._step, "scores", scores)
+            # 4.36-4.44 assisted decoding runs the warpers after all positions went through the processors.
+            step = self._step if self.is_beam else input_ids.shape[-1] - self.prompt_length
+            self.ring.put(step, "scores", scores)
 
     def on_stopping(self, input_ids: torch.Tensor, is_done: Any) -> None:
         """Called after the step's token was appended, with the stopping criteria's verdict."""
         if self.is_beam or self._finished is None:
             return  # beam search passes candidate rows here, not running beams
+        if self.is_assisted:
+            if not self._target_forward:
+                return  # 4.40+ also check the unverified candidates, before the recorded model runs
+            self._target_forward = False
         token = input_ids[:, -1]
         if self.eos_ids is not None and not isinstance(is_done, torch.Tensor) and self.eos_ids.device != token.device:
             # Up to 4.38 EOS is checked here (`rows_done`). Once, and from pinned memory: a plain copy
             # from the host would wait for the device.
             eos = self.eos_ids.pin_memory() if token.is_cuda else self.eos_ids
             self.eos_ids = eos.to(token.device, non_blocking=True)
-        self.ring.put(self._step, "tokens", token)
+        last = input_ids.shape[-1] - self.prompt_length
+        for step in range(self._tokens_until, last):  # assisted decoding accepts several tokens at once
+            self.ring.put(step, "tokens", input_ids[:, self.prompt_length + step])
+        self._tokens_until = last
         self._finished = self._finished | _compat.rows_done(is_done, token, self.eos_ids)
 
     def _record_ancestry(self, step: int, input_ids: torch.Tensor) -> None:

@@ -32,7 +32,9 @@ LIST_BUILDERS = ("_get_logits_processor", "_get_stopping_criteria") + (
 
 # Generation modes this release of the recorder records exactly. Other modes are refused before the
 # decoding loop starts (see `_capture.check_mode`).
-SUPPORTED_MODES = ("greedy_search", "sample", "beam_search", "beam_sample")
+SUPPORTED_MODES = ("greedy_search", "sample", "beam_search", "beam_sample", "assisted_generation")
+# Assisted decoding (an assistant model) and prompt lookup share this mode on every release.
+ASSISTED_MODE = "assisted_generation"
 BEAM_MODES = _format.BEAM_MODES
 
 
@@ -150,13 +152,14 @@ def output_sequences(output: Any) -> torch.Tensor | None:
     return sequences if isinstance(sequences, torch.Tensor) else None
 
 
-def final_tap_on_warper_list(mode: str) -> bool:
+def final_tap_on_warper_list(mode: str, do_sample: bool) -> bool:
     """Whether the processed scores come out of a separate warper list rather than the processor list.
 
     4.36-4.44 keep the sampling warpers in a list of their own, applied after the processors when
-    sampling; from 4.45 they are appended to the processor list (before `LogitNormalization`).
+    sampling (also in assisted decoding); from 4.45 they are appended to the processor list (before
+    `LogitNormalization`).
     """
-    return HAS_SEPARATE_WARPER_LIST and mode == "sample"
+    return HAS_SEPARATE_WARPER_LIST and (mode == "sample" or (mode == ASSISTED_MODE and bool(do_sample)))
 
 
 def errno_in_message(message: str) -> int | None:

@@ -65,6 +65,10 @@ class _TappedProcessorList(_compat.LogitsProcessorList):
         self._raw = raw
         self._processed = processed
 
+    def __len__(self) -> int:
+        # Assisted decoding skips an empty list (`if len(logits_processor) > 0`): the taps must run.
+        return max(1, super().__len__())
+
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         if self._raw:
             self._capture.on_raw(input_ids, scores)
@@ -186,7 +190,7 @@ class ModelHooks:
                 return processors
             arguments = _bind(original, args, kwargs)
             capture.start(arguments["generation_config"], arguments.get("input_ids_seq_length") or 0)
-            on_warpers = _compat.final_tap_on_warper_list(capture.mode)
+            on_warpers = _compat.final_tap_on_warper_list(capture.mode, capture.do_sample)
             kept = [p for p in processors if not _is_recorder(p)]
             return _TappedProcessorList(kept, capture, raw=True, processed=not on_warpers)
 
@@ -284,6 +288,12 @@ def detach(model: torch.nn.Module, recorder: Any) -> None:
         if not hooks.recorders:
             hooks.uninstall()
             del _ATTACHED[model]
+
+
+def records_now(model: torch.nn.Module) -> bool:
+    """Whether this thread is inside a recorded `generate()` call of `model`."""
+    capture = _active_capture(model)
+    return capture is not None and capture.started
 
 
 def is_hooked(model: torch.nn.Module) -> bool:

@@ -9,7 +9,9 @@ durable shards, whatever happens to the process afterwards.
 
 At most `MAX_SHARD_BUFFERS` shard buffers exist per call (one being filled, one waiting, one being
 written; beam search briefly fills two, because a step's token is known one step later). `generate()`
-waits only when all of them are taken, and such waits are counted.
+waits only when all of them are taken and the writer holds one, and such waits are counted. Assisted
+decoding writes candidate steps ahead of the accepted ones: while every buffer is still being filled,
+one more is taken (as many as the candidates span).
 """
 
 from __future__ import annotations
@@ -260,7 +262,11 @@ class ShardStore:
         if buffer is not None:
             return buffer
         with self._released:
-            if not self._free and self._allocated >= MAX_SHARD_BUFFERS:
+            # Wait only for a buffer the writer holds: when every buffer is still being filled (assisted
+            # decoding writes candidate steps ahead of the accepted ones), waiting would never end, and
+            # one more buffer is taken instead.
+            with_writer = self._allocated - len(self._open) - len(self._free)
+            if not self._free and self._allocated >= MAX_SHARD_BUFFERS and with_writer > 0:
                 self.counters.waits += 1
                 while not self._free and self._error is None:
                     self._released.wait()

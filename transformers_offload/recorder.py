@@ -254,13 +254,18 @@ class Recorder(Readable, LogitsProcessor, StoppingCriteria):
 
     # -- as a processor, it is never called while the hooks are in place ------------------------------
     def __call__(self, input_ids: torch.LongTensor, scores: Any) -> Any:  # type: ignore[override]
-        """Never runs in a recorded call: the hooks take the recorder out of the lists they build.
+        """Never records: the hooks take the recorder out of the lists they build.
 
-        Reached only when `generate()` did not go through the model the recorder is attached to.
+        Inside a recorded call it passes `scores` through unchanged: 4.38-4.56 hand the call's
+        `logits_processor` (this recorder included) to the assistant model's own `generate()`, whose
+        drafts are not recorded. Anywhere else it is reached only when `generate()` did not go
+        through the model the recorder is attached to.
 
         Raises:
-            RuntimeError: always, saying how to pass the recorder instead.
+            RuntimeError: called outside a recorded call, saying how to pass the recorder instead.
         """
+        if _hooks.records_now(self._model):
+            return scores  # an assistant model drafting inside the recorded call
         raise RuntimeError(
             f"this Recorder was called as an ordinary processor, so the call did not go through the "
             f"generate() of the model it records ({self._model_name}): a different model, "
