@@ -42,10 +42,10 @@ ROWS = [
     ("spill to shards, open_recording", "exact", re.escape(EXACT) + r".*-(spill|open_recording)\]"),
     ("assisted decoding", "exact", r"test_assisted_recording_equals_hugging_face\[assistant_model"),
     ("prompt lookup", "exact", r"test_assisted_recording_equals_hugging_face\[prompt_lookup"),
-    ("contrastive search", "refused", re.escape(REFUSED) + r".*contrastive_search"),
+    ("contrastive search", "exact", r"test_contrastive_search_and_dola\[contrastive"),
     ("group beam search", "refused", re.escape(REFUSED) + r".*group_beam_search"),
     ("constrained beam search", "refused", re.escape(REFUSED) + r".*constrained_beam_search"),
-    ("DoLa", "refused", re.escape(REFUSED) + r".*dola_generation"),
+    ("DoLa", "exact", r"test_contrastive_search_and_dola\[dola"),
     ("low_memory beam search", "exact", r"test_low_memory_beam_search"),
 ]
 

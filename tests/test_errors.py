@@ -56,15 +56,10 @@ def test_options_are_keyword_only(gpt2):
 @pytest.mark.parametrize(
     ("kwargs", "mode"),
     [
-        (dict(penalty_alpha=0.6, top_k=4), "contrastive_search"),
         (dict(num_beams=4, num_beam_groups=2, diversity_penalty=1.0), "group_beam_search"),
         (dict(num_beams=2, force_words_ids=[[5]]), "constrained_beam_search"),
-        (dict(dola_layers="low"), "dola_generation"),
     ],
 )
-# transformers 4.43-4.44 warn, when checking a DoLa config, that `repetition_penalty` 1.0 is not the
-# recommended value; the call is refused right after, which is what this test checks.
-@pytest.mark.filterwarnings("ignore:`dola_layers` is set to trigger DoLa decoding:UserWarning")
 def test_unsupported_modes_fail_before_generation(gpt2, kwargs, mode):
     if missing_options(kwargs):
         pytest.skip(f"transformers {TRANSFORMERS} has no {missing_options(kwargs)}")

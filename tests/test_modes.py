@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import BartConfig, BartForConditionalGeneration, T5Config, T5ForConditionalGeneration
 
-from transformers_offload import Recorder, UnsupportedModeError, _compat
+from transformers_offload import Recorder, UnsupportedModeError, _compat, open_recording
 
 from .conftest import EOS, PAD, left_padded_batch, make_tiny
 from .helpers import TRANSFORMERS, assert_same_beam_rows, assert_steps_equal, hf_reference, missing_options
@@ -95,3 +95,46 @@ def test_low_memory_beam_search(tiny_model, mode, record_property):
         assert rec.generations == ()
         return
     _check(tiny_model, left_padded_batch(), max_new_tokens=6, low_memory=True, **kwargs)
+
+
+# Contrastive search and DoLa run inside the library up to 4.56 (DoLa from 4.43); 4.57 moved them to
+# the Hub, where the recorder refuses them.
+IN_LIBRARY = {
+    "contrastive_search": {"penalty_alpha": 0.6, "top_k": 4},
+    "contrastive_search_penalty": {"penalty_alpha": 0.6, "top_k": 4, "repetition_penalty": 1.3},
+    "dola_generation": {"dola_layers": "low", "repetition_penalty": 1.2},
+}
+
+
+@pytest.mark.parametrize("reader", ["memory", "spill"])
+@pytest.mark.parametrize("case", sorted(IN_LIBRARY))
+def test_contrastive_search_and_dola(case, reader, tmp_path, record_property):
+    kwargs = IN_LIBRARY[case]
+    mode = "dola_generation" if "dola_layers" in kwargs else "contrastive_search"
+    if missing_options(kwargs):
+        pytest.skip(f"transformers {TRANSFORMERS} has no {missing_options(kwargs)}")
+    model = make_tiny("llama")
+    batch = left_padded_batch()
+    options = {"spill_dir": tmp_path / "run", "shard_bytes": 3_000} if reader == "spill" else {}
+    if mode not in _compat.SUPPORTED_MODES:
+        record_property("outcome", "refused")  # for the README's support table
+        with Recorder(model, **options) as rec:
+            with pytest.raises(UnsupportedModeError, match=f"{mode}.*custom_generate"):
+                model.generate(**batch, logits_processor=[rec], max_new_tokens=6, **kwargs)
+        assert rec.generations == ()
+        return
+    common = dict(max_new_tokens=10, **kwargs)
+    output_logits = {"output_logits": True} if hasattr(model.generation_config, "output_logits") else {}
+    reference = model.generate(**batch, **common, return_dict_in_generate=True, output_scores=True, **output_logits)
+    with Recorder(model, **options) as rec:
+        sequences = model.generate(**batch, logits_processor=[rec], **common)
+    if reader == "spill":
+        rec = open_recording(tmp_path / "run")
+    assert torch.equal(sequences, reference.sequences)
+    assert rec.generation().mode == mode
+    assert_steps_equal(rec.scores(), reference.scores, "scores")
+    if _compat.HF_RAW_LOGITS_EXACT:
+        assert_steps_equal(rec.logits(), reference.logits, "logits")
+    elif "repetition_penalty" not in kwargs:
+        # 4.36-4.39: no trustworthy out.logits; with no processor in the list, raw equals processed.
+        assert_steps_equal(rec.logits(), reference.scores, "logits")

@@ -37,10 +37,12 @@ def check_mode(generation_config: Any, assistant_model: Any) -> str:
             "Use an `assistant_model` or `prompt_lookup_num_tokens`, or remove the Recorder for this call."
         )
     if mode not in _compat.SUPPORTED_MODES:
+        because = _compat.UNSUPPORTED_BECAUSE.get(mode)
         raise UnsupportedModeError(
-            f"transformers-offload records {', '.join(_compat.SUPPORTED_MODES)} for now; this call "
-            f"runs {mode!r} (transformers {_compat.TRANSFORMERS_VERSION}). Remove the Recorder from "
-            "`logits_processor` for this call, or use one of the supported modes."
+            f"transformers-offload cannot record {mode!r} exactly with transformers "
+            f"{_compat.TRANSFORMERS_VERSION}{': ' + because if because else ''}. It records "
+            f"{', '.join(_compat.SUPPORTED_MODES)} there. Remove the Recorder from `logits_processor` "
+            "for this call, or use one of those modes."
         )
     if mode in _compat.BEAM_MODES and _compat.refuses_low_memory_beam_search(generation_config):
         raise UnsupportedModeError(
@@ -144,12 +146,12 @@ class Capture:
         decoding: note that the recorded model (not the assistant) ran."""
         if self.is_assisted:
             self._target_forward = True
-        if not self.is_beam:
+        if not (self.is_beam or self.mode == _compat.DOLA_MODE):
             return
         logits = getattr(output, "logits", None)  # generate() always asks for a ModelOutput
         if logits is not None:
             # low_memory beam search (4.38-4.49) runs one forward per sub-batch: joined in on_raw.
-            self._forward_logits.append(_compat.beam_raw_logits(logits))
+            self._forward_logits.append(_compat.forward_raw_logits(logits))
 
     def on_raw(self, input_ids: torch.Tensor, scores: torch.Tensor) -> None:
         """Called with what the first processor receives, before it runs."""
@@ -157,13 +159,7 @@ class Capture:
             self._step += 1
             step = self._step
             if "logits" in self.streams:
-                if not self._forward_logits:
-                    raise RuntimeError(
-                        "transformers-offload saw no model forward before this beam-search step, so it "
-                        "cannot record the raw logits; please report this with your transformers version."
-                    )
-                parts = self._forward_logits
-                self.ring.put(step, "logits", parts[0] if len(parts) == 1 else torch.cat(parts))
+                self.ring.put(step, "logits", self._take_forward_logits())
             self._forward_logits = []
             if self._no_beam_finished is None:
                 self._no_beam_finished = torch.zeros(input_ids.shape[0], dtype=torch.bool)
@@ -180,8 +176,20 @@ class Capture:
         if self._finished is None:
             self._finished = torch.zeros(self.num_rows, dtype=torch.bool, device=input_ids.device)
         if "logits" in self.streams:
+            if self.mode == _compat.DOLA_MODE:
+                # DoLa hands the processors its contrast of layers; `out.logits` is the final layer's.
+                scores = self._take_forward_logits()
             self.ring.put(self._step, "logits", scores)
         self.ring.put(self._step, "finished", self._finished)
+
+    def _take_forward_logits(self) -> torch.Tensor:
+        parts, self._forward_logits = self._forward_logits, []
+        if not parts:
+            raise RuntimeError(
+                f"transformers-offload saw no model forward before this {self.mode!r} step, so it cannot "
+                "record the raw logits; please report this with your transformers version."
+            )
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def on_processed(self, input_ids: torch.Tensor, scores: torch.Tensor) -> None:
         """Called with what the last processor or warper returned."""

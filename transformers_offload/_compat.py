@@ -32,7 +32,24 @@ LIST_BUILDERS = ("_get_logits_processor", "_get_stopping_criteria") + (
 
 # Generation modes this release of the recorder records exactly. Other modes are refused before the
 # decoding loop starts (see `_capture.check_mode`).
-SUPPORTED_MODES = ("greedy_search", "sample", "beam_search", "beam_sample", "assisted_generation")
+# Contrastive search and DoLa run inside the library up to 4.56; 4.57 moved them to the Hub
+# (`custom_generate`), whose decoding loop the recorder cannot see.
+CONTRASTIVE_IN_LIBRARY = hasattr(GenerationMixin, "_contrastive_search") or hasattr(GenerationMixin, "contrastive_search")
+DOLA_IN_LIBRARY = hasattr(GenerationMixin, "_dola_decoding")  # 4.43-4.56
+SUPPORTED_MODES = (
+    ("greedy_search", "sample", "beam_search", "beam_sample", "assisted_generation")
+    + (("contrastive_search",) if CONTRASTIVE_IN_LIBRARY else ())
+    + (("dola_generation",) if DOLA_IN_LIBRARY else ())
+)
+DOLA_MODE = "dola_generation"
+# Why a mode is not recorded, for the error message.
+UNSUPPORTED_BECAUSE = {
+    "contrastive_search": "this release runs it from the Hub (`custom_generate`), whose decoding loop the recorder cannot see",
+    "dola_generation": "this release runs it from the Hub (`custom_generate`), whose decoding loop the recorder cannot see",
+    "group_beam_search": "its processors run once per beam group, each time on a part of the rows",
+    "constrained_beam_search": "its `out.scores` add each beam's running score to the processed scores, "
+    "which the recorder cannot see",
+}
 # Assisted decoding (an assistant model) and prompt lookup share this mode on every release.
 ASSISTED_MODE = "assisted_generation"
 BEAM_MODES = _format.BEAM_MODES
@@ -135,9 +152,9 @@ CRITERIA_ANSWER_PER_ROW = hasattr(transformers.generation, "EosTokenCriteria")
 UPCASTS_LOGITS = Version(TRANSFORMERS_VERSION) >= Version("4.45.0")
 
 
-def beam_raw_logits(model_logits: torch.Tensor) -> torch.Tensor:
-    """Beam search's raw next-token logits from a forward output, as transformers takes them
-    (`out.logits`): `logits[:, -1, :]`, copied, in float32 from 4.45 and in the model's dtype before."""
+def forward_raw_logits(model_logits: torch.Tensor) -> torch.Tensor:
+    """Raw next-token logits from a forward output, as beam search and DoLa keep them (`out.logits`):
+    `logits[:, -1, :]`, copied, in float32 from 4.45 and in the model's dtype before."""
     dtype = torch.float32 if UPCASTS_LOGITS else model_logits.dtype
     return model_logits[:, -1, :].to(dtype=dtype, copy=True)
 

@@ -46,10 +46,12 @@ class Recorder(Readable, LogitsProcessor, StoppingCriteria):
     model without the recorder in `logits_processor` are not recorded and not affected.
 
     Supported decoding modes: greedy, multinomial sampling (with any processors and warpers), beam
-    search and beam sampling (`low_memory=True` included, where transformers runs it), for
-    decoder-only and encoder-decoder models. A call in another mode (assisted decoding, prompt
-    lookup, contrastive search, group or constrained beam search, DoLa) raises `UnsupportedModeError`
-    before its decoding loop starts.
+    search and beam sampling (`low_memory=True` included, where transformers runs it), assisted
+    decoding with an `assistant_model` and prompt lookup (`prompt_lookup_num_tokens`: one step per
+    accepted token, as `out.scores`; rejected candidates and the assistant's drafts are not
+    recorded), for decoder-only and encoder-decoder models. A call in another mode (contrastive
+    search, group or constrained beam search, DoLa, early-exit assistance) raises
+    `UnsupportedModeError` before its decoding loop starts.
 
     Args:
         model (`transformers.GenerationMixin`): the model whose `generate()` calls are recorded. The
