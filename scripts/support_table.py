@@ -43,7 +43,7 @@ ROWS = [
     ("assisted decoding", "exact", r"test_assisted_recording_equals_hugging_face\[assistant_model"),
     ("prompt lookup", "exact", r"test_assisted_recording_equals_hugging_face\[prompt_lookup"),
     ("contrastive search", "exact", r"test_contrastive_search_and_dola\[contrastive"),
-    ("group beam search", "refused", re.escape(REFUSED) + r".*group_beam_search"),
+    ("group beam search", "exact", r"test_group_beam_search\["),
     ("constrained beam search", "refused", re.escape(REFUSED) + r".*constrained_beam_search"),
     ("DoLa", "exact", r"test_contrastive_search_and_dola\[dola"),
     ("low_memory beam search", "exact", r"test_low_memory_beam_search"),

@@ -20,7 +20,7 @@ HF_LOGITS_EXACT = _compat.HF_RAW_LOGITS_EXACT
 def missing_options(kwargs: dict) -> list[str]:
     """Generation options in `kwargs` that this transformers release does not know (e.g. `min_p`)."""
     known = GenerationConfig()
-    extra = {"eos_token_id", "pad_token_id", "logits_processor", "max_new_tokens"}
+    extra = {"eos_token_id", "pad_token_id", "logits_processor", "max_new_tokens", "tokenizer", "assistant_model"}
     return [name for name in kwargs if name not in extra and not hasattr(known, name)]
 
 

@@ -56,7 +56,6 @@ def test_options_are_keyword_only(gpt2):
 @pytest.mark.parametrize(
     ("kwargs", "mode"),
     [
-        (dict(num_beams=4, num_beam_groups=2, diversity_penalty=1.0), "group_beam_search"),
         (dict(num_beams=2, force_words_ids=[[5]]), "constrained_beam_search"),
     ],
 )

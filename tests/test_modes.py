@@ -138,3 +138,93 @@ def test_contrastive_search_and_dola(case, reader, tmp_path, record_property):
     elif "repetition_penalty" not in kwargs:
         # 4.36-4.39: no trustworthy out.logits; with no processor in the list, raw equals processed.
         assert_steps_equal(rec.logits(), reference.scores, "logits")
+
+
+def _word_tokenizer():
+    """A tokenizer for the tiny models, built offline: token i is the word `w{i}`, except the last,
+    `abcdef`, the probe `StopStringCriteria` tokenizes to learn how tokens join into text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from .conftest import VOCAB
+
+    words = {f"w{i}": i for i in range(VOCAB - 1)}
+    words["abcdef"] = VOCAB - 1
+    backend = Tokenizer(models.WordLevel(words, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.WordPiece(cleanup=False)  # words joined by spaces (4.42-4.46 need a decoder)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="w0", pad_token=f"w{PAD}", clean_up_tokenization_spaces=False
+    )
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sample"])
+def test_stop_strings_with_a_tiny_tokenizer(mode):
+    """A stop string ends a row mid-batch (every release with `stop_strings`, 4.39+)."""
+    if missing_options({"stop_strings": None}):
+        pytest.skip(f"transformers {TRANSFORMERS} has no ['stop_strings']")
+    model = make_tiny("llama")
+    batch = left_padded_batch()
+    tokenizer = _word_tokenizer()
+    kwargs = dict(MODES[mode], max_new_tokens=12, tokenizer=tokenizer, pad_token_id=PAD)
+    torch.manual_seed(0)
+    plain = model.generate(**batch, **kwargs)
+    prompt = batch["input_ids"].shape[1]
+    stop = tokenizer.convert_ids_to_tokens(int(plain[0, prompt + 3]))  # row 0's fourth token
+    rec = _check(model, batch, stop_strings=[stop], **kwargs)
+    tokens = [int(step[0]) for step in rec.tokens()]
+    first = tokens.index(int(plain[0, prompt + 3]))  # the step whose token ends row 0
+    assert first <= 3
+    if first + 1 < len(tokens):
+        assert bool(rec.finished()[first + 1][0]), "the stop string did not end row 0"
+
+
+GROUP_BEAM = {
+    "group_beam_search": {"num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 1.0},
+    "group_beam_return_penalty": {"num_beams": 6, "num_beam_groups": 3, "diversity_penalty": 0.5,
+                                  "num_return_sequences": 2, "repetition_penalty": 1.3},
+}
+
+
+def _assert_rows_hold_the_sequences(indices, sequences, prompt, tokens, parents):
+    """Each row `beam_indices()` names holds that returned sequence's tokens so far (rebuilt from the
+    recorded ancestry). transformers' own `out.beam_indices` in group beam search count rows within
+    each group, so they are not comparable with ours."""
+    hypotheses = [[()] * tokens[0].shape[0]]
+    for step_tokens, step_parents in zip(tokens[:-1], parents[:-1]):
+        previous = hypotheses[-1]
+        hypotheses.append([previous[int(p)] + (int(t),) for t, p in zip(step_tokens, step_parents)])
+    for sequence in range(indices.shape[0]):
+        for step in range(indices.shape[1]):
+            row = int(indices[sequence, step])
+            if row >= 0:
+                assert hypotheses[step][row] == tuple(sequences[sequence, prompt : prompt + step].tolist())
+
+
+@pytest.mark.parametrize("reader", ["memory", "spill"])
+@pytest.mark.parametrize("case", sorted(GROUP_BEAM))
+def test_group_beam_search(case, reader, tiny_model, tmp_path, record_property):
+    """Run inside the library up to 4.56: the processors run once per group of beams, on its rows."""
+    kwargs = dict(GROUP_BEAM[case], max_new_tokens=8)
+    batch = left_padded_batch()
+    if "group_beam_search" not in _compat.SUPPORTED_MODES:
+        record_property("outcome", "refused")  # for the README's support table
+        with Recorder(tiny_model) as rec:
+            with pytest.raises(UnsupportedModeError, match="group_beam_search.*custom_generate"):
+                tiny_model.generate(**batch, logits_processor=[rec], **kwargs)
+        assert rec.generations == ()
+        return
+    torch.manual_seed(0)
+    reference = hf_reference(tiny_model, **batch, **kwargs)
+    options = {"spill_dir": tmp_path / "run", "shard_bytes": 4_000} if reader == "spill" else {}
+    with Recorder(tiny_model, **options) as rec:
+        torch.manual_seed(0)
+        sequences = tiny_model.generate(**batch, logits_processor=[rec], **kwargs)
+    if reader == "spill":
+        rec = open_recording(tmp_path / "run")
+    assert rec.generation().mode == "group_beam_search"
+    assert torch.equal(sequences, reference.sequences)
+    assert_steps_equal(rec.logits(), reference.logits, "logits")
+    assert_steps_equal(rec.scores(), reference.scores, "scores")
+    prompt = batch["input_ids"].shape[1]
+    _assert_rows_hold_the_sequences(rec.beam_indices(), sequences, prompt, rec.tokens(), rec.beam_parents())

@@ -70,6 +70,7 @@ class Capture:
         self.do_sample = False
         self.prompt_length = 0
         self.num_beams = 1
+        self.num_beam_groups = 1
         self.num_rows = 0
         self.eos_ids: torch.Tensor | None = None
         self.accumulates_on_device = False
@@ -80,6 +81,7 @@ class Capture:
         self._finished: torch.Tensor | None = None
         self._no_beam_finished: torch.Tensor | None = None
         self._forward_logits: list[torch.Tensor] = []
+        self._group_scores: torch.Tensor | None = None
         self._previous_ids: torch.Tensor | None = None
         self._late_error: BaseException | None = None
 
@@ -90,6 +92,7 @@ class Capture:
         self.do_sample = bool(generation_config.do_sample)
         self.prompt_length = int(prompt_length)
         self.num_beams = int(generation_config.num_beams or 1) if mode in _compat.BEAM_MODES else 1
+        self.num_beam_groups = int(generation_config.num_beam_groups or 1) if self.is_group else 1
         eos = generation_config.eos_token_id
         eos_list = [] if eos is None else [int(e) for e in torch.as_tensor(eos).flatten().tolist()]
         if eos_list:
@@ -140,6 +143,10 @@ class Capture:
     def is_assisted(self) -> bool:
         return self.mode == _compat.ASSISTED_MODE
 
+    @property
+    def is_group(self) -> bool:
+        return self.mode == _compat.GROUP_BEAM_MODE
+
     # -- taps, inside the decoding loop --------------------------------------------------------------
     def on_forward(self, output: Any) -> None:
         """Beam search: keep this forward's next-token logits as transformers takes them. Assisted
@@ -151,10 +158,23 @@ class Capture:
         logits = getattr(output, "logits", None)  # generate() always asks for a ModelOutput
         if logits is not None:
             # low_memory beam search (4.38-4.49) runs one forward per sub-batch: joined in on_raw.
-            self._forward_logits.append(_compat.forward_raw_logits(logits))
+            upcast = _compat.UPCASTS_LOGITS and not self.is_group
+            self._forward_logits.append(_compat.forward_raw_logits(logits, upcast=upcast))
 
-    def on_raw(self, input_ids: torch.Tensor, scores: torch.Tensor) -> None:
-        """Called with what the first processor receives, before it runs."""
+    def on_raw(self, input_ids: torch.Tensor, scores: torch.Tensor, group: int | None = None) -> None:
+        """Called with what the first processor receives, before it runs (once per beam group, with
+        that group's rows only, in group beam search)."""
+        if self.is_group:
+            if not group:  # the first group of a step
+                self._step += 1
+                raw = self._take_forward_logits()
+                self.num_rows = raw.shape[0]
+                if "logits" in self.streams:
+                    self.ring.put(self._step, "logits", raw)
+                # out.scores of a step: every group's processed scores, in the model's dtype.
+                self._group_scores = torch.zeros_like(raw)
+                self.ring.put(self._step, "finished", torch.zeros(self.num_rows, dtype=torch.bool))
+            return
         if self.is_beam:
             self._step += 1
             step = self._step
@@ -191,8 +211,17 @@ class Capture:
             )
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def on_processed(self, input_ids: torch.Tensor, scores: torch.Tensor) -> None:
+    def on_processed(self, input_ids: torch.Tensor, scores: torch.Tensor, group: int | None = None) -> None:
         """Called with what the last processor or warper returned."""
+        if self.is_group:
+            size = self.num_beams // self.num_beam_groups
+            start = (group or 0) * size
+            end = min(start + size, self.num_beams)
+            beams = self._group_scores.view(-1, self.num_beams, self._group_scores.shape[-1])
+            beams[:, start:end] = scores.view(beams.shape[0], end - start, -1)
+            if end == self.num_beams and "scores" in self.streams:
+                self.ring.put(self._step, "scores", self._group_scores)
+            return
         if self.is_assisted and not self._target_forward:
             return
         if "scores" in self.streams:
@@ -202,6 +231,13 @@ class Capture:
 
     def on_stopping(self, input_ids: torch.Tensor, is_done: Any) -> None:
         """Called after the step's token was appended, with the stopping criteria's verdict."""
+        if self.is_group:
+            # Every row, after every group appended its tokens: the rows the next step starts from.
+            if self._previous_ids is None:
+                self._previous_ids = input_ids[:, :-1]  # the prompt, the same in every beam
+            # A copy: the next step reorders these rows in place, group by group.
+            self._record_ancestry(self._step + 1, input_ids.clone())
+            return
         if self.is_beam or self._finished is None:
             return  # beam search passes candidate rows here, not running beams
         if self.is_assisted:
@@ -253,6 +289,7 @@ class Capture:
             self._late_error = late
             error = error if error is not None else late
         self._previous_ids = None
+        self._group_scores = None
         self._forward_logits = []
         self._finished = None
         num_steps = _complete_steps(self.store, self.names, steps)

@@ -36,17 +36,20 @@ LIST_BUILDERS = ("_get_logits_processor", "_get_stopping_criteria") + (
 # (`custom_generate`), whose decoding loop the recorder cannot see.
 CONTRASTIVE_IN_LIBRARY = hasattr(GenerationMixin, "_contrastive_search") or hasattr(GenerationMixin, "contrastive_search")
 DOLA_IN_LIBRARY = hasattr(GenerationMixin, "_dola_decoding")  # 4.43-4.56
+GROUP_BEAM_IN_LIBRARY = hasattr(GenerationMixin, "_group_beam_search") or hasattr(GenerationMixin, "group_beam_search")
 SUPPORTED_MODES = (
     ("greedy_search", "sample", "beam_search", "beam_sample", "assisted_generation")
     + (("contrastive_search",) if CONTRASTIVE_IN_LIBRARY else ())
     + (("dola_generation",) if DOLA_IN_LIBRARY else ())
+    + (("group_beam_search",) if GROUP_BEAM_IN_LIBRARY else ())
 )
 DOLA_MODE = "dola_generation"
+GROUP_BEAM_MODE = "group_beam_search"
 # Why a mode is not recorded, for the error message.
 UNSUPPORTED_BECAUSE = {
     "contrastive_search": "this release runs it from the Hub (`custom_generate`), whose decoding loop the recorder cannot see",
     "dola_generation": "this release runs it from the Hub (`custom_generate`), whose decoding loop the recorder cannot see",
-    "group_beam_search": "its processors run once per beam group, each time on a part of the rows",
+    "group_beam_search": "this release runs it from the Hub (`custom_generate`), whose decoding loop the recorder cannot see",
     "constrained_beam_search": "its `out.scores` add each beam's running score to the processed scores, "
     "which the recorder cannot see",
 }
@@ -152,10 +155,11 @@ CRITERIA_ANSWER_PER_ROW = hasattr(transformers.generation, "EosTokenCriteria")
 UPCASTS_LOGITS = Version(TRANSFORMERS_VERSION) >= Version("4.45.0")
 
 
-def forward_raw_logits(model_logits: torch.Tensor) -> torch.Tensor:
+def forward_raw_logits(model_logits: torch.Tensor, *, upcast: bool = UPCASTS_LOGITS) -> torch.Tensor:
     """Raw next-token logits from a forward output, as beam search and DoLa keep them (`out.logits`):
-    `logits[:, -1, :]`, copied, in float32 from 4.45 and in the model's dtype before."""
-    dtype = torch.float32 if UPCASTS_LOGITS else model_logits.dtype
+    `logits[:, -1, :]`, copied, in float32 from 4.45 and in the model's dtype before. Group beam
+    search keeps the model's dtype on every release (`upcast=False`)."""
+    dtype = torch.float32 if upcast else model_logits.dtype
     return model_logits[:, -1, :].to(dtype=dtype, copy=True)
 
 

@@ -20,7 +20,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 ENCODINGS = ("dense",)  # how a stream's values are laid out in a shard; later: sparse, top-k...
 STATUSES = ("recording", "complete", "failed")
-BEAM_MODES = ("beam_search", "beam_sample")  # whose generations carry `beam_parents`
+BEAM_MODES = ("beam_search", "beam_sample", "group_beam_search")  # whose generations carry `beam_parents`
 
 # safetensors dtype names for the dtypes a recording holds.
 _DTYPES = {

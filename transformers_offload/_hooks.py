@@ -70,11 +70,12 @@ class _TappedProcessorList(_compat.LogitsProcessorList):
         return max(1, super().__len__())
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        group = kwargs.get("beam_group_idx")  # group beam search calls the list once per group
         if self._raw:
-            self._capture.on_raw(input_ids, scores)
+            self._capture.on_raw(input_ids, scores, group)
         scores = super().__call__(input_ids, scores, **kwargs)
         if self._processed:
-            self._capture.on_processed(input_ids, scores)
+            self._capture.on_processed(input_ids, scores, group)
         return scores
 
 

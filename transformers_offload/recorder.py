@@ -49,8 +49,9 @@ class Recorder(Readable, LogitsProcessor, StoppingCriteria):
     search and beam sampling (`low_memory=True` included, where transformers runs it), assisted
     decoding with an `assistant_model` and prompt lookup (`prompt_lookup_num_tokens`: one step per
     accepted token, as `out.scores`; rejected candidates and the assistant's drafts are not
-    recorded), for decoder-only and encoder-decoder models. A call in another mode (contrastive
-    search, group or constrained beam search, DoLa, early-exit assistance) raises
+    recorded), and, where transformers runs them itself (up to 4.56), contrastive search, DoLa and
+    group beam search; for decoder-only and encoder-decoder models. A call in another mode
+    (constrained beam search, those three from 4.57, early-exit assistance) raises
     `UnsupportedModeError` before its decoding loop starts.
 
     Args:
