@@ -191,3 +191,18 @@ def test_copying_a_hooked_model_says_to_close_first(gpt2):
         with pytest.raises(TypeError, match="rec.close\\(\\)"):
             copy.deepcopy(gpt2)
     copy.deepcopy(gpt2)  # fine once closed
+
+
+def test_custom_generate_is_refused_before_anything_is_loaded(gpt2):
+    import inspect
+
+    from transformers import GenerationMixin
+
+    if "custom_generate" not in inspect.signature(GenerationMixin.generate).parameters:
+        pytest.skip(f"transformers {TRANSFORMERS} has no `custom_generate`")
+    forwards = CountForwards(gpt2)
+    with Recorder(gpt2) as rec:
+        with pytest.raises(UnsupportedModeError, match="custom_generate"):
+            gpt2.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=3,
+                          custom_generate="someone/a-decoding-loop")
+    assert forwards.count == 0 and rec.generations == ()

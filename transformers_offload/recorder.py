@@ -16,7 +16,7 @@ from transformers import GenerationMixin
 from transformers.generation import LogitsProcessor, StoppingCriteria
 
 from . import _hooks
-from ._capture import Capture
+from ._capture import Capture, UnsupportedModeError
 from ._memory_store import MemoryStore
 from ._shard_store import DEFAULT_SHARD_BYTES, Spill
 from .recording import Generation, Readable, pick
@@ -199,7 +199,7 @@ class Recorder(Readable, LogitsProcessor, StoppingCriteria):
     # -- called by the hooks ---------------------------------------------------------------------------
     def _begin_generation(self, *, assistant_model: Any, custom_generate: Any, attention_mask: Any) -> Capture:
         if custom_generate is not None:
-            raise ValueError(
+            raise UnsupportedModeError(
                 "`custom_generate` replaces transformers' decoding loop, which the Recorder cannot see "
                 "into; remove the Recorder from `logits_processor` or drop `custom_generate`."
             )
