@@ -38,7 +38,7 @@ ROWS = [
     ("encoder-decoder (T5, BART)", "exact", r"test_encoder_decoder_models"),
     ("static cache", "exact", r"test_static_cache"),
     ("max_new_tokens=1", "exact", r"test_one_new_token"),
-    ("stop_strings (real model)", "exact", r"test_stop_strings"),
+    ("stop_strings", "exact", r"test_stop_strings"),
     ("spill to shards, open_recording", "exact", re.escape(EXACT) + r".*-(spill|open_recording)\]"),
     ("assisted decoding", "exact", r"test_assisted_recording_equals_hugging_face\[assistant_model"),
     ("prompt lookup", "exact", r"test_assisted_recording_equals_hugging_face\[prompt_lookup"),
