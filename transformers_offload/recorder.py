@@ -61,8 +61,9 @@ class Recorder(Readable, LogitsProcessor, StoppingCriteria):
         streams (`tuple[str, ...]`, *optional*, defaults to `("logits", "scores")`): which
             `(rows, vocab_size)` streams to record; tokens and the finished mask are always recorded.
         ring_slots (`int`, *optional*, defaults to 4): host slots in the transfer ring, i.e. steps in
-            flight between the device and the store; on CUDA each slot holds
-            `rows x vocab_size x 4` bytes per stream of pinned memory.
+            flight between the device and the store (at least 2 in beam search); on CUDA each slot
+            holds `rows x vocab_size x 4` bytes per stream of pinned host memory and as much device
+            memory (its staging buffer): the recorder's whole device footprint.
         spill_dir (`str | os.PathLike`, *optional*): a new or empty directory to write the recording to
             (a manifest and safetensors shards; one generation per `generate()` call). Without it the
             recording stays in host memory.

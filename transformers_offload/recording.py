@@ -50,8 +50,8 @@ class TransferStats:
     """How one recorded call moved its data, measured in this process.
 
     Attributes:
-        waits (`int`): times `generate()` waited for the transfer: a ring slot whose device copy was
-            still in flight, or (with `spill_dir`) every shard buffer taken while the writer was behind.
+        waits (`int`): times the transfer had to wait: `generate()` for a ring slot still being
+            copied or drained, or (with `spill_dir`) the drain for a shard buffer the writer still held.
         bytes_written (`int`): bytes of shard files written (0 without `spill_dir`).
         write_seconds (`float`): seconds the writer thread spent writing, fsyncing and renaming shards
             and rewriting the manifest.
