@@ -94,8 +94,8 @@ def write_json(path: Path, record: dict[str, Any]) -> None:
     print(f"wrote {path}")
 
 
-def plot_traces(path: Path, panels: dict[str, dict[str, Sequence[float]]], *, ylabel: str, title: str) -> None:
-    """One panel per key of `panels`, one line per case: a value per step (the memory trace)."""
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the file-only backend, or an ImportError saying how to install it."""
     try:
         import matplotlib
 
@@ -105,6 +105,21 @@ def plot_traces(path: Path, panels: dict[str, dict[str, Sequence[float]]], *, yl
         raise ImportError(
             "the benchmark plots need matplotlib: `pip install 'transformers-offload[bench]'`"
         ) from error
+    return plt
+
+
+def _save(plt: Any, figure: Any, path: Path, title: str) -> None:
+    figure.suptitle(title)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    print(f"wrote {path}")
+
+
+def plot_traces(path: Path, panels: dict[str, dict[str, Sequence[float]]], *, ylabel: str, title: str) -> None:
+    """One panel per key of `panels`, one line per case: a value per step (the memory trace)."""
+    plt = _pyplot()
     figure, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
     for axis, (name, lines) in zip(axes[0], panels.items()):
         for label, values in lines.items():
@@ -114,25 +129,12 @@ def plot_traces(path: Path, panels: dict[str, dict[str, Sequence[float]]], *, yl
         axis.set_ylabel(ylabel)
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
-    figure.suptitle(title)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    print(f"wrote {path}")
+    _save(plt, figure, path, title)
 
 
 def plot_bars(path: Path, panels: dict[str, dict[str, float]], *, title: str) -> None:
     """One panel per key of `panels`, one bar per case."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as error:
-        raise ImportError(
-            "the benchmark plots need matplotlib: `pip install 'transformers-offload[bench]'`"
-        ) from error
+    plt = _pyplot()
     figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
     for axis, (name, bars) in zip(axes[0], panels.items()):
         axis.bar(list(bars), list(bars.values()), color="tab:blue")
@@ -141,9 +143,4 @@ def plot_bars(path: Path, panels: dict[str, dict[str, float]], *, title: str) ->
         axis.set_title(name, fontsize=10)
         axis.tick_params(axis="x", labelsize=8)
         axis.grid(axis="y", alpha=0.3)
-    figure.suptitle(title)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    print(f"wrote {path}")
+    _save(plt, figure, path, title)

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import torch  # noqa: E402
 
 from _common import RESULTS, machine, plot_bars, print_table, write_json  # noqa: E402
-from spill_throughput import made_up_steps, spill  # noqa: E402
+from spill_throughput import add_recording_arguments, made_up_steps, spill  # noqa: E402
 from transformers_offload import open_recording  # noqa: E402
 
 
@@ -88,11 +88,7 @@ def read_plain(root: Path, buffer: bytearray) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", type=Path, help="where to write the recording (default: a temporary directory)")
-    parser.add_argument("--rows", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=49152)
-    parser.add_argument("--steps", type=int, default=256)
-    parser.add_argument("--shard-mib", type=float, default=64.0)
+    add_recording_arguments(parser)
     parser.add_argument("--samples", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS)

@@ -32,6 +32,15 @@ from _common import RESULTS, machine, plot_bars, print_table, write_json  # noqa
 from transformers_offload._shard_store import Spill  # noqa: E402
 
 
+def add_recording_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of the made-up recording (shared with bench/reader.py)."""
+    parser.add_argument("--dir", type=Path, help="where to write (default: a temporary directory)")
+    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=49152)
+    parser.add_argument("--steps", type=int, default=256)
+    parser.add_argument("--shard-mib", type=float, default=64.0)
+
+
 def made_up_steps(rows: int, vocab: int, steps: int) -> list[dict[str, torch.Tensor]]:
     """What the ring hands the store per step, with random values: float32 logits and scores."""
     generator = torch.Generator().manual_seed(0)
@@ -78,11 +87,7 @@ def plain_write(root: Path, total_bytes: int, files: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", type=Path, help="where to write (default: a temporary directory)")
-    parser.add_argument("--rows", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=49152)
-    parser.add_argument("--steps", type=int, default=256)
-    parser.add_argument("--shard-mib", type=float, default=64.0)
+    add_recording_arguments(parser)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()

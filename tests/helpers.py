@@ -39,15 +39,21 @@ def assert_same_beam_rows(mine: torch.Tensor, theirs: torch.Tensor, tokens: tupl
     CPU kernels need not give such rows bit-identical scores, so nothing else can tell them apart."""
     assert mine.shape == theirs.shape, f"beam_indices shape {tuple(mine.shape)} vs {tuple(theirs.shape)}"
     assert torch.equal(mine == -1, theirs == -1), "beam_indices end at different steps"
-    hypotheses = [[()] * tokens[0].shape[0]]  # per step, per row: the generated tokens so far
-    for step_tokens, step_parents in zip(tokens[:-1], parents[:-1]):
-        previous = hypotheses[-1]
-        hypotheses.append([previous[int(p)] + (int(t),) for t, p in zip(step_tokens, step_parents)])
+    hypotheses = beam_hypotheses(tokens, parents)
     for sequence, step in (mine != theirs).nonzero().tolist():
         a, b = int(mine[sequence, step]), int(theirs[sequence, step])
         assert hypotheses[step][a] == hypotheses[step][b], (
             f"beam_indices[{sequence}, {step}]: row {a} vs Hugging Face's row {b}, which hold different hypotheses"
         )
+
+
+def beam_hypotheses(tokens: tuple, parents: tuple) -> list[list[tuple[int, ...]]]:
+    """Per step, per running row: the generated tokens it holds, rebuilt from the recorded ancestry."""
+    hypotheses = [[()] * tokens[0].shape[0]]
+    for step_tokens, step_parents in zip(tokens[:-1], parents[:-1]):
+        previous = hypotheses[-1]
+        hypotheses.append([previous[int(p)] + (int(t),) for t, p in zip(step_tokens, step_parents)])
+    return hypotheses
 
 
 def finished_from_sequences(sequences: torch.Tensor, prompt_length: int, eos: list[int]) -> list[torch.Tensor]:

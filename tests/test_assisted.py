@@ -15,7 +15,7 @@ from transformers_offload import Recorder, UnsupportedModeError, open_recording
 from transformers_offload import _capture
 
 from .conftest import make_tiny
-from .helpers import TRANSFORMERS, assert_steps_equal, missing_options
+from .helpers import HAS_OUTPUT_LOGITS, TRANSFORMERS, assert_steps_equal, missing_options
 
 SEED = 11
 NEW_TOKENS = 24
@@ -68,7 +68,7 @@ def test_assisted_recording_equals_hugging_face(source, config, store, tmp_path,
         pytest.skip(f"transformers {TRANSFORMERS} has no {missing_options(extra)}")
     common = dict(max_new_tokens=NEW_TOKENS, **kwargs, **extra)
     torch.manual_seed(SEED)
-    output_logits = {"output_logits": True} if hasattr(model.generation_config, "output_logits") else {}
+    output_logits = {"output_logits": True} if HAS_OUTPUT_LOGITS else {}
     reference = model.generate(**PROMPT, **common, return_dict_in_generate=True, output_scores=True, **output_logits)
 
     calls = CountRawCalls(monkeypatch)

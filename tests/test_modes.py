@@ -10,7 +10,15 @@ from transformers import BartConfig, BartForConditionalGeneration, T5Config, T5F
 from transformers_offload import Recorder, UnsupportedModeError, _compat, open_recording
 
 from .conftest import EOS, PAD, left_padded_batch, make_tiny
-from .helpers import TRANSFORMERS, assert_same_beam_rows, assert_steps_equal, hf_reference, missing_options
+from .helpers import (
+    HAS_OUTPUT_LOGITS,
+    TRANSFORMERS,
+    assert_same_beam_rows,
+    assert_steps_equal,
+    beam_hypotheses,
+    hf_reference,
+    missing_options,
+)
 
 MODES = {
     "greedy": {},
@@ -124,7 +132,7 @@ def test_contrastive_search_and_dola(case, reader, tmp_path, record_property):
         assert rec.generations == ()
         return
     common = dict(max_new_tokens=10, **kwargs)
-    output_logits = {"output_logits": True} if hasattr(model.generation_config, "output_logits") else {}
+    output_logits = {"output_logits": True} if HAS_OUTPUT_LOGITS else {}
     reference = model.generate(**batch, **common, return_dict_in_generate=True, output_scores=True, **output_logits)
     with Recorder(model, **options) as rec:
         sequences = model.generate(**batch, logits_processor=[rec], **common)
@@ -190,10 +198,7 @@ def _assert_rows_hold_the_sequences(indices, sequences, prompt, tokens, parents)
     """Each row `beam_indices()` names holds that returned sequence's tokens so far (rebuilt from the
     recorded ancestry). transformers' own `out.beam_indices` in group beam search count rows within
     each group, so they are not comparable with ours."""
-    hypotheses = [[()] * tokens[0].shape[0]]
-    for step_tokens, step_parents in zip(tokens[:-1], parents[:-1]):
-        previous = hypotheses[-1]
-        hypotheses.append([previous[int(p)] + (int(t),) for t, p in zip(step_tokens, step_parents)])
+    hypotheses = beam_hypotheses(tokens, parents)
     for sequence in range(indices.shape[0]):
         for step in range(indices.shape[1]):
             row = int(indices[sequence, step])

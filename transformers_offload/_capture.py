@@ -81,6 +81,7 @@ class Capture:
         self._finished: torch.Tensor | None = None
         self._no_beam_finished: torch.Tensor | None = None
         self._forward_logits: list[torch.Tensor] = []
+        self._keeps_forward_logits = False  # whether on_forward copies the next-token logits
         self._group_scores: torch.Tensor | None = None
         self._previous_ids: torch.Tensor | None = None
         self._late_error: BaseException | None = None
@@ -93,6 +94,10 @@ class Capture:
         self.prompt_length = int(prompt_length)
         self.num_beams = int(generation_config.num_beams or 1) if mode in _compat.BEAM_MODES else 1
         self.num_beam_groups = int(generation_config.num_beam_groups or 1) if self.is_group else 1
+        # Raw logits come from the forward where the processors get something else (beam search gets
+        # log-probs, DoLa a contrast of layers); group beam search also sizes its scores from them.
+        from_forward = self.is_beam or mode == _compat.DOLA_MODE
+        self._keeps_forward_logits = self.is_group or (from_forward and "logits" in self.streams)
         eos = generation_config.eos_token_id
         eos_list = [] if eos is None else [int(e) for e in torch.as_tensor(eos).flatten().tolist()]
         if eos_list:
@@ -153,7 +158,7 @@ class Capture:
         decoding: note that the recorded model (not the assistant) ran."""
         if self.is_assisted:
             self._target_forward = True
-        if not (self.is_beam or self.mode == _compat.DOLA_MODE):
+        if not self._keeps_forward_logits:
             return
         logits = getattr(output, "logits", None)  # generate() always asks for a ModelOutput
         if logits is not None:
@@ -173,18 +178,14 @@ class Capture:
                     self.ring.put(self._step, "logits", raw)
                 # out.scores of a step: every group's processed scores, in the model's dtype.
                 self._group_scores = torch.zeros_like(raw)
-                self.ring.put(self._step, "finished", torch.zeros(self.num_rows, dtype=torch.bool))
+                self._put_running_beams_finished(self._step, self.num_rows)
             return
         if self.is_beam:
             self._step += 1
             step = self._step
             if "logits" in self.streams:
                 self.ring.put(step, "logits", self._take_forward_logits())
-            self._forward_logits = []
-            if self._no_beam_finished is None:
-                self._no_beam_finished = torch.zeros(input_ids.shape[0], dtype=torch.bool)
-            # Running beams never finish (finished hypotheses leave them): known on the host.
-            self.ring.put(step, "finished", self._no_beam_finished)
+            self._put_running_beams_finished(step, input_ids.shape[0])
             self._record_ancestry(step, input_ids)
             return
         if self.is_assisted and not self._target_forward:
@@ -201,6 +202,12 @@ class Capture:
                 scores = self._take_forward_logits()
             self.ring.put(self._step, "logits", scores)
         self.ring.put(self._step, "finished", self._finished)
+
+    def _put_running_beams_finished(self, step: int, rows: int) -> None:
+        # Running beams never finish (finished hypotheses leave them): known on the host.
+        if self._no_beam_finished is None:
+            self._no_beam_finished = torch.zeros(rows, dtype=torch.bool)
+        self.ring.put(step, "finished", self._no_beam_finished)
 
     def _take_forward_logits(self) -> torch.Tensor:
         parts, self._forward_logits = self._forward_logits, []

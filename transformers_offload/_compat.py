@@ -6,6 +6,7 @@ No other module of the package looks at a version number or probes transformers'
 from __future__ import annotations
 
 import copy
+import inspect
 import re
 from typing import Any
 
@@ -46,13 +47,16 @@ SUPPORTED_MODES = (
 DOLA_MODE = "dola_generation"
 GROUP_BEAM_MODE = "group_beam_search"
 # Why a mode is not recorded, for the error message.
+_FROM_THE_HUB = "this release runs it from the Hub (`custom_generate`), whose decoding loop the recorder cannot see"
 UNSUPPORTED_BECAUSE = {
-    "contrastive_search": "this release runs it from the Hub (`custom_generate`), whose decoding loop the recorder cannot see",
-    "dola_generation": "this release runs it from the Hub (`custom_generate`), whose decoding loop the recorder cannot see",
-    "group_beam_search": "this release runs it from the Hub (`custom_generate`), whose decoding loop the recorder cannot see",
+    "contrastive_search": _FROM_THE_HUB,
+    "dola_generation": _FROM_THE_HUB,
+    "group_beam_search": _FROM_THE_HUB,
     "constrained_beam_search": "its `out.scores` add each beam's running score to the processed scores, "
     "which the recorder cannot see",
 }
+# `generate(custom_generate=...)` (4.52+) runs a decoding loop from the Hub: refused by the recorder.
+ACCEPTS_CUSTOM_GENERATE = "custom_generate" in inspect.signature(GenerationMixin.generate).parameters
 # Assisted decoding (an assistant model) and prompt lookup share this mode on every release.
 ASSISTED_MODE = "assisted_generation"
 BEAM_MODES = _format.BEAM_MODES
