@@ -9,7 +9,16 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import (  # noqa: E402
+    BartConfig,
+    BartForConditionalGeneration,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    T5Config,
+    T5ForConditionalGeneration,
+)
 
 VOCAB = 128
 PAD = 0
@@ -33,12 +42,37 @@ def _tiny_llama() -> torch.nn.Module:
     return LlamaForCausalLM(config)
 
 
+def _tiny_t5() -> torch.nn.Module:
+    config = T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        decoder_start_token_id=PAD, pad_token_id=PAD, eos_token_id=EOS,
+    )
+    return T5ForConditionalGeneration(config)
+
+
+def _tiny_bart() -> torch.nn.Module:
+    config = BartConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+        pad_token_id=PAD, eos_token_id=EOS, bos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None,
+    )
+    return BartForConditionalGeneration(config)
+
+
 TINY_MODELS = {"gpt2": _tiny_gpt2, "llama": _tiny_llama}
+ENCODER_DECODERS = {"t5": _tiny_t5, "bart": _tiny_bart}
 
 
-def make_tiny(name: str, seed: int = 0) -> torch.nn.Module:
+def make_tiny(name: str, seed: int = 0, attn_implementation: str | None = None) -> torch.nn.Module:
+    """A tiny model from `TINY_MODELS` or `ENCODER_DECODERS`, seeded; `attn_implementation` as in
+    `from_pretrained` (default: the release's own default)."""
+    build = {**TINY_MODELS, **ENCODER_DECODERS}[name]
     torch.manual_seed(seed)
-    model = TINY_MODELS[name]().eval()
+    model = build()
+    if attn_implementation is not None:
+        torch.manual_seed(seed)
+        model = type(model)._from_config(model.config, attn_implementation=attn_implementation)
+    model = model.eval()
     # Random weights give near-uniform logits; sharpen them so greedy and beam choices are not ties.
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(8.0)

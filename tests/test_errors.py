@@ -36,7 +36,7 @@ def test_model_without_generate(model, match):
     ("options", "error", "match"),
     [
         (dict(streams="logits"), TypeError, "`streams` must be a tuple"),
-        (dict(streams=("logits", "attentions")), ValueError, "unknown names \\['attentions'\\]"),
+        (dict(streams=("logits", "past_key_values")), ValueError, "unknown names \\['past_key_values'\\]"),
         (dict(ring_slots=0), ValueError, "`ring_slots` must be at least 1, got 0"),
         (dict(ring_slots=2.5), TypeError, "`ring_slots` must be an int"),
         (dict(ring_slots=True), TypeError, "`ring_slots` must be an int"),

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import BartConfig, BartForConditionalGeneration, T5Config, T5ForConditionalGeneration
 
 from transformers_offload import Recorder, UnsupportedModeError, _compat, open_recording
 
-from .conftest import EOS, PAD, left_padded_batch, make_tiny
+from .conftest import ENCODER_DECODERS, EOS, PAD, left_padded_batch, make_tiny
 from .helpers import (
     HAS_OUTPUT_LOGITS,
     TRANSFORMERS,
@@ -56,33 +55,12 @@ def test_static_cache(mode):
     _check(model, left_padded_batch(), max_new_tokens=8, cache_implementation="static", **MODES[mode])
 
 
-def _tiny_t5():
-    config = T5Config(
-        vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-        decoder_start_token_id=PAD, pad_token_id=PAD, eos_token_id=EOS,
-    )
-    return T5ForConditionalGeneration(config)
-
-
-def _tiny_bart():
-    config = BartConfig(
-        vocab_size=128, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
-        pad_token_id=PAD, eos_token_id=EOS, bos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None,
-    )
-    return BartForConditionalGeneration(config)
-
-
-ENCODER_DECODERS = {"t5": _tiny_t5, "bart": _tiny_bart}
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("name", sorted(ENCODER_DECODERS))
 def test_encoder_decoder_models_record_their_decoder_steps(name, mode):
-    torch.manual_seed(0)
-    model = ENCODER_DECODERS[name]().eval()
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(8.0)
+    model = make_tiny(name)
     rec = _check(model, left_padded_batch(), max_new_tokens=10, **MODES[mode])
     generation = rec.generation()
     assert generation.prompt_length == 1  # the decoder starts from its start token

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from transformers_offload import Recorder, SpillError, open_recording
-from transformers_offload import _shard_store
+from transformers_offload import _shard_buffer, _shard_store
 
 from .conftest import left_padded_batch, make_tiny
 from .helpers import Boom, FailAtStep, assert_steps_equal, hf_reference
@@ -243,7 +243,7 @@ def test_a_huge_shard_size_is_capped_by_the_steps_the_call_can_run(gpt2, tmp_pat
 
 def test_any_failure_of_the_store_closes_the_generation_as_failed(gpt2, tmp_path, monkeypatch):
     """Not only disk errors: e.g. no host memory left for a shard buffer."""
-    real = _shard_store._ShardBuffer.reset
+    real = _shard_buffer.ShardBuffer.reset
     calls = {"n": 0}
 
     def reset_until_out_of_memory(self, index, capacity):
@@ -252,7 +252,7 @@ def test_any_failure_of_the_store_closes_the_generation_as_failed(gpt2, tmp_path
             raise RuntimeError("DefaultCPUAllocator: not enough memory")
         real(self, index, capacity)
 
-    monkeypatch.setattr(_shard_store._ShardBuffer, "reset", reset_until_out_of_memory)
+    monkeypatch.setattr(_shard_buffer.ShardBuffer, "reset", reset_until_out_of_memory)
     with Recorder(gpt2, spill_dir=tmp_path / "run", shard_bytes=3 * _step_bytes(3)) as rec:
         with pytest.raises(RuntimeError, match="not enough memory"):
             gpt2.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=NEW_TOKENS)

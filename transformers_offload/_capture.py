@@ -3,8 +3,8 @@
 `generate()` reaches the capture through three taps that `_hooks` puts in place for a call that
 carries a recorder: the processor list (raw logits before the first processor, processed scores after
 the last one), the stopping-criteria list (the token appended at the end of each step and which rows
-are done), and, in beam search, the model's forward (the raw logits, since the processor list there
-receives `log_softmax(logits)`).
+are done), and the model's forward: in beam search for the raw logits (the processor list there
+receives `log_softmax(logits)`), and for attentions and hidden states (`_layers`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import _compat
+from . import _compat, _layers
 from ._transfer import HostRing
 from .recording import Generation
 
@@ -27,9 +27,29 @@ class UnsupportedModeError(ValueError):
     """`generate()` was asked for a decoding mode the recorder cannot record exactly (yet)."""
 
 
-def check_mode(generation_config: Any, assistant_model: Any) -> str:
-    """The decoding mode `generation_config` asks for, or `UnsupportedModeError` naming it."""
+# Modes whose every step is one forward of the recorded model over the running rows: attentions and
+# hidden states are recorded there.
+LAYER_MODES = ("greedy_search", "sample", "beam_search", "beam_sample")
+
+
+def check_mode(generation_config: Any, assistant_model: Any, streams: tuple[str, ...] = ()) -> str:
+    """The decoding mode `generation_config` asks for, or `UnsupportedModeError` naming it (`streams`:
+    what the recorder records; attentions and hidden states are recorded in `LAYER_MODES` only)."""
     mode = _compat.generation_mode(generation_config, assistant_model)
+    layer_streams = [s for s in streams if s in _layers.STREAMS]
+    if layer_streams:
+        why = None
+        if mode not in LAYER_MODES:
+            why = f"{mode!r} does not run one forward per step over the running rows"
+        elif getattr(generation_config, "low_memory", False) and mode in _compat.BEAM_MODES:
+            why = "`low_memory=True` beam search splits each step's forward in sub-batches"
+        elif getattr(generation_config, "prefill_chunk_size", None):
+            why = "`prefill_chunk_size` splits the prefill in several forwards"
+        if why:
+            raise UnsupportedModeError(
+                f"transformers-offload records {layer_streams} in {', '.join(LAYER_MODES)} only: {why}. "
+                f"Drop {layer_streams} from the Recorder's `streams` for this call, or use one of those modes."
+            )
     if mode == _compat.ASSISTED_MODE and getattr(generation_config, "assistant_early_exit", None):
         raise UnsupportedModeError(
             f"transformers-offload does not record assisted decoding with `assistant_early_exit` "
@@ -56,8 +76,12 @@ class Capture:
     """Records one `generate()` call into a ring and a store; becomes a `Generation` when it ends."""
 
     def __init__(self, *, streams: tuple[str, ...], ring_slots: int, assistant_model: Any,
-                 open_store: OpenStore, index: int, attention_mask: Any = None, threaded: bool = False) -> None:
+                 open_store: OpenStore, index: int, attention_mask: Any = None, threaded: bool = False,
+                 layer_tap: _layers.LayerTap | None = None) -> None:
         self.streams = streams
+        self.layer_tap = layer_tap  # attentions and hidden states, when the recorder records them
+        self._layer_names: list[str] = []  # per-step layer streams, known from the first forward
+        self._forwards = 0
         self.ring_slots = ring_slots
         self.threaded = threaded
         self.open_store = open_store
@@ -88,7 +112,7 @@ class Capture:
 
     # -- set-up, from the processor-list hook, before the decoding loop ------------------------------
     def start(self, generation_config: Any, prompt_length: int) -> None:
-        mode = check_mode(generation_config, self.assistant_model)
+        mode = check_mode(generation_config, self.assistant_model, self.streams)
         self.mode = mode
         self.do_sample = bool(generation_config.do_sample)
         self.prompt_length = int(prompt_length)
@@ -106,6 +130,7 @@ class Capture:
         mask = self.attention_mask
         self.attention_mask = None
         self.header.update(
+            layers=None,  # filled at the first forward, when attentions or hidden states are recorded
             mode=mode,
             prompt_length=self.prompt_length,
             prompt_lengths=None if mask is None else tuple(int(n) for n in mask.sum(-1).tolist()),
@@ -130,7 +155,7 @@ class Capture:
     def names(self) -> list[str]:
         """Every stream this call records, in the order they are stored."""
         names = [*(s for s in ("logits", "scores") if s in self.streams), "tokens", "finished"]
-        return names + ["beam_parents"] if self.is_beam else names
+        return names + ["beam_parents"] * self.is_beam + self._layer_names
 
     @property
     def failure(self) -> BaseException | None:
@@ -154,10 +179,13 @@ class Capture:
 
     # -- taps, inside the decoding loop --------------------------------------------------------------
     def on_forward(self, output: Any) -> None:
-        """Beam search: keep this forward's next-token logits as transformers takes them. Assisted
-        decoding: note that the recorded model (not the assistant) ran."""
+        """Record the selected attentions and hidden states of this step's forward. Beam search: keep
+        its next-token logits as transformers takes them. Assisted decoding: note that the recorded
+        model (not the assistant) ran."""
         if self.is_assisted:
             self._target_forward = True
+        if self.layer_tap is not None:
+            self._record_layers(output)
         if not self._keeps_forward_logits:
             return
         logits = getattr(output, "logits", None)  # generate() always asks for a ModelOutput
@@ -165,6 +193,17 @@ class Capture:
             # low_memory beam search (4.38-4.49) runs one forward per sub-batch: joined in on_raw.
             upcast = _compat.UPCASTS_LOGITS and not self.is_group
             self._forward_logits.append(_compat.forward_raw_logits(logits, upcast=upcast))
+
+    def _record_layers(self, output: Any) -> None:
+        step = self._forwards  # in the modes that record them, every forward is one step
+        self._forwards += 1
+        if step == 0:
+            per_step, once = self.layer_tap.names(output)
+            self.header["layers"] = self.layer_tap.header()
+            self.store.add_streams(per_step, once, self.header["layers"])
+            self._layer_names = per_step
+        for name, tensor in self.layer_tap.pick(output, first=step == 0):
+            self.ring.put(step, name, tensor)
 
     def on_raw(self, input_ids: torch.Tensor, scores: torch.Tensor, group: int | None = None) -> None:
         """Called with what the first processor receives, before it runs (once per beam group, with

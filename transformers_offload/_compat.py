@@ -138,10 +138,32 @@ def rows_done(is_done: Any, token: torch.Tensor, eos_ids: torch.Tensor | None) -
 
 
 def asks_outputs_on_device(generation_config: Any) -> bool:
-    """Whether `generate()` will also keep per-step scores or logits on the device (`output_logits`
-    exists from 4.38)."""
-    wants = generation_config.output_scores or getattr(generation_config, "output_logits", False)
-    return bool(generation_config.return_dict_in_generate) and bool(wants)
+    """Whether `generate()` will also keep per-step scores, logits, attentions or hidden states on the
+    device (`output_logits` exists from 4.38)."""
+    flags = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+    wants = any(getattr(generation_config, flag, False) for flag in flags)
+    return bool(generation_config.return_dict_in_generate) and wants
+
+
+def attention_implementations(model: Any) -> set[str]:
+    """The attention implementations `model`'s configs name (`config._attn_implementation`, private but
+    present on every release from 4.36; sdpa models fall back to eager for attention weights up to
+    4.57 with a warning, and return none from 5.0)."""
+    config = getattr(model, "config", None)
+    configs = [config]
+    if hasattr(config, "get_text_config"):  # 4.46+: composite models keep their decoder's config apart
+        configs.append(config.get_text_config())
+    found = {getattr(c, "_attn_implementation", None) for c in configs if c is not None}
+    return {str(name) for name in found if name is not None}
+
+
+def encoder_of(model: Any) -> Any:
+    """The encoder module an encoder-decoder model's `generate()` runs once, or None."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "is_encoder_decoder", False) or not hasattr(model, "get_encoder"):
+        return None
+    encoder = model.get_encoder()
+    return encoder if isinstance(encoder, torch.nn.Module) and encoder is not model else None
 
 
 # From 4.40 `out.logits` is exactly what the first processor received; in 4.38-4.39 it shares storage

@@ -18,9 +18,50 @@ import torch
 FORMAT = "transformers-offload"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-ENCODINGS = ("dense",)  # how a stream's values are laid out in a shard; later: sparse, top-k...
+# How a stream's values are laid out in a shard: "dense", one `(steps, *shape)` tensor; "ragged", for
+# per-layer streams whose shape changes from step to step, the steps' values concatenated flat in step
+# order (`name`) and their shapes (`name.shapes`, int64 `(steps, ndim)`), with no padding.
+ENCODINGS = ("dense", "ragged")
 STATUSES = ("recording", "complete", "failed")
 BEAM_MODES = ("beam_search", "beam_sample", "group_beam_search")  # whose generations carry `beam_parents`
+
+# Per-layer streams, one per recorded layer, named `KIND.LAYER` (`attentions.3`): KIND is the name of
+# the `generate()` output they mirror, LAYER the index into that output's per-step tuple (hidden states
+# count the embeddings as entry 0). Encoder kinds are recorded once per generation, the others per step.
+STEP_LAYER_KINDS = ("attentions", "hidden_states", "decoder_attentions", "cross_attentions", "decoder_hidden_states")
+ENCODER_KINDS = ("encoder_attentions", "encoder_hidden_states")
+LAYER_KINDS = STEP_LAYER_KINDS + ENCODER_KINDS
+ATTENTION_KINDS = ("attentions", "decoder_attentions", "cross_attentions", "encoder_attentions")
+GROWING_KINDS = ("attentions", "decoder_attentions")  # self-attention: one more key per step
+
+
+def layer_stream(kind: str, layer: int) -> str:
+    """The stream name of one layer of `kind`: `layer_stream("attentions", 3) == "attentions.3"`."""
+    return f"{kind}.{layer}"
+
+
+def split_layer_stream(name: str) -> tuple[str, int] | None:
+    """`"attentions.3"` -> `("attentions", 3)`; None for a name that is not a per-layer stream."""
+    kind, _, layer = name.rpartition(".")
+    if kind in LAYER_KINDS and layer.isdigit() and layer == str(int(layer)):
+        return kind, int(layer)
+    return None
+
+
+def ragged_shape(name: str, shape: tuple[int, ...]) -> list[int | None]:
+    """The manifest's per-step `shape` of ragged stream `name`, given one step's shape: None where it
+    changes from step to step (attentions `(rows, heads, queries, keys)`, hidden states
+    `(rows, positions, hidden_size)`)."""
+    kind, _ = split_layer_stream(name)
+    if kind in ATTENTION_KINDS:
+        return [shape[0], shape[1], None, None]
+    return [shape[0], None, shape[2]]
+
+
+def shapes_key(name: str) -> str:
+    """The shard tensor that holds ragged stream `name`'s per-step shapes."""
+    return name + ".shapes"
+
 
 # safetensors dtype names for the dtypes a recording holds.
 _DTYPES = {
@@ -61,6 +102,10 @@ def shard_name(generation: int, shard: int) -> str:
 
 def sequences_name(generation: int) -> str:
     return f"g{generation:04d}-sequences.safetensors"
+
+
+def encoder_name(generation: int) -> str:
+    return f"g{generation:04d}-encoder.safetensors"
 
 
 def shard_metadata(generation: int, first_step: int) -> dict[str, str]:
@@ -232,6 +277,39 @@ def check_generation(entry: Any, index: int, root: Path, path: Path, files: set[
         )
     if entry.get("sequences") is not None:
         _claim(root, entry["sequences"], path, files)
+    _check_layers(entry, root, path, where, files)
+
+
+def _check_layers(entry: dict[str, Any], root: Path, path: Path, where: str, files: set[str]) -> None:
+    """The optional parts of a generation that recorded attentions or hidden states: `layers` (what
+    was selected) and `encoder` (an encoder-decoder model's encoder outputs, in a file of their own)."""
+    layers = entry.get("layers")
+    if layers is not None:
+        if not isinstance(layers, dict):
+            raise RecordingError(path, f"{where}: `layers` must be a JSON object, got {layers!r}.")
+        counts = _field(layers, "counts", dict, path, where + ", `layers`")
+        if not all(kind in LAYER_KINDS and _count(n) for kind, n in counts.items()):
+            raise RecordingError(path, f"{where}: `layers.counts` must map output names to layer counts, got {counts!r}.")
+        heads = layers.get("heads")
+        if heads is not None and not (isinstance(heads, list) and all(_count(h) for h in heads)):
+            raise RecordingError(path, f"{where}: `layers.heads` must list head indices or be null, got {heads!r}.")
+        if not isinstance(layers.get("newest_position_only"), bool):
+            raise RecordingError(path, f"{where}: `layers.newest_position_only` must be true or false.")
+    encoder = entry.get("encoder")
+    if encoder is None:
+        return
+    if not isinstance(encoder, dict):
+        raise RecordingError(path, f"{where}: `encoder` must be a JSON object, got {encoder!r}.")
+    _claim(root, _field(encoder, "file", str, path, where + ", `encoder`"), path, files)
+    for name, stream in _field(encoder, "streams", dict, path, where + ", `encoder`").items():
+        _check_stream(name, stream, path, where)
+        split = split_layer_stream(name)
+        if split is None or split[0] not in ENCODER_KINDS or stream["encoding"] != "dense":
+            raise RecordingError(path, f"{where}: {name!r} is not an encoder output stream.")
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _check_stream_set(entry: dict[str, Any], path: Path, where: str) -> None:
@@ -251,6 +329,12 @@ def _check_stream_set(entry: dict[str, Any], path: Path, where: str) -> None:
         raise RecordingError(path, f"{where}: {rows} rows are not a whole number of prompts of {entry['num_beams']} beams.")
     for name, stream in streams.items():
         shape = stream["shape"]
+        if stream["encoding"] == "ragged":
+            if shape[0] != rows:
+                raise RecordingError(
+                    path, f"{where}: stream {name!r} has {shape[0]} rows, which disagrees with `num_rows` {rows}."
+                )
+            continue
         per_row = name in PER_ROW_STREAMS
         if (per_row and shape != [rows]) or (not per_row and (len(shape) != 2 or shape[0] != rows)):
             raise RecordingError(
@@ -266,13 +350,20 @@ def _check_stream(name: str, stream: Any, path: Path, where: str) -> None:
     _field(stream, "encoding", str, path, f"{where}, stream {name!r}")
     if dtype_of(stream["dtype"]) is None:
         raise RecordingError(path, f"{where}: stream {name!r} has unknown dtype {stream['dtype']!r}.")
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in stream["shape"]):
-        raise RecordingError(path, f"{where}: stream {name!r} has a bad shape {stream['shape']!r}.")
     if stream["encoding"] not in ENCODINGS:
         raise RecordingError(
             path,
             f"{where}: stream {name!r} uses encoding {stream['encoding']!r}, which this "
             f"transformers-offload cannot read (it reads {ENCODINGS}); upgrade transformers-offload.",
+        )
+    ragged = stream["encoding"] == "ragged"
+    shape = stream["shape"]
+    if not shape or not all(_count(n) or (ragged and n is None) for n in shape) or (ragged and shape[0] is None):
+        raise RecordingError(path, f"{where}: stream {name!r} has a bad shape {shape!r}.")
+    split = split_layer_stream(name)
+    if ragged != (split is not None and split[0] in STEP_LAYER_KINDS):
+        raise RecordingError(
+            path, f"{where}: stream {name!r} cannot use encoding {stream['encoding']!r} (only per-layer streams are ragged)."
         )
 
 

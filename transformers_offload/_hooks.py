@@ -3,8 +3,10 @@
 Attaching a recorder to a model shadows three of its methods with wrappers stored in the instance's
 `__dict__` (never on the class): `generate`, and the private `_get_logits_processor` and
 `_get_stopping_criteria` (plus `_get_logits_warper` on releases that have it), and registers one
-forward hook. A call to `generate()` whose `logits_processor` holds no recorder runs the original
-methods untouched. Detaching the last recorder of a model removes every wrapper and the forward hook.
+forward hook and one forward pre-hook (and one more pre-hook on an encoder-decoder model's encoder),
+which asks the forward for attentions or hidden states when the recorder records them. A call to
+`generate()` whose `logits_processor` holds no recorder runs the original methods untouched.
+Detaching the last recorder of a model removes every wrapper and hook.
 
 The capture of a call in progress is kept per thread, so two models (or one model) generating in two
 threads with their own recorders never see each other's steps.
@@ -20,7 +22,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import _compat
+from . import _compat, _layers
 from ._capture import Capture, check_mode
 
 _ABSENT = object()
@@ -101,6 +103,7 @@ class ModelHooks:
         self._wrappers: dict[str, Callable[..., Any]] = {}
         self._previous: dict[str, Any] = {}  # what the instance's __dict__ held before (usually nothing)
         self._forward_handle: Any = None
+        self._pre_handles: list[Any] = []
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         model = self._model_ref()
@@ -127,6 +130,9 @@ class ModelHooks:
             model.__dict__[name] = wrapper
             self._wrappers[name] = wrapper
         self._forward_handle = model.register_forward_hook(self._on_forward)
+        for module in (model, _compat.encoder_of(model)):
+            if module is not None:
+                self._pre_handles.append(module.register_forward_pre_hook(self._ask_outputs, with_kwargs=True))
 
     def uninstall(self) -> None:
         model = self._model_ref()
@@ -143,6 +149,9 @@ class ModelHooks:
         if self._forward_handle is not None:
             self._forward_handle.remove()
             self._forward_handle = None
+        for handle in self._pre_handles:
+            handle.remove()
+        self._pre_handles = []
 
     # -- wrappers ------------------------------------------------------------------------------------
     def _wrap_generate(self, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -163,7 +172,7 @@ class ModelHooks:
                 with _active(model, None):
                     return original(*args, **kwargs)
             config = _compat.provisional_generation_config(model, arguments.get("generation_config"), extra)
-            check_mode(config, arguments.get("assistant_model"))
+            check_mode(config, arguments.get("assistant_model"), recorder._streams)
             capture = recorder._begin_generation(
                 assistant_model=arguments.get("assistant_model"),
                 custom_generate=arguments.get("custom_generate"),
@@ -216,6 +225,14 @@ class ModelHooks:
             return _TappedCriteriaList([c for c in criteria if not _is_recorder(c)], capture)
 
         return _get_stopping_criteria
+
+    def _ask_outputs(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+        # generate() keeps its own `output_attentions`/`output_hidden_states` off (it would keep them
+        # on the device): the recorded call's forwards, and its encoder's, are asked directly.
+        capture = _active_capture(self._model_ref())
+        if capture is None or capture.layer_tap is None:
+            return None
+        return args, _layers.ask_forward(kwargs, capture.streams)
 
     def _on_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         capture = _active_capture(module)

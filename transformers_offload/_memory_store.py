@@ -15,8 +15,17 @@ class MemoryStore:
     failure = None  # nothing to fail: the store never writes
 
     def __init__(self, names: list[str]) -> None:
-        self._names = names
+        self._names = list(names)
+        self._once: set[str] = set()
+        self._layers: dict[str, Any] | None = None
         self._steps: dict[str, dict[int, torch.Tensor]] = {}
+
+    def add_streams(self, names: list[str], once: list[str], layers: dict[str, Any]) -> None:
+        """More streams, before the first drain: per-step `names`, and `once` (recorded at step 0 only,
+        the encoder's outputs); `layers` describes the selection (the manifest's `layers` entry)."""
+        self._names += names
+        self._once.update(once)
+        self._layers = layers
 
     def drain(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
         """Keep a copy of `tensors` (host slot buffers that the ring reuses) for `step`."""
@@ -36,6 +45,7 @@ class MemoryStore:
         streams = {
             name: tuple(self._steps.get(name, {})[t] for t in range(num_steps)) for name in self._names
         }
+        once = {name: self._steps[name][0] for name in self._once if 0 in self._steps.get(name, {})}
         self._steps.clear()
         return Generation(
             **header,
@@ -44,5 +54,5 @@ class MemoryStore:
             error=None if error is None else repr(error),
             sequences=sequences,
             stats=TransferStats(waits=ring_waits, bytes_written=0, write_seconds=0.0),
-            _source=MemorySource(streams),
+            _source=MemorySource(streams, once),
         )

@@ -30,6 +30,7 @@ import torch
 from safetensors.torch import save_file
 
 from . import _compat, _format
+from ._shard_buffer import ShardBuffer
 from .reader import generation_from_entry
 from .recording import Generation, TransferStats
 
@@ -122,39 +123,6 @@ class Spill:
         return ShardStore(self, entry, names, max_steps)
 
 
-class _ShardBuffer:
-    """Host tensors `(capacity, *shape)` per stream for the steps `[first_step, first_step + capacity)`."""
-
-    def __init__(self) -> None:
-        self.tensors: dict[str, torch.Tensor] = {}
-        self.index = 0
-        self.first_step = 0
-        self.capacity = 0
-        self.filled: dict[str, set[int]] = {}
-
-    def reset(self, index: int, capacity: int) -> None:
-        self.index = index
-        self.capacity = capacity
-        self.first_step = index * capacity
-        self.filled = {}
-
-    def put(self, name: str, step: int, tensor: torch.Tensor) -> None:
-        buffer = self.tensors.get(name)
-        if buffer is None or buffer.shape[1:] != tensor.shape or buffer.dtype != tensor.dtype:
-            if self.filled.get(name):
-                raise RuntimeError(
-                    f"transformers-offload: stream {name!r} changed shape or dtype within a shard "
-                    f"(now {tuple(tensor.shape)} {tensor.dtype}); please report this."
-                )
-            buffer = torch.empty((self.capacity, *tensor.shape), dtype=tensor.dtype)
-            self.tensors[name] = buffer
-        buffer[step - self.first_step].copy_(tensor)
-        self.filled.setdefault(name, set()).add(step)
-
-    def full(self, names: list[str]) -> bool:
-        return all(len(self.filled.get(name, ())) == self.capacity for name in names)
-
-
 @dataclass
 class _Counters:
     waits: int = 0
@@ -169,15 +137,18 @@ class ShardStore:
         self._spill = spill
         self._max_steps = max_steps
         self._entry = entry
-        self._names = names
+        self._names = list(names)
+        self._ragged: set[str] = set()  # per-layer streams (attentions, hidden states)
+        self._once: set[str] = set()  # the encoder's outputs, at step 0 only
+        self._size_hints: dict[str, int] = {}  # ragged streams: elements per shard, estimated
         self._capacity = 0  # steps per shard, fixed by the first drained step
-        self._open: dict[int, _ShardBuffer] = {}
+        self._open: dict[int, ShardBuffer] = {}
         self._sealed_until = 0  # steps below this are in shards handed to the writer
-        self._free: list[_ShardBuffer] = []
+        self._free: list[ShardBuffer] = []
         self._allocated = 0
         self._released = threading.Condition()
         # Jobs for the writer: (what to write, or None; the shard buffer to hand back, or None).
-        self._jobs: queue.Queue[tuple[Callable[[], None] | None, _ShardBuffer | None] | None] = queue.Queue()
+        self._jobs: queue.Queue[tuple[Callable[[], None] | None, ShardBuffer | None] | None] = queue.Queue()
         self._error: BaseException | None = None
         self._raised = False
         self.counters = _Counters()
@@ -186,12 +157,25 @@ class ShardStore:
         self._thread.start()
 
     # -- the generate() thread ---------------------------------------------------------------------------
+    def add_streams(self, names: list[str], once: list[str], layers: dict[str, Any]) -> None:
+        """More streams, before the first drain: per-layer `names` recorded every step (ragged), and
+        `once` (the encoder's outputs, at step 0, written to a file of their own); `layers` is the
+        manifest's `layers` entry."""
+        self._names += names
+        self._ragged.update(names)
+        self._once.update(once)
+        self._entry["layers"] = layers
+
     def drain(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
         """Copy one step's host tensors into its shard buffer; hand over every shard that is complete."""
         if self._raised:
             return  # a failure was raised in generate(); what remains is not written
         try:
             self._raise_failure()
+            once = {name: tensors[name].clone() for name in self._once if name in tensors}
+            if once:  # a copy: the ring reuses its buffers
+                tensors = {name: tensor for name, tensor in tensors.items() if name not in once}
+                self._jobs.put((partial(self._write_encoder, once), None))
             if not self._capacity:
                 self._capacity = self._steps_per_shard(tensors)
             if step < self._sealed_until:
@@ -201,7 +185,10 @@ class ShardStore:
                 )
             buffer = self._buffer_for(step // self._capacity)
             for name, tensor in tensors.items():
-                buffer.put(name, step, tensor)
+                if name in self._ragged:
+                    buffer.put_ragged(name, step, tensor, self._size_hints.get(name, 0))
+                else:
+                    buffer.put(name, step, tensor)
         except BaseException:
             self._raised = True  # later steps would leave a gap: keep what is complete so far
             raise
@@ -251,13 +238,31 @@ class ShardStore:
         return generation_from_entry(self._spill.root, dict(entry), stats=stats)
 
     def _steps_per_shard(self, tensors: dict[str, torch.Tensor]) -> int:
-        rows = next(iter(tensors.values())).shape[0] if tensors else 1
-        step_bytes = sum(
-            tensors[name].nbytes if name in tensors else rows * 8 for name in self._names
-        )
-        return max(1, min(self._max_steps, self._spill.shard_bytes // max(1, step_bytes)))
+        """Steps per shard, from the first drained step (step 0): about `shard_bytes` a shard.
 
-    def _buffer_for(self, index: int) -> _ShardBuffer:
+        A ragged stream's step 0 is the prefill; a later step holds one position, and self-attention
+        one more key per step: it is counted at the size of the last step the call can run.
+        """
+        rows = next(iter(tensors.values())).shape[0] if tensors else 1
+        sizes = {}
+        for name in self._names:
+            tensor = tensors.get(name)
+            if tensor is None:
+                sizes[name] = rows * 8
+            elif name in self._ragged and tensor.dim() >= 2:
+                size = tensor.nbytes / max(1, tensor.shape[-2])
+                if _format.split_layer_stream(name)[0] in _format.GROWING_KINDS:
+                    size *= (tensor.shape[-1] + self._max_steps) / max(1, tensor.shape[-1])
+                sizes[name] = size
+            else:
+                sizes[name] = tensor.nbytes
+        capacity = int(max(1, min(self._max_steps, self._spill.shard_bytes // max(1, sum(sizes.values())))))
+        for name in self._ragged:
+            if name in tensors:
+                self._size_hints[name] = int(min(capacity * sizes[name], 2**40) // tensors[name].element_size())
+        return capacity
+
+    def _buffer_for(self, index: int) -> ShardBuffer:
         buffer = self._open.get(index)
         if buffer is not None:
             return buffer
@@ -274,7 +279,7 @@ class ShardStore:
             if self._free:
                 buffer = self._free.pop()
             else:
-                buffer = _ShardBuffer()
+                buffer = ShardBuffer()
                 self._allocated += 1
         buffer.reset(index, self._capacity)
         self._open[index] = buffer
@@ -316,10 +321,14 @@ class ShardStore:
                         self._free.append(buffer)
                         self._released.notify_all()
 
-    def _write_shard(self, buffer: _ShardBuffer, count: int) -> None:
+    def _write_shard(self, buffer: ShardBuffer, count: int) -> None:
         entry = self._entry
         name = _format.shard_name(entry["index"], buffer.index)
-        tensors = {stream: buffer.tensors[stream][:count] for stream in self._names}
+        tensors = {stream: buffer.tensors[stream][:count] for stream in self._names if stream not in self._ragged}
+        shapes = {}
+        for stream in self._ragged:
+            tensors[stream], shapes[stream] = buffer.ragged(stream, count)
+            tensors[_format.shapes_key(stream)] = shapes[stream]
         metadata = _format.shard_metadata(entry["index"], buffer.first_step)
         started = time.perf_counter()
         size = _format.write_atomically(
@@ -329,17 +338,41 @@ class ShardStore:
             entry["num_rows"] = int(tensors["tokens"].shape[1])
             entry["streams"] = {
                 stream: {
-                    "dtype": _format.dtype_name(tensor.dtype),
-                    "shape": list(tensor.shape[1:]),
+                    "dtype": _format.dtype_name(tensors[stream].dtype),
+                    "shape": list(tensors[stream].shape[1:]),
                     "encoding": "dense",
                 }
-                for stream, tensor in tensors.items()
+                for stream in self._names
+                if stream not in self._ragged
             }
+            for stream in sorted(self._ragged, key=self._names.index):
+                entry["streams"][stream] = {
+                    "dtype": _format.dtype_name(tensors[stream].dtype),
+                    "shape": _format.ragged_shape(stream, tuple(shapes[stream][0].tolist())),
+                    "encoding": "ragged",
+                }
         entry["shards"].append({"file": name, "first_step": buffer.first_step, "num_steps": count})
         entry["num_steps"] = buffer.first_step + count
         _format.write_manifest(self._spill.root, self._spill.manifest)
         self.counters.write_seconds += time.perf_counter() - started
         self.counters.bytes_written += size
+
+    def _write_encoder(self, tensors: dict[str, torch.Tensor]) -> None:
+        entry = self._entry
+        name = _format.encoder_name(entry["index"])
+        metadata = _format.shard_metadata(entry["index"], 0)
+        tensors = {key: tensor.contiguous() for key, tensor in tensors.items()}
+        _format.write_atomically(
+            self._spill.root / name, lambda temporary: save_file(tensors, temporary, metadata=metadata)
+        )
+        entry["encoder"] = {
+            "file": name,
+            "streams": {
+                key: {"dtype": _format.dtype_name(tensor.dtype), "shape": list(tensor.shape), "encoding": "dense"}
+                for key, tensor in sorted(tensors.items(), key=lambda item: _format.split_layer_stream(item[0]))
+            },
+        }
+        _format.write_manifest(self._spill.root, self._spill.manifest)
 
     def _write_sequences(self, sequences: torch.Tensor) -> None:
         entry = self._entry

@@ -19,6 +19,10 @@ always copies).
 
 A step's slot is handed to the store once the ring has moved two steps past it (beam search learns a
 step's token and parent one step later), or earlier when the ring needs the slot back.
+
+A slot keeps one flat buffer per stream and views it in each step's shape, so streams whose shape
+changes from step to step (attentions gain a key per step) reuse it; it grows (at least doubling)
+only when a step needs more room.
 """
 
 from __future__ import annotations
@@ -35,8 +39,9 @@ Drain = Callable[[int, dict[str, torch.Tensor]], None]
 
 @dataclass
 class _Slot:
-    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # host (pinned on CUDA)
-    staging: dict[str, torch.Tensor] = field(default_factory=dict)  # device, CUDA only
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # flat, host (pinned on CUDA)
+    staging: dict[str, torch.Tensor] = field(default_factory=dict)  # flat, device, CUDA only
+    views: dict[str, torch.Tensor] = field(default_factory=dict)  # this step's host tensors
     written: list[str] = field(default_factory=list)
     step: int | None = None
     submitted: bool = False
@@ -83,11 +88,8 @@ class HostRing:
         """
         self._raise_drain_error()
         slot = self._slot_for(step)
-        buffer = slot.buffers.get(stream)
-        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            pinned = tensor.device.type == "cuda"
-            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pinned)
-            slot.buffers[stream] = buffer
+        buffer = _view(slot.buffers, stream, tensor, torch.device("cpu"), pinned=tensor.device.type == "cuda")
+        slot.views[stream] = buffer
         if tensor.device.type == "cuda":
             self._copy_from_cuda(slot, stream, tensor, buffer)
         else:
@@ -149,9 +151,7 @@ class HostRing:
         side = self._copy_streams.get(device)
         if side is None:
             side = self._copy_streams[device] = torch.cuda.Stream(device=device)
-        staging = slot.staging.get(stream)
-        if staging is None or staging.shape != tensor.shape or staging.dtype != tensor.dtype or staging.device != device:
-            staging = slot.staging[stream] = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+        staging = _view(slot.staging, stream, tensor, device, pinned=False)
         copied = slot.copied.get(device)
         if copied is not None and stream in slot.written:
             # This step's `stream` is written again: its first copy may still read the staging buffer.
@@ -180,7 +180,7 @@ class HostRing:
             if self._failure is None:  # after a failure nothing more reaches the store
                 for event in slot.copied.values():
                     event.synchronize()
-                self._drain(slot.step, {name: slot.buffers[name] for name in slot.written})
+                self._drain(slot.step, {name: slot.views[name] for name in slot.written})
         except BaseException as error:  # noqa: BLE001 - kept; raised in the generate() thread
             self._failure = error
             if self._queue is None:
@@ -189,8 +189,22 @@ class HostRing:
         finally:
             slot.step = None
             slot.written = []
+            slot.views = {}
             slot.free.set()
 
     def _drainer(self) -> None:
         for slot in iter(self._queue.get, None):
             self._release(slot)
+
+
+def _view(pool: dict[str, torch.Tensor], stream: str, tensor: torch.Tensor, device: torch.device, *,
+          pinned: bool) -> torch.Tensor:
+    """A view of `pool[stream]`, a flat buffer on `device`, in `tensor`'s shape and dtype (contiguous);
+    the buffer is replaced by a larger one (at least twice the size) when `tensor` does not fit."""
+    flat = pool.get(stream)
+    size = tensor.numel()
+    if flat is None or flat.dtype != tensor.dtype or flat.device != device or flat.numel() < size:
+        if flat is not None and flat.dtype == tensor.dtype and flat.device == device:
+            size = max(size, 2 * flat.numel())
+        flat = pool[stream] = torch.empty(size, dtype=tensor.dtype, device=device, pin_memory=pinned)
+    return flat[: tensor.numel()].view(tensor.shape)

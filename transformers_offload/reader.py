@@ -97,15 +97,23 @@ class Recording(Readable):
         generations = []
         for generation, entry in zip(self._generations, self._entries):
             streams = {}
-            for name, stream in entry["streams"].items():
+            encoder = entry.get("encoder") or {}
+            for name, stream in [*entry["streams"].items(), *encoder.get("streams", {}).items()]:
                 itemsize = _format.dtype_of(stream["dtype"]).itemsize
+                if stream["encoding"] == "ragged":
+                    elements = generation._source.ragged_elements(name, generation.num_steps)
+                elif name in encoder.get("streams", {}):
+                    elements = math.prod(stream["shape"])  # once per generation
+                else:
+                    elements = generation.num_steps * math.prod(stream["shape"])
                 streams[name] = {
                     "dtype": stream["dtype"],
                     "encoding": stream["encoding"],
                     "shape": stream["shape"],
-                    "bytes": generation.num_steps * math.prod(stream["shape"]) * itemsize,
+                    "bytes": elements * itemsize,
                 }
             files = [shard["file"] for shard in entry["shards"]] + [entry["sequences"]] * bool(entry.get("sequences"))
+            files += [encoder["file"]] if encoder else []
             generations.append(
                 {
                     "index": generation.index,
@@ -177,6 +185,7 @@ def generation_from_entry(root: Path, entry: dict[str, Any], *, stats: TransferS
         eos_token_id=tuple(entry["eos_token_id"]),
         generation_config=dict(entry["generation_config"]),
         stats=stats,
+        layers=entry.get("layers"),
         _source=source,
     )
 
@@ -197,29 +206,61 @@ class ShardSource:
         self._stream_info = entry["streams"]
         self.streams = tuple(entry["streams"])
         self._shards = entry["shards"]
+        encoder = entry.get("encoder") or {}
+        self._encoder_file = encoder.get("file")
+        self._encoder_info = encoder.get("streams", {})
+        self.once_streams = tuple(self._encoder_info)
         self._mapped: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
         for shard in self._shards:  # headers only: the data stays on disk until read
             self._tensors(shard)
+        if self._encoder_file is not None:
+            self._encoder()
         self.close()
 
     def read(self, name: str, steps: range, rows: Any) -> tuple[torch.Tensor, ...]:
         if steps.step < 0:
             return tuple(reversed(self.read(name, steps[::-1], rows)))
+        ragged = self._stream_info[name]["encoding"] == "ragged"
         values: list[torch.Tensor] = []
         for shard in self._shards:
             first = shard["first_step"]
             wanted = steps[_overlap(steps, range(first, first + shard["num_steps"]))]
             if not len(wanted):
                 continue
-            tensor = self._tensors(shard)[name]  # memory-mapped: slicing reads nothing yet
+            tensors = self._tensors(shard)
+            if ragged:
+                values.extend(_ragged_steps(tensors, name, range(wanted.start - first, wanted[-1] - first + 1, wanted.step), rows))
+                continue
+            tensor = tensors[name]  # memory-mapped: slicing reads nothing yet
             picked = tensor[wanted.start - first : wanted[-1] - first + 1 : wanted.step]
             if rows is not None:
                 picked = picked[:, rows]  # reads the selected rows only
             values.extend(picked.unbind(0))
         return tuple(values)
 
+    def ragged_elements(self, name: str, num_steps: int) -> int:
+        """Values of ragged stream `name` in its first `num_steps` steps (reads the shapes only)."""
+        total = 0
+        for shard in self._shards:
+            count = min(shard["num_steps"], num_steps - shard["first_step"])
+            if count > 0:
+                total += int(self._tensors(shard)[_format.shapes_key(name)][:count].prod(dim=1).sum())
+        return total
+
+    def read_once(self, name: str, rows: Any) -> torch.Tensor:
+        tensor = self._encoder()[name]
+        return tensor if rows is None else tensor[rows]
+
     def close(self) -> None:
         self._mapped.clear()
+
+    def _encoder(self) -> dict[str, torch.Tensor]:
+        name = self._encoder_file
+        mapped = self._mapped.get(name)
+        if mapped is None:
+            path = _format.inside(self._root, name, self._root / _format.MANIFEST)
+            mapped = self._mapped[name] = _map_encoder(path, self._index, self._encoder_info)
+        return mapped
 
     def _tensors(self, shard: dict[str, Any]) -> dict[str, torch.Tensor]:
         name = shard["file"]
@@ -233,6 +274,19 @@ class ShardSource:
         if len(self._mapped) > _OPEN_SHARDS:
             self._mapped.popitem(last=False)
         return mapped
+
+
+def _ragged_steps(tensors: dict[str, torch.Tensor], name: str, local: range, rows: Any) -> list[torch.Tensor]:
+    """Steps `local` (indices within the shard) of ragged stream `name`: views of its flat values."""
+    shapes = tensors[_format.shapes_key(name)]
+    ends = shapes.prod(dim=1).cumsum(0).tolist()
+    flat = tensors[name]
+    picked = []
+    for t in local:
+        start = ends[t - 1] if t else 0
+        step = flat[start : ends[t]].view(shapes[t].tolist())
+        picked.append(step if rows is None else step[rows])
+    return picked
 
 
 def _overlap(steps: range, local: range) -> slice:
@@ -258,6 +312,9 @@ def _map_shard(path: Path, generation: int, shard: dict[str, Any], streams: dict
         tensor = tensors.get(name)
         if tensor is None:
             raise RecordingError(path, f"holds no {name!r} tensor, which the manifest lists.")
+        if stream["encoding"] == "ragged":
+            _check_ragged(path, name, stream, tensor, tensors.get(_format.shapes_key(name)), shard["num_steps"])
+            continue
         shape = [shard["num_steps"], *stream["shape"]]
         if list(tensor.shape) != shape or tensor.dtype != _format.dtype_of(stream["dtype"]):
             raise RecordingError(
@@ -265,6 +322,37 @@ def _map_shard(path: Path, generation: int, shard: dict[str, Any], streams: dict
                 f"tensor {name!r} is {list(tensor.shape)} {_format.dtype_name(tensor.dtype)}, the manifest "
                 f"says {shape} {stream['dtype']}.",
             )
+    return tensors
+
+
+def _check_ragged(path: Path, name: str, stream: dict[str, Any], values: torch.Tensor, shapes: torch.Tensor | None,
+                  num_steps: int) -> None:
+    """A ragged stream's flat values and per-step shapes agree with each other and with the manifest."""
+    fixed = stream["shape"]
+    problem = None
+    if shapes is None or shapes.dtype != torch.int64 or list(shapes.shape) != [num_steps, len(fixed)]:
+        problem = f"its {_format.shapes_key(name)!r} tensor is missing or not int64 [{num_steps}, {len(fixed)}]"
+    elif values.dim() != 1 or values.dtype != _format.dtype_of(stream["dtype"]):
+        problem = f"tensor {name!r} is {list(values.shape)} {_format.dtype_name(values.dtype)}, not flat {stream['dtype']}"
+    elif bool((shapes < 0).any()) or any(n is not None and bool((shapes[:, i] != n).any()) for i, n in enumerate(fixed)):
+        problem = f"the step shapes of {name!r} disagree with the manifest's {fixed}"
+    elif int(shapes.prod(dim=1).sum()) != values.numel():
+        problem = f"the step shapes of {name!r} do not add up to its {values.numel()} values"
+    if problem:
+        raise RecordingError(path, problem + "; the file is damaged or not the one the manifest names.")
+
+
+def _map_encoder(path: Path, generation: int, streams: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Open a generation's encoder file (memory-mapped) and check it against the manifest."""
+    raw_metadata, tensors = _map(path, "encoder file")
+    metadata = _format.read_shard_metadata(raw_metadata)
+    if metadata.get("format") != _format.FORMAT or metadata.get("generation") != generation:
+        raise RecordingError(path, f"its metadata does not name generation {generation}: not the file the manifest names.")
+    for name, stream in streams.items():
+        tensor = tensors.get(name)
+        if tensor is None or list(tensor.shape) != stream["shape"] or tensor.dtype != _format.dtype_of(stream["dtype"]):
+            found = "nothing" if tensor is None else f"{list(tensor.shape)} {_format.dtype_name(tensor.dtype)}"
+            raise RecordingError(path, f"{name!r} is {found}, the manifest says {stream['shape']} {stream['dtype']}.")
     return tensors
 
 

@@ -7,7 +7,7 @@ import platform
 import threading
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import safetensors
 import torch
@@ -15,13 +15,14 @@ import transformers
 from transformers import GenerationMixin
 from transformers.generation import LogitsProcessor, StoppingCriteria
 
-from . import _hooks
+from . import _hooks, _layers
 from ._capture import Capture, UnsupportedModeError
 from ._memory_store import MemoryStore
 from ._shard_store import DEFAULT_SHARD_BYTES, Spill
 from .recording import Generation, Readable, pick
 
-STREAMS = ("logits", "scores")
+DEFAULT_STREAMS = ("logits", "scores")
+STREAMS = (*DEFAULT_STREAMS, *_layers.STREAMS)
 
 
 class DeviceAccumulationWarning(UserWarning):
@@ -41,6 +42,15 @@ class Recorder(Readable, LogitsProcessor, StoppingCriteria):
     written to safetensors shards there by a background thread (read them back with
     `transformers_offload.open_recording(spill_dir)`; the recorder's own accessors read the same files).
 
+    With `"attentions"` or `"hidden_states"` in `streams` it also records, per step, what
+    `output_attentions=True` / `output_hidden_states=True` would add to `generate()`'s output
+    (`out.attentions`, `out.hidden_states`; for encoder-decoder models `out.encoder_attentions`,
+    `out.decoder_attentions`, `out.cross_attentions`, `out.encoder_hidden_states`,
+    `out.decoder_hidden_states`): the recorder asks the model's forward for them itself, so the call
+    needs neither those options nor `return_dict_in_generate`. `layers`, `heads` and
+    `newest_position_only` keep a part of them (the README gives the bytes per step of each choice).
+    They are recorded in greedy search, sampling, beam search and beam sampling.
+
     Each `generate()` call that carries the recorder is one `Generation`, appended to `generations`;
     `logits()`, `scores()`... read the latest one unless `generation=` picks another. Calls of the same
     model without the recorder in `logits_processor` are not recorded and not affected.
@@ -58,8 +68,19 @@ class Recorder(Readable, LogitsProcessor, StoppingCriteria):
         model (`transformers.GenerationMixin`): the model whose `generate()` calls are recorded. The
             recorder wraps a few of this instance's generation methods (never the class) until
             `close()`.
-        streams (`tuple[str, ...]`, *optional*, defaults to `("logits", "scores")`): which
-            `(rows, vocab_size)` streams to record; tokens and the finished mask are always recorded.
+        streams (`tuple[str, ...]`, *optional*, defaults to `("logits", "scores")`): what to record
+            besides the tokens and the finished mask (always recorded): `"logits"`, `"scores"` (both
+            `(rows, vocab_size)` per step), `"attentions"` (needs a model loaded with
+            `attn_implementation="eager"`) and `"hidden_states"`.
+        layers (`Sequence[int]`, *optional*): with attentions or hidden states, the layers to keep, as
+            indices into each output's tuple of layers (negative from the end; hidden states count the
+            embeddings as entry 0, so `[-1]` is the last layer of both); default all.
+        heads (`Sequence[int]`, *optional*): with attentions, the heads to keep (negative from the
+            end); default all.
+        newest_position_only (`bool`, *optional*, defaults to False): with attentions or hidden states,
+            keep only the newest position of each step: the prefill's attentions shrink from
+            `(rows, heads, prompt, prompt)` to `(rows, heads, 1, prompt)` and its hidden states to
+            `(rows, 1, hidden_size)`; decode steps have one position anyway. Encoder outputs are kept whole.
         ring_slots (`int`, *optional*, defaults to 4): host slots in the transfer ring, i.e. steps in
             flight between the device and the store (at least 2 in beam search); on CUDA each slot
             holds `rows x vocab_size x 4` bytes per stream of pinned host memory and as much device
@@ -75,7 +96,9 @@ class Recorder(Readable, LogitsProcessor, StoppingCriteria):
     Raises:
         TypeError: `model` has no `generate()` from transformers' `GenerationMixin`, or an option has
             the wrong type.
-        ValueError: an option has a wrong value.
+        ValueError: an option has a wrong value, or `"attentions"` is asked of a model whose attention
+            implementation is not eager (also raised by `generate()`, before it runs, if that changed).
+        IndexError: `layers` or `heads` is out of range for the model's config.
         FileExistsError: `spill_dir` exists and is not an empty directory.
         OSError: `spill_dir` cannot be created or written.
 
@@ -91,10 +114,13 @@ class Recorder(Readable, LogitsProcessor, StoppingCriteria):
         self,
         model: Any,
         *,
-        streams: tuple[str, ...] = STREAMS,
+        streams: tuple[str, ...] = DEFAULT_STREAMS,
         ring_slots: int = 4,
         spill_dir: str | os.PathLike | None = None,
         shard_bytes: int | None = None,
+        layers: Sequence[int] | None = None,
+        heads: Sequence[int] | None = None,
+        newest_position_only: bool = False,
     ) -> None:
         if not isinstance(model, GenerationMixin) or not callable(getattr(model, "generate", None)):
             raise TypeError(
@@ -119,6 +145,9 @@ class Recorder(Readable, LogitsProcessor, StoppingCriteria):
                 raise TypeError(f"`shard_bytes` must be an int (bytes), got {shard_bytes!r}.")
             if shard_bytes < 1:
                 raise ValueError(f"`shard_bytes` must be at least 1 (byte), got {shard_bytes}.")
+        self._selection = _layers.selection(model, tuple(streams), layers, heads, newest_position_only)
+        if "attentions" in streams:
+            _layers.require_eager(model)
         self._spill: Spill | None = None
         if spill_dir is not None:
             self._spill = Spill(
@@ -204,6 +233,10 @@ class Recorder(Readable, LogitsProcessor, StoppingCriteria):
                 "`custom_generate` replaces transformers' decoding loop, which the Recorder cannot see "
                 "into; remove the Recorder from `logits_processor` or drop `custom_generate`."
             )
+        if "attentions" in self._streams:
+            _layers.require_eager(self._model)
+        is_encoder_decoder = bool(getattr(self._model.config, "is_encoder_decoder", False))
+        kinds = _layers.kinds(self._streams, is_encoder_decoder)
         with self._lock:
             if self._active is not None:
                 raise RuntimeError(
@@ -219,6 +252,7 @@ class Recorder(Readable, LogitsProcessor, StoppingCriteria):
                 index=len(self._generations),
                 attention_mask=attention_mask,
                 threaded=_on_cuda(self._model),
+                layer_tap=_layers.LayerTap(kinds, self._selection) if kinds else None,
             )
             return self._active
 

@@ -7,36 +7,45 @@ accessors.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence, Union
+from typing import Any, Protocol, Sequence
 
 import torch
 
 from ._format import BEAM_MODES
+from ._indexing import Rows, Steps, as_framework, check_framework, row_index, step_range
+from ._layer_reading import LayerReading, ReadableLayers
 
-FRAMEWORKS = ("pt", "np")
 _STEP_STREAMS = ("logits", "scores", "tokens", "finished", "beam_parents")
-Rows = Union[int, slice, Sequence[int], torch.Tensor, None]
-Steps = Union[slice, range, None]
 
 
 class StepSource(Protocol):
     """Where a generation's per-step tensors are read from."""
 
     streams: tuple[str, ...]
+    once_streams: tuple[str, ...]  # recorded once per generation (an encoder's outputs)
 
     def read(self, name: str, steps: range, rows: Any) -> tuple[torch.Tensor, ...]:
         """Steps `steps` of stream `name`, each indexed by `rows` (None: every row)."""
+        ...
+
+    def read_once(self, name: str, rows: Any) -> torch.Tensor:
+        """Once-per-generation stream `name`, indexed by `rows` (None: every row)."""
         ...
 
 
 class MemorySource:
     """Per-step CPU tensors held in memory."""
 
-    def __init__(self, streams: dict[str, tuple[torch.Tensor, ...]]) -> None:
+    def __init__(self, streams: dict[str, tuple[torch.Tensor, ...]], once: dict[str, torch.Tensor] | None = None) -> None:
         self._streams = streams
+        self._once = once or {}
         self.streams = tuple(streams)
+        self.once_streams = tuple(self._once)
+
+    def read_once(self, name: str, rows: Any) -> torch.Tensor:
+        tensor = self._once[name]
+        return tensor if rows is None else tensor[rows]
 
     def read(self, name: str, steps: range, rows: Any) -> tuple[torch.Tensor, ...]:
         stored = self._streams[name]
@@ -63,7 +72,7 @@ class TransferStats:
 
 
 @dataclass(frozen=True, eq=False)
-class Generation:
+class Generation(LayerReading):
     """The recording of one `generate()` call.
 
     Every per-step accessor returns a tuple with one entry per selected step (step 0 comes from the
@@ -96,6 +105,9 @@ class Generation:
         generation_config (`dict`): the call's generation config, as `GenerationConfig.to_diff_dict()`.
         stats (`TransferStats | None`): transfer counters of the recording process; None when read back
             from a directory.
+        layers (`dict | None`): with attentions or hidden states, what was selected: `counts` (layers
+            of each output in the model), `heads` (None: all) and `newest_position_only`; else None.
+            `layer_indices` lists the recorded layers.
     """
 
     index: int
@@ -112,6 +124,7 @@ class Generation:
     eos_token_id: tuple[int, ...]
     generation_config: dict[str, Any] = field(repr=False)
     stats: TransferStats | None = field(repr=False)
+    layers: dict[str, Any] | None = field(repr=False)
     _source: StepSource = field(repr=False)
 
     @property
@@ -204,7 +217,7 @@ class Generation:
             ValueError: this generation is not a beam search, or it is incomplete (no sequences).
         """
         self._require_beams("beam_indices")
-        _check_framework(framework)
+        check_framework(framework)
         if self.sequences is None:
             raise ValueError(
                 "`beam_indices()` needs the sequences `generate()` returned, and this generation is "
@@ -224,8 +237,19 @@ class Generation:
         if not self.is_beam:
             raise ValueError(f"`{what}()` exists for beam search only; this generation ran {self.mode!r}.")
 
+    def _once_streams(self) -> tuple[str, ...]:
+        return getattr(self._source, "once_streams", ())
+
+    def _read_once(self, name: str, rows: Rows, framework: str) -> Any:
+        check_framework(framework)
+        value = self._source.read_once(name, row_index(rows, self._once_rows(name)))
+        return as_framework(value, name, framework)
+
+    def _once_rows(self, name: str) -> int:
+        return self._source.read_once(name, None).shape[0]
+
     def _get(self, name: str, steps: Steps, rows: Rows, framework: str) -> tuple[Any, ...]:
-        _check_framework(framework)
+        check_framework(framework)
         if name not in self.streams and self.num_steps == 0 and name in _STEP_STREAMS:
             return ()  # a call that failed before its first step left no stream behind
         if name not in self.streams:
@@ -233,18 +257,11 @@ class Generation:
                 f"this recording has no {name!r} stream (it holds {sorted(self.streams)}); create the "
                 f"Recorder with {name!r} in `streams` to record it."
             )
-        values = self._source.read(name, _step_range(steps, self.num_steps), _row_index(rows, self.num_rows))
-        if framework == "np":
-            if values and values[0].dtype == torch.bfloat16:
-                raise TypeError(
-                    f"NumPy has no bfloat16: {name!r} was recorded in torch.bfloat16. Use "
-                    "`framework='pt'` and convert with `.float().numpy()`."
-                )
-            return tuple(value.numpy() for value in values)
-        return values
+        values = self._source.read(name, step_range(steps, self.num_steps), row_index(rows, self.num_rows))
+        return tuple(as_framework(value, name, framework) for value in values)
 
 
-class Readable:
+class Readable(ReadableLayers):
     """Accessors shared by `Recorder` and `Recording`: each reads one generation (default: the latest)."""
 
     def generation(self, index: int = -1) -> Generation:  # pragma: no cover - overridden
@@ -290,64 +307,6 @@ def pick(generations: Sequence[Generation], index: int, empty: str) -> Generatio
         return generations[index]
     except IndexError:
         raise LookupError(f"`generation` index {index} is out of range: {len(generations)} recorded.") from None
-
-
-def _step_range(steps: Steps, num_steps: int) -> range:
-    if steps is None:
-        return range(num_steps)
-    if isinstance(steps, slice):
-        return range(num_steps)[steps]
-    if isinstance(steps, range):
-        if len(steps) and not (0 <= min(steps[0], steps[-1]) and max(steps[0], steps[-1]) < num_steps):
-            raise IndexError(f"`steps` {steps} reaches outside the {num_steps} recorded steps.")
-        return steps
-    raise TypeError(f"`steps` must be a slice or a range of steps (e.g. `slice(0, 10)`), got {steps!r}.")
-
-
-def _row_index(rows: Rows, num_rows: int) -> Any:
-    """`rows` as an index into the row axis: None, an int (drops the axis), a slice, or row indices."""
-    if rows is None:
-        return None
-    if isinstance(rows, slice):
-        return rows if (rows.step or 1) > 0 else torch.tensor(range(num_rows)[rows], dtype=torch.long)
-    wrong = TypeError(
-        f"`rows` must be an int, a slice, a sequence of row indices or a boolean mask of {num_rows} rows, "
-        f"got {rows!r}."
-    )
-    if isinstance(rows, bool):
-        raise wrong
-    if not isinstance(rows, (list, tuple, range, torch.Tensor)) and not hasattr(rows, "__array__"):
-        try:
-            row = operator.index(rows)  # int, NumPy integer
-        except TypeError:
-            raise wrong from None
-        if not -num_rows <= row < num_rows:
-            raise IndexError(f"`rows` {row} is out of range for {num_rows} rows.")
-        return row
-    try:
-        index = torch.as_tensor(rows)
-    except (TypeError, ValueError, RuntimeError):
-        raise wrong from None
-    if index.dim() == 0 and not index.is_floating_point() and index.dtype != torch.bool:
-        return _row_index(int(index), num_rows)
-    if index.numel() == 0:
-        return torch.zeros(0, dtype=torch.long)
-    if index.dtype == torch.bool:
-        if index.shape != (num_rows,):
-            raise IndexError(f"a boolean `rows` mask must have {num_rows} entries, got shape {tuple(index.shape)}.")
-        return index.nonzero().flatten()
-    if index.is_floating_point() or index.is_complex() or index.dim() != 1:
-        raise wrong
-    index = index.to(torch.long)
-    if int(index.min()) < -num_rows or int(index.max()) >= num_rows:
-        raise IndexError(f"`rows` {index.tolist()} reaches outside the {num_rows} rows.")
-    return index
-
-
-def _check_framework(framework: str) -> str:
-    if framework not in FRAMEWORKS:
-        raise ValueError(f"`framework` must be 'pt' (torch) or 'np' (NumPy), got {framework!r}.")
-    return framework
 
 
 def _trace_beam_indices(

@@ -1,0 +1,86 @@
+"""Which steps and rows an accessor reads: the `steps=`, `rows=` and `framework=` arguments, checked."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Sequence, Union
+
+import torch
+
+FRAMEWORKS = ("pt", "np")
+Rows = Union[int, slice, Sequence[int], torch.Tensor, None]
+Steps = Union[slice, range, None]
+
+
+def step_range(steps: Steps, num_steps: int) -> range:
+    if steps is None:
+        return range(num_steps)
+    if isinstance(steps, slice):
+        return range(num_steps)[steps]
+    if isinstance(steps, range):
+        if len(steps) and not (0 <= min(steps[0], steps[-1]) and max(steps[0], steps[-1]) < num_steps):
+            raise IndexError(f"`steps` {steps} reaches outside the {num_steps} recorded steps.")
+        return steps
+    raise TypeError(f"`steps` must be a slice or a range of steps (e.g. `slice(0, 10)`), got {steps!r}.")
+
+
+def row_index(rows: Rows, num_rows: int) -> Any:
+    """`rows` as an index into the row axis: None, an int (drops the axis), a slice, or row indices."""
+    if rows is None:
+        return None
+    if isinstance(rows, slice):
+        return rows if (rows.step or 1) > 0 else torch.tensor(range(num_rows)[rows], dtype=torch.long)
+    wrong = TypeError(
+        f"`rows` must be an int, a slice, a sequence of row indices or a boolean mask of {num_rows} rows, "
+        f"got {rows!r}."
+    )
+    if isinstance(rows, bool):
+        raise wrong
+    if not isinstance(rows, (list, tuple, range, torch.Tensor)) and not hasattr(rows, "__array__"):
+        try:
+            row = operator.index(rows)  # int, NumPy integer
+        except TypeError:
+            raise wrong from None
+        if not -num_rows <= row < num_rows:
+            raise IndexError(f"`rows` {row} is out of range for {num_rows} rows.")
+        return row
+    try:
+        index = torch.as_tensor(rows)
+    except (TypeError, ValueError, RuntimeError):
+        raise wrong from None
+    if index.dim() == 0 and not index.is_floating_point() and index.dtype != torch.bool:
+        return row_index(int(index), num_rows)
+    if index.numel() == 0:
+        return torch.zeros(0, dtype=torch.long)
+    if index.dtype == torch.bool:
+        if index.shape != (num_rows,):
+            raise IndexError(f"a boolean `rows` mask must have {num_rows} entries, got shape {tuple(index.shape)}.")
+        return index.nonzero().flatten()
+    if index.is_floating_point() or index.is_complex() or index.dim() != 1:
+        raise wrong
+    index = index.to(torch.long)
+    if int(index.min()) < -num_rows or int(index.max()) >= num_rows:
+        raise IndexError(f"`rows` {index.tolist()} reaches outside the {num_rows} rows.")
+    return index
+
+
+def check_framework(framework: str) -> str:
+    if framework not in FRAMEWORKS:
+        raise ValueError(f"`framework` must be 'pt' (torch) or 'np' (NumPy), got {framework!r}.")
+    return framework
+
+
+def as_framework(value: torch.Tensor, name: str, framework: str) -> Any:
+    """`value` as the caller asked: the tensor (`"pt"`), or a NumPy array (`"np"`).
+
+    Raises:
+        TypeError: `"np"` for a bfloat16 tensor (NumPy has no bfloat16).
+    """
+    if framework != "np":
+        return value
+    if value.dtype == torch.bfloat16:
+        raise TypeError(
+            f"NumPy has no bfloat16: {name!r} was recorded in torch.bfloat16. Use `framework='pt'` and "
+            "convert with `.float().numpy()`."
+        )
+    return value.numpy()

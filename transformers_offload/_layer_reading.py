@@ -1,0 +1,279 @@
+"""Reading recorded attentions and hidden states: Hugging Face's nested layout, and per-layer arrays.
+
+`LayerReading` gives `Generation` its per-layer accessors, `ReadableLayers` the same on `Recorder` and
+`Recording` (one generation, default the latest). Each recorded layer is its own stream
+(`attentions.3`, see `_format.layer_stream`), stored without padding; these accessors put the layers
+back in `generate()`'s layout, or join one layer's steps into one zero-padded array with lengths.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
+
+import torch
+
+from . import _format, _layers
+from ._indexing import Rows, Steps, as_framework, check_framework, step_range
+
+if TYPE_CHECKING:
+    from .recording import Generation
+
+
+class LayerArray(NamedTuple):
+    """One recorded layer's steps joined along the positions axis, zero-padded on the last axis.
+
+    The positions are every recorded query position in step order: the prefill's prompt positions
+    (step 0; one with `newest_position_only`), then one per decode step. For a causal model's
+    self-attention, `values` is the attention map of the whole sequence, row `i` attending to its first
+    `lengths[i]` keys. Rows are each step's rows (in beam search the running beams of that step).
+
+    Attributes:
+        values (`torch.Tensor` or `np.ndarray`): attentions `(rows, heads, positions, max_keys)`, hidden
+            states `(rows, positions, hidden_size)`; in the recorded dtype, on CPU; zero past each
+            position's length.
+        lengths (int64 `(positions,)`): valid entries of the last axis per position (the keys a query
+            attended over; the hidden size for hidden states).
+        steps (int64 `(positions,)`): the step each position belongs to (0 for encoder outputs).
+    """
+
+    values: Any
+    lengths: Any
+    steps: Any
+
+
+class LayerReading:
+    """Per-layer accessors of one generation (mixed into `Generation`)."""
+
+    num_steps: int
+    layers: dict[str, Any] | None
+
+    def attentions(self, *, steps: Steps = None, rows: Rows = None, layers: Sequence[int] | None = None,
+                   framework: str = "pt") -> tuple[tuple[Any, ...], ...]:
+        """Attention weights per step and layer, of a decoder-only model.
+
+        Mirrors `out.attentions` of the same call made with `return_dict_in_generate=True,
+        output_attentions=True`: a tuple over the selected steps of tuples over the recorded layers
+        (in layer order) of tensors `(rows, heads, queries, keys)`, in the model's dtype, on CPU. Step 0
+        (the prefill) has one query per prompt position, later steps one (`queries` is 1 throughout
+        with `newest_position_only`); `keys` grows by one per step. Recorded with `heads`, the heads
+        axis holds those heads only.
+
+        Args:
+            steps (`slice | range`, *optional*): which steps; default all.
+            rows (`int | slice | Sequence[int]`, *optional*): which rows; an int drops the row axis.
+            layers (`Sequence[int]`, *optional*): which recorded layers, as indices into the model's
+                layers (negative from the end); default every recorded one.
+            framework (`str`): `"pt"` for torch tensors, `"np"` for NumPy arrays.
+
+        Raises:
+            KeyError: attentions were not recorded (create the Recorder with `"attentions"` in
+                `streams`; an encoder-decoder model's are `decoder_attentions()`...), or a layer in
+                `layers` was not recorded.
+            IndexError, ValueError, TypeError: as in `Generation.logits()`.
+
+        Example:
+            >>> [a.shape for a in gen.attentions(steps=slice(1, 2))[0]]  # doctest: +SKIP
+            [torch.Size([1, 9, 1, 24]), ...]
+        """
+        return self._per_step_layers("attentions", steps, rows, layers, framework)
+
+    def hidden_states(self, *, steps: Steps = None, rows: Rows = None, layers: Sequence[int] | None = None,
+                      framework: str = "pt") -> tuple[tuple[Any, ...], ...]:
+        """Hidden states per step and layer, of a decoder-only model; mirrors `out.hidden_states`.
+
+        A tuple over steps of tuples over the recorded entries of tensors `(rows, positions,
+        hidden_size)`: entry 0 is the embeddings' output, entry `i` layer `i`'s (`layers` indexes these
+        `num_hidden_layers + 1` entries). Step 0 has every prompt position, later steps one.
+        Arguments and errors as in `attentions()`.
+        """
+        return self._per_step_layers("hidden_states", steps, rows, layers, framework)
+
+    def decoder_attentions(self, *, steps: Steps = None, rows: Rows = None, layers: Sequence[int] | None = None,
+                           framework: str = "pt") -> tuple[tuple[Any, ...], ...]:
+        """Encoder-decoder models: the decoder's self-attention weights per step and layer; mirrors
+        `out.decoder_attentions`. Shapes, arguments and errors as in `attentions()`."""
+        return self._per_step_layers("decoder_attentions", steps, rows, layers, framework)
+
+    def cross_attentions(self, *, steps: Steps = None, rows: Rows = None, layers: Sequence[int] | None = None,
+                         framework: str = "pt") -> tuple[tuple[Any, ...], ...]:
+        """Encoder-decoder models: the decoder's attention over the encoder output per step and layer,
+        `(rows, heads, queries, source_length)`; mirrors `out.cross_attentions`. Arguments and errors
+        as in `attentions()`."""
+        return self._per_step_layers("cross_attentions", steps, rows, layers, framework)
+
+    def decoder_hidden_states(self, *, steps: Steps = None, rows: Rows = None, layers: Sequence[int] | None = None,
+                              framework: str = "pt") -> tuple[tuple[Any, ...], ...]:
+        """Encoder-decoder models: the decoder's hidden states per step and entry; mirrors
+        `out.decoder_hidden_states`. Shapes as in `hidden_states()`, arguments and errors as in
+        `attentions()`."""
+        return self._per_step_layers("decoder_hidden_states", steps, rows, layers, framework)
+
+    def encoder_attentions(self, *, rows: Rows = None, layers: Sequence[int] | None = None,
+                           framework: str = "pt") -> tuple[Any, ...]:
+        """Encoder-decoder models: the encoder's attention weights, recorded once per generation.
+
+        Mirrors `out.encoder_attentions`: a tuple over the recorded layers of tensors `(prompts, heads,
+        source_length, source_length)` with one row per prompt (not per returned sequence or beam, as
+        `generate()` keeps them). Kept whole (`newest_position_only` does not apply). `rows` indexes
+        the prompts. Errors as in `attentions()`.
+        """
+        return self._encoder_layers("encoder_attentions", rows, layers, framework)
+
+    def encoder_hidden_states(self, *, rows: Rows = None, layers: Sequence[int] | None = None,
+                              framework: str = "pt") -> tuple[Any, ...]:
+        """Encoder-decoder models: the encoder's hidden states `(prompts, source_length, hidden_size)`
+        per recorded entry (0: the embeddings); mirrors `out.encoder_hidden_states`. As in
+        `encoder_attentions()`."""
+        return self._encoder_layers("encoder_hidden_states", rows, layers, framework)
+
+    def layer_array(self, kind: str, layer: int, *, steps: Steps = None, rows: Rows = None,
+                    framework: str = "pt") -> LayerArray:
+        """One recorded layer of output `kind` as a single array with its lengths (see `LayerArray`).
+
+        Args:
+            kind (`str`): `"attentions"`, `"hidden_states"`, or an encoder-decoder model's
+                `"decoder_attentions"`, `"cross_attentions"`, `"decoder_hidden_states"`,
+                `"encoder_attentions"`, `"encoder_hidden_states"`.
+            layer (`int`): the layer, as an index into the model's layers (negative from the end).
+            steps, rows, framework: as in `attentions()` (`steps` does not apply to encoder outputs).
+
+        Raises:
+            ValueError: `kind` is not one of those names.
+            KeyError: that output or layer was not recorded.
+
+        Example:
+            >>> array = gen.layer_array("attentions", -1, rows=0)  # doctest: +SKIP
+            >>> array.values.shape, array.lengths[-1]  # (heads, positions, max_keys), keys of the last step
+        """
+        check_framework(framework)
+        if kind not in _format.LAYER_KINDS:
+            raise ValueError(f"`kind` must be one of {_format.LAYER_KINDS}, got {kind!r}.")
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise TypeError(f"`layer` must be an int (a layer index), got {layer!r}.")
+        (name,) = self._layer_names(kind, [layer])
+        if kind in _format.ENCODER_KINDS:
+            parts, numbers = [self._read_once(name, rows, "pt")], [0]
+        else:
+            parts, numbers = list(self._get(name, steps, rows, "pt")), list(step_range(steps, self.num_steps))
+        array = _join_positions(parts, numbers)
+        return LayerArray(*(as_framework(part, name, framework) for part in array))
+
+    @property
+    def layer_indices(self) -> dict[str, tuple[int, ...]]:
+        """The recorded layers of each recorded output, e.g. `{"attentions": (0, 29)}`."""
+        found: dict[str, list[int]] = {}
+        for name in (*self.streams, *self._once_streams()):
+            split = _format.split_layer_stream(name)
+            if split is not None:
+                found.setdefault(split[0], []).append(split[1])
+        return {kind: tuple(sorted(layers)) for kind, layers in found.items()}
+
+    # -- helpers -------------------------------------------------------------------------------------
+    def _per_step_layers(self, kind: str, steps: Steps, rows: Rows, layers: Sequence[int] | None,
+                         framework: str) -> tuple[tuple[Any, ...], ...]:
+        if self.num_steps == 0 and self.layers is None:
+            self._get("tokens", steps, rows, framework)  # checks the arguments
+            return ()  # a call that failed before its first step
+        per_layer = [self._get(name, steps, rows, framework) for name in self._layer_names(kind, layers)]
+        return tuple(zip(*per_layer))
+
+    def _encoder_layers(self, kind: str, rows: Rows, layers: Sequence[int] | None, framework: str) -> tuple[Any, ...]:
+        return tuple(self._read_once(name, rows, framework) for name in self._layer_names(kind, layers))
+
+    def _layer_names(self, kind: str, layers: Sequence[int] | None) -> list[str]:
+        recorded = self.layer_indices.get(kind)
+        if not recorded:
+            other = [k for k in self.layer_indices if k.endswith(kind.split("_", 1)[-1])]
+            hint = f" It holds {other}: read those instead." if other else (
+                " Create the Recorder with `streams=(..., \"attentions\", \"hidden_states\")` to record them."
+            )
+            raise KeyError(f"this recording has no {kind!r}.{hint}")
+        if layers is None:
+            return [_format.layer_stream(kind, layer) for layer in recorded]
+        if isinstance(layers, int) or not isinstance(layers, Sequence):
+            raise TypeError(f"`layers` must be a sequence of layer indices (e.g. `[-1]`), got {layers!r}.")
+        count = (self.layers or {}).get("counts", {}).get(kind, max(recorded) + 1)
+        chosen = _layers.resolve(list(layers), count, f"`layers` for {kind}")
+        missing = [layer for layer in chosen if layer not in recorded]
+        if missing:
+            raise KeyError(f"layers {missing} of {kind!r} were not recorded; recorded: {list(recorded)}.")
+        return [_format.layer_stream(kind, layer) for layer in chosen]
+
+    # Provided by `Generation`.
+    streams: tuple[str, ...]
+
+    def _get(self, name: str, steps: Steps, rows: Rows, framework: str) -> tuple[Any, ...]:  # pragma: no cover
+        raise NotImplementedError
+
+    def _read_once(self, name: str, rows: Rows, framework: str) -> Any:  # pragma: no cover
+        raise NotImplementedError
+
+    def _once_streams(self) -> tuple[str, ...]:  # pragma: no cover
+        raise NotImplementedError
+
+
+def _join_positions(parts: list[torch.Tensor], steps: list[int]) -> LayerArray:
+    """Concatenate per-step tensors `(..., positions, width)` along positions, zero-padding widths."""
+    if not parts:
+        empty = torch.zeros(0, dtype=torch.int64)
+        return LayerArray(torch.zeros(0), empty, empty)
+    width = max(part.shape[-1] for part in parts)
+    positions = sum(part.shape[-2] for part in parts)
+    values = torch.zeros((*parts[0].shape[:-2], positions, width), dtype=parts[0].dtype)
+    lengths, step_of = [], []
+    at = 0
+    for step, part in zip(steps, parts):
+        count = part.shape[-2]
+        values[..., at : at + count, : part.shape[-1]] = part
+        lengths += [part.shape[-1]] * count
+        step_of += [step] * count
+        at += count
+    return LayerArray(values, torch.tensor(lengths, dtype=torch.int64), torch.tensor(step_of, dtype=torch.int64))
+
+
+class ReadableLayers:
+    """The per-layer accessors of `Recorder` and `Recording`: each reads one generation (default: the
+    latest); see `LayerReading` for what they return."""
+
+    def generation(self, index: int = -1) -> Generation:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def attentions(self, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
+                   layers: Sequence[int] | None = None, framework: str = "pt") -> tuple[tuple[Any, ...], ...]:
+        """Attention weights per step and layer; see `Generation.attentions` (mirrors `out.attentions`)."""
+        return self.generation(generation).attentions(steps=steps, rows=rows, layers=layers, framework=framework)
+
+    def hidden_states(self, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
+                      layers: Sequence[int] | None = None, framework: str = "pt") -> tuple[tuple[Any, ...], ...]:
+        """Hidden states per step and layer; see `Generation.hidden_states` (mirrors `out.hidden_states`)."""
+        return self.generation(generation).hidden_states(steps=steps, rows=rows, layers=layers, framework=framework)
+
+    def decoder_attentions(self, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
+                           layers: Sequence[int] | None = None, framework: str = "pt") -> tuple[tuple[Any, ...], ...]:
+        """See `Generation.decoder_attentions` (mirrors `out.decoder_attentions`)."""
+        return self.generation(generation).decoder_attentions(steps=steps, rows=rows, layers=layers, framework=framework)
+
+    def cross_attentions(self, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
+                         layers: Sequence[int] | None = None, framework: str = "pt") -> tuple[tuple[Any, ...], ...]:
+        """See `Generation.cross_attentions` (mirrors `out.cross_attentions`)."""
+        return self.generation(generation).cross_attentions(steps=steps, rows=rows, layers=layers, framework=framework)
+
+    def decoder_hidden_states(self, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
+                              layers: Sequence[int] | None = None, framework: str = "pt") -> tuple[tuple[Any, ...], ...]:
+        """See `Generation.decoder_hidden_states` (mirrors `out.decoder_hidden_states`)."""
+        return self.generation(generation).decoder_hidden_states(steps=steps, rows=rows, layers=layers, framework=framework)
+
+    def encoder_attentions(self, generation: int = -1, *, rows: Rows = None, layers: Sequence[int] | None = None,
+                           framework: str = "pt") -> tuple[Any, ...]:
+        """See `Generation.encoder_attentions` (mirrors `out.encoder_attentions`)."""
+        return self.generation(generation).encoder_attentions(rows=rows, layers=layers, framework=framework)
+
+    def encoder_hidden_states(self, generation: int = -1, *, rows: Rows = None, layers: Sequence[int] | None = None,
+                              framework: str = "pt") -> tuple[Any, ...]:
+        """See `Generation.encoder_hidden_states` (mirrors `out.encoder_hidden_states`)."""
+        return self.generation(generation).encoder_hidden_states(rows=rows, layers=layers, framework=framework)
+
+    def layer_array(self, kind: str, layer: int, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
+                    framework: str = "pt") -> LayerArray:
+        """One recorded layer as one zero-padded array with lengths; see `Generation.layer_array`."""
+        return self.generation(generation).layer_array(kind, layer, steps=steps, rows=rows, framework=framework)

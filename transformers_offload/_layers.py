@@ -1,0 +1,210 @@
+"""Attentions and hidden states: which tensors of a forward output are recorded, and the selection.
+
+`generate()` computes attention weights and hidden states when the model's forward is asked for them
+(`output_attentions`, `output_hidden_states`), and keeps them only with `return_dict_in_generate`. The
+recorder asks the forward itself (a keyword added by a forward pre-hook on the model and, for an
+encoder-decoder model, on its encoder), so `generate()`'s own configuration is left alone and keeps
+nothing. Each forward of the decoding loop is one step; its output carries one tensor per layer:
+
+- decoder-only: `attentions` `(rows, heads, queries, keys)` and `hidden_states`
+  `(rows, positions, hidden_size)` (entry 0 the embeddings);
+- encoder-decoder: `decoder_attentions`, `cross_attentions` and `decoder_hidden_states` per step, and,
+  at the first step, the `encoder_attentions` and `encoder_hidden_states` of the encoder's single run
+  (one row per prompt, as `generate()` keeps them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from . import _compat, _format
+
+STREAMS = ("attentions", "hidden_states")  # the Recorder's `streams` names that select these outputs
+# Which outputs a Recorder stream records, by model kind.
+_KINDS = {
+    (False, "attentions"): ("attentions",),
+    (False, "hidden_states"): ("hidden_states",),
+    (True, "attentions"): ("encoder_attentions", "decoder_attentions", "cross_attentions"),
+    (True, "hidden_states"): ("encoder_hidden_states", "decoder_hidden_states"),
+}
+# What the forward must be asked for, per Recorder stream.
+FLAGS = {"attentions": "output_attentions", "hidden_states": "output_hidden_states"}
+
+
+def kinds(streams: Sequence[str], is_encoder_decoder: bool) -> tuple[str, ...]:
+    """The outputs (`_format.LAYER_KINDS`) that `streams` record for this kind of model."""
+    return tuple(kind for stream in streams if stream in STREAMS for kind in _KINDS[(is_encoder_decoder, stream)])
+
+
+def resolve(indices: Sequence[int] | None, count: int, what: str) -> tuple[int, ...]:
+    """`indices` (negative ones count from the end) as sorted, distinct indices into `count` entries.
+
+    Raises:
+        IndexError: an index is out of range, naming `what` and the count.
+    """
+    if indices is None:
+        return tuple(range(count))
+    wrong = [i for i in indices if not -count <= i < count]
+    if wrong:
+        raise IndexError(f"{what} {wrong} out of range: this model has {count} (valid: {-count} to {count - 1}).")
+    return tuple(sorted({i % count for i in indices}))
+
+
+@dataclass
+class Selection:
+    """Which layers and heads to keep, and whether to keep only the newest position.
+
+    Attributes:
+        layers (`tuple[int, ...] | None`): indices into each output's tuple of layers (negative from the
+            end); None keeps every layer.
+        heads (`tuple[int, ...] | None`): indices into the heads axis of attentions; None keeps all.
+        newest_position_only (`bool`): keep only the newest query position of decoder attentions and
+            the newest position of decoder hidden states (the prefill step shrinks to one position;
+            decode steps have one anyway). Encoder outputs are kept whole.
+    """
+
+    layers: tuple[int, ...] | None = None
+    heads: tuple[int, ...] | None = None
+    newest_position_only: bool = False
+
+
+
+class LayerTap:
+    """Picks the selected per-layer tensors out of each forward output of one `generate()` call."""
+
+    def __init__(self, kinds: tuple[str, ...], selection: Selection) -> None:
+        self.kinds = kinds
+        self.selection = selection
+        self.counts: dict[str, int] = {}  # layers (tuple entries) of each recorded output
+        self.heads: tuple[int, ...] | None = None  # the selected heads, resolved
+        self._layers: dict[str, tuple[int, ...]] = {}
+        self._heads: dict[tuple[int, torch.device], Any] = {}  # (head count, device) -> index or slice
+
+    def names(self, output: Any) -> tuple[list[str], list[str]]:
+        """The per-step and the once-per-generation stream names, from the first forward's output.
+
+        Raises:
+            ValueError: the output lacks a requested tensor (the attention implementation returns none).
+            IndexError: a selected layer or head is out of range.
+        """
+        per_step, once = [], []
+        for kind in self.kinds:
+            tensors = getattr(output, kind, None)
+            if not tensors or any(t is None for t in tensors):
+                raise ValueError(
+                    f"the model's forward returned no `{kind}` although it was asked for them; attention "
+                    "weights need eager attention: load the model with `attn_implementation=\"eager\"`."
+                )
+            self.counts[kind] = len(tensors)
+            self._layers[kind] = resolve(self.selection.layers, len(tensors), f"`layers` for {kind}")
+            if kind in _format.ATTENTION_KINDS and self.selection.heads is not None:
+                self.heads = resolve(self.selection.heads, tensors[0].shape[1], "`heads`")
+            names = [_format.layer_stream(kind, layer) for layer in self._layers[kind]]
+            (once if kind in _format.ENCODER_KINDS else per_step).extend(names)
+        return per_step, once
+
+    def header(self) -> dict[str, Any]:
+        """The manifest's `layers` entry (once `names` has seen the first output)."""
+        return {
+            "counts": dict(self.counts),
+            "heads": None if self.heads is None else list(self.heads),
+            "newest_position_only": self.selection.newest_position_only,
+        }
+
+    def pick(self, output: Any, *, first: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """`(stream name, tensor)` for every selected layer of this forward's output (encoder outputs
+        at the `first` forward only). The tensors are views or new tensors on the output's device."""
+        for kind in self.kinds:
+            is_encoder = kind in _format.ENCODER_KINDS
+            if is_encoder and not first:
+                continue
+            tensors = getattr(output, kind)
+            for layer in self._layers[kind]:
+                tensor = tensors[layer]
+                if kind in _format.ATTENTION_KINDS and self.selection.heads is not None:
+                    tensor = self._select_heads(tensor)
+                if self.selection.newest_position_only and not is_encoder:
+                    tensor = tensor[..., -1:, :]  # queries (attentions) or positions (hidden states)
+                yield _format.layer_stream(kind, layer), tensor
+
+    def _select_heads(self, tensor: torch.Tensor) -> torch.Tensor:
+        key = (tensor.shape[1], tensor.device)
+        index = self._heads.get(key)
+        if index is None:
+            heads = resolve(self.selection.heads, tensor.shape[1], "`heads`")
+            if heads == tuple(range(heads[0], heads[-1] + 1)):
+                index = slice(heads[0], heads[-1] + 1)  # a view, no copy
+            else:
+                # Moved to the device once, from pinned memory: a plain copy from the host would wait.
+                host = torch.tensor(heads, dtype=torch.long)
+                index = host.pin_memory().to(tensor.device, non_blocking=True) if tensor.is_cuda else host
+            self._heads[key] = index
+        if isinstance(index, slice):
+            return tensor[:, index]
+        return tensor.index_select(1, index)
+
+
+def selection(model: Any, streams: tuple[str, ...], layers: Any, heads: Any, newest: Any) -> Selection:
+    """The Recorder's `layers`, `heads` and `newest_position_only`, checked (against the model's config
+    where it gives the counts: decoder-only models).
+
+    Raises:
+        TypeError, ValueError: an option has the wrong type or value, or selects nothing recorded.
+        IndexError: an index is out of range for the model's config.
+    """
+    records = [s for s in streams if s in STREAMS]
+    for name, value in (("layers", layers), ("heads", heads)):
+        if value is None:
+            continue
+        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in value
+        ):
+            raise TypeError(f"`{name}` must be a sequence of int indices (e.g. `[-1]`), got {value!r}.")
+        if not value:
+            raise ValueError(f"`{name}` is empty; pass None to keep them all.")
+    if not isinstance(newest, bool):
+        raise TypeError(f"`newest_position_only` must be True or False, got {newest!r}.")
+    if not records and (layers is not None or heads is not None or newest):
+        raise ValueError(
+            "`layers`, `heads` and `newest_position_only` select attentions and hidden states: add "
+            "\"attentions\" and/or \"hidden_states\" to `streams`."
+        )
+    if heads is not None and "attentions" not in streams:
+        raise ValueError("`heads` selects attention heads: add \"attentions\" to `streams`.")
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if records and not getattr(config, "is_encoder_decoder", False):
+        count = getattr(text, "num_hidden_layers", None)
+        if isinstance(count, int) and layers is not None:
+            if "attentions" in streams:
+                resolve(layers, count, "`layers` for attentions")
+            if "hidden_states" in streams:
+                resolve(layers, count + 1, "`layers` for hidden_states (the embeddings are entry 0)")
+        head_count = getattr(text, "num_attention_heads", None)
+        if isinstance(head_count, int) and heads is not None:
+            resolve(heads, head_count, "`heads`")
+    return Selection(
+        layers=None if layers is None else tuple(layers),
+        heads=None if heads is None else tuple(heads),
+        newest_position_only=newest,
+    )
+
+
+def require_eager(model: Any) -> None:
+    """Attention weights come from eager attention only: refuse anything else before generation."""
+    found = _compat.attention_implementations(model)
+    if found and found != {"eager"}:
+        raise ValueError(
+            f"recording \"attentions\" needs eager attention, and this {type(model).__name__} uses "
+            f"{sorted(found)}, which does not return attention weights on every transformers release. "
+            "Load it with `attn_implementation=\"eager\"` (e.g. `AutoModelForCausalLM.from_pretrained(..., "
+            "attn_implementation=\"eager\")`), or drop \"attentions\" from `streams`."
+        )
+
+
+def ask_forward(kwargs: dict[str, Any], streams: Sequence[str]) -> dict[str, Any]:
+    """A forward's keyword arguments with the outputs `streams` need switched on."""
+    return {**kwargs, **{FLAGS[stream]: True for stream in streams if stream in FLAGS}}
