@@ -2,12 +2,15 @@
 
     .venv/bin/python bench/peak_rss.py --store {none,memory,spill} [--steps 512] [--checkpoint 128]
                                        [--batch 4] [--shard-mib 16] [--spill-dir DIR]
+                                       [--streams logits,scores]
 
 Greedy decoding on SmolLM2-135M-Instruct (CPU, float32), forced to `--steps` new tokens. `none` is
 stock generate() without outputs (the baseline: its own growth is the KV cache), `memory` the
 in-memory Recorder, `spill` the Recorder writing shards. Peak RSS comes from `getrusage` (the kernel's
 high-water mark), read when the decoding loop reaches `--checkpoint` and after generate() returns, so
-"growth" is how much the peak rose over the last `steps - checkpoint` steps. Prints one JSON object.
+"growth" is how much the peak rose over the last `steps - checkpoint` steps. `--streams` is the
+Recorder's `streams` (with `attentions`, the model loads with eager attention, for every store).
+Prints one JSON object.
 Run each store in its own process: a peak never goes down.
 """
 
@@ -64,9 +67,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--shard-mib", type=float, default=16.0, help="shard size for --store spill, MiB")
     parser.add_argument("--spill-dir", help="where --store spill writes (default: a temporary directory)")
+    parser.add_argument("--streams", default="logits,scores", help="the Recorder's streams, comma-separated")
     args = parser.parse_args()
+    streams = tuple(args.streams.split(","))
 
-    model, tokenizer = load()
+    model, tokenizer = load(attn_implementation="eager" if "attentions" in streams else None)
     prompts = (PROMPTS * (args.batch // len(PROMPTS) + 1))[: args.batch]
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
     common = dict(max_new_tokens=args.steps, min_new_tokens=args.steps, pad_token_id=tokenizer.pad_token_id)
@@ -78,10 +83,10 @@ def main() -> None:
     recorder = None
     with tempfile.TemporaryDirectory() as scratch:
         if args.store == "memory":
-            recorder = Recorder(model)
+            recorder = Recorder(model, streams=streams)
         elif args.store == "spill":
             spill_dir = Path(args.spill_dir) if args.spill_dir else Path(scratch) / "run"
-            recorder = Recorder(model, spill_dir=spill_dir, shard_bytes=int(args.shard_mib * 2**20))
+            recorder = Recorder(model, streams=streams, spill_dir=spill_dir, shard_bytes=int(args.shard_mib * 2**20))
         if recorder is not None:
             processors.append(recorder)
         started = time.perf_counter()
@@ -92,6 +97,8 @@ def main() -> None:
             "store": args.store,
             "batch": args.batch,
             "steps": args.steps,
+            "prompt_length": int(batch["input_ids"].shape[1]),
+            "streams": list(streams),
             "checkpoint": args.checkpoint,
             "loaded_mib": round(loaded, 1),
             "peak_at_checkpoint_mib": round(checkpoint.peak_mib, 1),

@@ -82,10 +82,10 @@ STEPS, CHECKPOINT, BATCH, SHARD_MIB = 512, 128, 4, 16
 STEP_MIB = BATCH * 49152 * 4 * 2 / 2**20  # raw logits and processed scores, float32
 
 
-def _peak_rss(store: str) -> dict:
+def _peak_rss(store: str, *, steps: int = STEPS, checkpoint: int = CHECKPOINT, streams: str = "logits,scores") -> dict:
     done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "peak_rss.py"), "--store", store, "--steps", str(STEPS),
-         "--checkpoint", str(CHECKPOINT), "--batch", str(BATCH), "--shard-mib", str(SHARD_MIB)],
+        [sys.executable, str(ROOT / "bench" / "peak_rss.py"), "--store", store, "--steps", str(steps),
+         "--checkpoint", str(checkpoint), "--batch", str(BATCH), "--shard-mib", str(SHARD_MIB), "--streams", streams],
         capture_output=True, text=True, timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -104,6 +104,25 @@ def test_spilling_keeps_peak_memory_flat_while_the_memory_store_grows(real_model
     print(json.dumps({"stock": stock, "spill": spill, "memory": memory}, indent=1))
     assert spill["growth_mib"] <= stock["growth_mib"] + 3 * SHARD_MIB, (stock, spill)
     assert memory["growth_mib"] >= stock["growth_mib"] + 0.9 * late_steps * STEP_MIB, (stock, memory)
+
+
+def test_spilling_every_layers_attentions_keeps_peak_memory_flat(real_model):
+    """Batch 4, 256 steps, the attentions of all 30 layers: peak RSS growth from step 64 to the end.
+
+    A decode step t holds 30 layers x 4 rows x 9 heads x (prompt + t) keys x 4 bytes (about 0.6 MiB
+    here, one more key per step); the spilling recorder may add its three shard buffers over stock
+    generate(), the in-memory store grows by every late step's attentions.
+    """
+    steps, checkpoint = 256, 64
+    runs = {store: _peak_rss(store, steps=steps, checkpoint=checkpoint, streams="attentions")
+            for store in ("none", "spill", "memory")}
+    print(json.dumps(runs, indent=1))
+    stock, spill, memory = runs["none"], runs["spill"], runs["memory"]
+    prompt = memory["prompt_length"]  # of the left-padded batch
+    late_mib = sum(30 * BATCH * 9 * (prompt + t) * 4 for t in range(checkpoint, steps)) / 2**20
+    assert spill["growth_mib"] <= stock["growth_mib"] + 3 * SHARD_MIB, (stock, spill)
+    assert memory["growth_mib"] >= stock["growth_mib"] + 0.9 * late_mib, (stock, memory, late_mib)
+    assert spill["bytes_written"] > late_mib * 2**20
 
 
 def test_the_demo_records_to_a_directory_and_reads_it_back(real_model, tmp_path):

@@ -94,16 +94,18 @@ def fetch(*, quiet: bool = False) -> Path:
     return target
 
 
-def load() -> tuple[Any, Any]:
+def load(*, attn_implementation: str | None = None) -> tuple[Any, Any]:
     """The cached SmolLM2-135M-Instruct model (eval mode, CPU, float32) and its tokenizer.
 
     The tokenizer pads on the left, as batched generation with a decoder-only model needs.
-    Fetches and converts first if needed (see `fetch`).
+    Fetches and converts first if needed (see `fetch`). `attn_implementation` goes to
+    `from_pretrained` (`"eager"` to record attentions); default: transformers' choice.
     """
     folder = fetch()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    options = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    model = AutoModelForCausalLM.from_pretrained(folder, **options).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
     return model, tokenizer
 

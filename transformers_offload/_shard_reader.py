@@ -1,0 +1,231 @@
+"""Reading one generation's shards: each file's header checked when it is opened, data read on demand.
+
+Dense streams are memory-mapped by safetensors (`get_tensor`), so slicing a step or a row reads only
+those bytes. A ragged stream (per-layer attentions, hidden states) is read through `get_slice`, one
+span of steps at a time: safetensors copies small tensors whole on `get_tensor`, which would read a
+whole shard to return one step.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from . import _format
+from ._format import RecordingError
+
+_OPEN_SHARDS = 64  # shard files kept open per generation (least recently used are dropped)
+# safetensors' names of the dtypes a recording holds.
+_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64",
+                       "I64": "int64", "I32": "int32", "BOOL": "bool"}
+
+
+class ShardSource:
+    """Reads one generation's steps from its shards (and its encoder file); every file's header is
+    checked against the manifest when the source is made, tensor data only when asked for."""
+
+    def __init__(self, root: Path, entry: dict[str, Any]) -> None:
+        self._root = root
+        self._index = entry["index"]
+        self._stream_info = entry["streams"]
+        self.streams = tuple(entry["streams"])
+        self._shards = entry["shards"]
+        encoder = entry.get("encoder") or {}
+        self._encoder_file = encoder.get("file")
+        self._encoder_info = encoder.get("streams", {})
+        self.once_streams = tuple(self._encoder_info)
+        self._open: OrderedDict[str, _Shard] = OrderedDict()
+        for shard in self._shards:  # headers only: the data stays on disk until read
+            self._shard(shard)
+        if self._encoder_file is not None:
+            self._encoder()
+        self.close()
+
+    def read(self, name: str, steps: range, rows: Any) -> tuple[torch.Tensor, ...]:
+        if steps.step < 0:
+            return tuple(reversed(self.read(name, steps[::-1], rows)))
+        ragged = self._stream_info[name]["encoding"] == "ragged"
+        values: list[torch.Tensor] = []
+        for shard in self._shards:
+            first = shard["first_step"]
+            wanted = steps[_overlap(steps, range(first, first + shard["num_steps"]))]
+            if not len(wanted):
+                continue
+            local = range(wanted.start - first, wanted[-1] - first + 1, wanted.step)
+            if ragged:
+                values.extend(self._shard(shard).ragged(name, local, rows))
+                continue
+            picked = self._shard(shard).dense(name)[local.start : local.stop : local.step]  # mapped: reads nothing yet
+            if rows is not None:
+                picked = picked[:, rows]  # reads the selected rows only
+            values.extend(picked.unbind(0))
+        return tuple(values)
+
+    def ragged_elements(self, name: str, num_steps: int) -> int:
+        """Values of ragged stream `name` in its first `num_steps` steps (reads the shapes only)."""
+        total = 0
+        for shard in self._shards:
+            count = min(shard["num_steps"], num_steps - shard["first_step"])
+            if count > 0:
+                total += self._shard(shard).ends(name)[count - 1]
+        return total
+
+    def read_once(self, name: str, rows: Any) -> torch.Tensor:
+        tensor = self._encoder().dense(name)
+        return tensor if rows is None else tensor[rows]
+
+    def close(self) -> None:
+        """Drop the open files (tensors already returned keep their own memory or mapping)."""
+        self._open.clear()
+
+    def _encoder(self) -> _Shard:
+        return self._get(self._encoder_file, lambda path: _open_encoder(path, self._index, self._encoder_info))
+
+    def _shard(self, shard: dict[str, Any]) -> _Shard:
+        return self._get(shard["file"], lambda path: _open_shard(path, self._index, shard, self._stream_info))
+
+    def _get(self, name: str, opener: Any) -> _Shard:
+        opened = self._open.get(name)
+        if opened is not None:
+            self._open.move_to_end(name)
+            return opened
+        opened = self._open[name] = opener(_format.inside(self._root, name, self._root / _format.MANIFEST))
+        if len(self._open) > _OPEN_SHARDS:
+            self._open.popitem(last=False)
+        return opened
+
+
+class _Shard:
+    """One open safetensors file of a recording."""
+
+    def __init__(self, path: Path, handle: Any, ragged: dict[str, dict[str, Any]]) -> None:
+        self.path = path
+        self._handle = handle
+        self._ragged = ragged  # name -> its manifest entry
+        self._dense: dict[str, torch.Tensor] = {}
+        self._shapes: dict[str, tuple[torch.Tensor, list[int]]] = {}
+
+    def dense(self, name: str) -> torch.Tensor:
+        tensor = self._dense.get(name)
+        if tensor is None:
+            tensor = self._dense[name] = _read(self.path, lambda: self._handle.get_tensor(name))
+        return tensor
+
+    def ends(self, name: str) -> list[int]:
+        """Cumulative value counts of ragged stream `name`'s steps (its step shapes read and checked once)."""
+        return self._shapes_of(name)[1]
+
+    def ragged(self, name: str, local: range, rows: Any) -> list[torch.Tensor]:
+        """Steps `local` (within the shard) of ragged stream `name`: one read of the span they cover."""
+        shapes, ends = self._shapes_of(name)
+        start = ends[local.start - 1] if local.start else 0
+        span = _read(self.path, lambda: _slice(self._handle.get_slice(name), start, ends[local[-1]]))
+        picked = []
+        for t in local:
+            begin = (ends[t - 1] if t else 0) - start
+            step = span[begin : ends[t] - start].view(shapes[t].tolist())
+            picked.append(step if rows is None else step[rows])
+        return picked
+
+    def _shapes_of(self, name: str) -> tuple[torch.Tensor, list[int]]:
+        found = self._shapes.get(name)
+        if found is None:
+            key = _format.shapes_key(name)
+            shapes = _read(self.path, lambda: _slice(self._handle.get_slice(key), None, None))
+            fixed = self._ragged[name]["shape"]
+            ends = shapes.prod(dim=1).cumsum(0).tolist()
+            total = self._handle.get_slice(name).get_shape()[0]
+            if bool((shapes < 0).any()) or any(n is not None and bool((shapes[:, i] != n).any()) for i, n in enumerate(fixed)):
+                raise RecordingError(self.path, f"the step shapes of {name!r} disagree with the manifest's {fixed}.")
+            if (ends[-1] if ends else 0) != total:
+                raise RecordingError(self.path, f"the step shapes of {name!r} do not add up to its {total} values; the file is damaged.")
+            found = self._shapes[name] = (shapes, ends)
+        return found
+
+
+def _slice(view: Any, start: int | None, stop: int | None) -> torch.Tensor:
+    with warnings.catch_warnings():
+        # safetensors 0.4 indexes torch tensors with a list internally, which torch 2.x warns about.
+        warnings.filterwarnings("ignore", "Using a non-tuple sequence for multidimensional indexing", UserWarning)
+        return view[start:stop]
+
+
+def _read(path: Path, read: Any) -> Any:
+    try:
+        return read()
+    except (SafetensorError, OSError, RuntimeError) as error:
+        raise RecordingError(path, f"cannot be read ({error}); the file is damaged.") from None
+
+
+def _overlap(steps: range, local: range) -> slice:
+    """The slice of `steps` (increasing) whose values fall inside `local`."""
+    lo = max(0, -(-(local.start - steps.start) // steps.step))
+    hi = max(lo, -(-(local.stop - steps.start) // steps.step))
+    return slice(lo, min(hi, len(steps)))
+
+
+def _open_shard(path: Path, generation: int, shard: dict[str, Any], streams: dict[str, Any]) -> _Shard:
+    """Open one shard (nothing read but its header) and check it against the manifest."""
+    handle, metadata, header = open_file(path, "shard")
+    fields = _format.read_shard_metadata(metadata)
+    expected = {"format": _format.FORMAT, "generation": generation, "first_step": shard["first_step"]}
+    for key in expected:
+        if fields.get(key) != expected[key]:
+            raise RecordingError(
+                path,
+                f"its metadata says {key}={fields.get(key)!r}, the manifest expects {expected[key]!r}: "
+                "this is not the shard the manifest names.",
+            )
+    ragged = {}
+    for name, stream in streams.items():
+        if name not in header:
+            raise RecordingError(path, f"holds no {name!r} tensor, which the manifest lists.")
+        if stream["encoding"] == "ragged":
+            _expect(path, header, name, None, stream["dtype"], flat=True)
+            _expect(path, header, _format.shapes_key(name), [shard["num_steps"], len(stream["shape"])], "int64")
+            ragged[name] = stream
+        else:
+            _expect(path, header, name, [shard["num_steps"], *stream["shape"]], stream["dtype"])
+    return _Shard(path, handle, ragged)
+
+
+def _open_encoder(path: Path, generation: int, streams: dict[str, Any]) -> _Shard:
+    """Open a generation's encoder file and check it against the manifest."""
+    handle, metadata, header = open_file(path, "encoder file")
+    fields = _format.read_shard_metadata(metadata)
+    if fields.get("format") != _format.FORMAT or fields.get("generation") != generation:
+        raise RecordingError(path, f"its metadata does not name generation {generation}: not the file the manifest names.")
+    for name, stream in streams.items():
+        _expect(path, header, name, stream["shape"], stream["dtype"])
+    return _Shard(path, handle, {})
+
+
+def _expect(path: Path, header: dict[str, tuple[list[int], str]], name: str, shape: list[int] | None, dtype: str,
+            *, flat: bool = False) -> None:
+    found = header.get(name)
+    wrong = found is None or found[1] != dtype or (len(found[0]) != 1 if flat else found[0] != shape)
+    if wrong:
+        what = "nothing" if found is None else f"{found[0]} {found[1]}"
+        wanted = f"flat {dtype}" if flat else f"{shape} {dtype}"
+        raise RecordingError(path, f"tensor {name!r} is {what}, the manifest says {wanted}.")
+
+
+def open_file(path: Path, what: str) -> tuple[Any, dict[str, str] | None, dict[str, tuple[list[int], str]]]:
+    """A safetensors file opened (nothing read but its header): the handle, its metadata, and each
+    tensor's shape and dtype name; or `RecordingError`."""
+    if not path.is_file():
+        raise RecordingError(path, f"missing: the manifest names this {what} but the file is not there.")
+    try:
+        handle = safe_open(str(path), framework="pt")
+        header = {}
+        for name in handle.keys():
+            view = handle.get_slice(name)
+            header[name] = (list(view.get_shape()), _SAFETENSORS_DTYPES.get(view.get_dtype(), view.get_dtype()))
+        return handle, handle.metadata(), header
+    except (SafetensorError, OSError, RuntimeError) as error:
+        raise RecordingError(path, f"not a readable safetensors {what} ({error}); the file is damaged.") from None
