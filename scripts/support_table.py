@@ -47,6 +47,8 @@ ROWS = [
     ("constrained beam search", "refused", re.escape(REFUSED) + r".*constrained_beam_search"),
     ("DoLa", "exact", r"test_contrastive_search_and_dola\[dola"),
     ("low_memory beam search", "exact", r"test_low_memory_beam_search"),
+    ("attentions, hidden states", "exact", r"test_decoder_only_attentions_and_hidden_states_equal_hugging_face"),
+    ("encoder-decoder attentions, hidden states", "exact", r"test_encoder_decoder_outputs_equal_hugging_face"),
 ]
 
 

@@ -149,3 +149,78 @@ def test_a_step_written_twice_on_cuda_keeps_the_last_value():
     ring.put(0, "x", torch.ones(64, 50_000, device="cuda"))
     ring.flush()
     assert torch.equal(kept[0], torch.ones(64, 50_000))
+
+
+LAYER_OPTIONS = {
+    "all": {},
+    "heads_apart_newest": {"layers": [-1], "heads": [-1, 1], "newest_position_only": True},
+}
+
+
+@pytest.mark.parametrize("options", sorted(LAYER_OPTIONS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("store", ["memory", "spill"])
+@pytest.mark.parametrize("kwargs", [dict(), dict(num_beams=3)])
+def test_attentions_and_hidden_states_on_cuda_equal_hugging_face(kwargs, store, dtype, options, tmp_path):
+    model = make_tiny("llama", attn_implementation="eager").to("cuda", dtype)
+    batch = {k: v.to("cuda") for k, v in left_padded_batch().items()}
+    torch.manual_seed(0)
+    reference = model.generate(**batch, max_new_tokens=12, return_dict_in_generate=True, output_attentions=True,
+                               output_hidden_states=True, **kwargs)
+    spill = {"spill_dir": tmp_path / "run", "shard_bytes": 20_000} if store == "spill" else {}
+    selection = LAYER_OPTIONS[options]
+    with Recorder(model, streams=("scores", "attentions", "hidden_states"), **spill, **selection) as rec:
+        torch.manual_seed(0)
+        sequences = model.generate(**batch, logits_processor=[rec], max_new_tokens=12, **kwargs)
+    if store == "spill":
+        rec = open_recording(tmp_path / "run")
+    assert torch.equal(sequences, reference.sequences)
+    layers = [1] if selection else [0, 1]
+    heads = [1, 3] if selection else slice(None)
+    for kind, entries in (("attentions", layers), ("hidden_states", [2] if selection else [0, 1, 2])):
+        recorded = getattr(rec, kind)()
+        assert len(recorded) == len(getattr(reference, kind))
+        for step, (mine, theirs) in enumerate(zip(recorded, getattr(reference, kind))):
+            for got, entry in zip(mine, entries):
+                expected = theirs[entry][:, heads] if kind == "attentions" else theirs[entry]
+                if selection:
+                    expected = expected[..., -1:, :]
+                assert got.device.type == "cpu" and not got.is_pinned()
+                assert torch.equal(got, expected.cpu()), f"{kind}[{step}][{entry}]"
+
+
+@pytest.mark.parametrize("store", ["memory", "spill"])
+@pytest.mark.parametrize("options", sorted(LAYER_OPTIONS))
+def test_recording_attentions_makes_no_synchronising_call_in_the_step_path(options, store, tmp_path, monkeypatch):
+    for name in ("on_forward", "on_raw", "on_processed", "on_stopping"):
+        monkeypatch.setattr(_capture.Capture, name, _strict(getattr(_capture.Capture, name)))
+    monkeypatch.setattr(_transfer.HostRing, "put", _strict(_transfer.HostRing.put))
+    model = make_tiny("llama", attn_implementation="eager").to("cuda")
+    batch = {k: v.to("cuda") for k, v in left_padded_batch().items()}
+    spill = {"spill_dir": tmp_path / "run", "shard_bytes": 20_000} if store == "spill" else {}
+    with Recorder(model, streams=("attentions", "hidden_states"), **spill, **LAYER_OPTIONS[options]) as rec:
+        model.generate(**batch, logits_processor=[rec], max_new_tokens=24, min_new_tokens=24, num_beams=2)
+    assert rec.generation().num_steps == 24 and rec.generation().complete
+
+
+@pytest.mark.parametrize("store", ["memory", "spill"])
+def test_device_memory_does_not_grow_with_steps_when_recording_attentions(store, tmp_path):
+    """Eager attention's own working memory grows with the keys, with or without the recorder: the
+    recorder may add its ring's staging buffers, nothing per step."""
+    model = make_tiny("llama", attn_implementation="eager").to("cuda")
+    batch = {k: v.to("cuda") for k, v in left_padded_batch().items()}
+    growth = {}
+    for recorded in (False, True):
+        peaks = []
+        for steps in (16, 96):
+            spill = {"spill_dir": tmp_path / f"{recorded}-{steps}"} if store == "spill" else {}
+            rec = Recorder(model, streams=("attentions", "hidden_states"), **spill)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            model.generate(**batch, logits_processor=[rec] if recorded else [], max_new_tokens=steps, min_new_tokens=steps)
+            torch.cuda.synchronize()
+            peaks.append(torch.cuda.max_memory_allocated() - base)
+            rec.close()
+        growth[recorded] = peaks[1] - peaks[0]
+    assert growth[True] - growth[False] < 512 * 1024, growth

@@ -64,6 +64,37 @@ def test_real_model_recording_is_exact(real_model, chat_batch, mode, store, tmp_
             assert torch.equal(mine, theirs)
 
 
+@pytest.fixture(scope="module")
+def eager_model(real_model):
+    from transformers_offload import demo_model
+
+    return demo_model.load(attn_implementation="eager")[0]
+
+
+@pytest.mark.parametrize("store", ["memory", "spill"])
+@pytest.mark.parametrize("mode", ["greedy", "beam_search"])
+def test_real_model_attentions_and_hidden_states_are_exact(eager_model, real_model, chat_batch, mode, store, tmp_path):
+    _, tokenizer = real_model
+    kwargs = dict(MODES[mode], max_new_tokens=12, min_new_tokens=12, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    reference = eager_model.generate(
+        **chat_batch, return_dict_in_generate=True, output_attentions=True, output_hidden_states=True, **kwargs
+    )
+    options = {"spill_dir": tmp_path / "run"} if store == "spill" else {}
+    with Recorder(eager_model, streams=("attentions", "hidden_states"), **options) as rec:
+        torch.manual_seed(0)
+        sequences = eager_model.generate(**chat_batch, logits_processor=[rec], **kwargs)
+    if store == "spill":
+        rec = open_recording(tmp_path / "run")
+    assert torch.equal(sequences, reference.sequences)
+    for kind in ("attentions", "hidden_states"):
+        recorded, theirs = getattr(rec, kind)(), getattr(reference, kind)
+        assert len(recorded) == len(theirs) == 12
+        for step, (mine, hf) in enumerate(zip(recorded, theirs)):
+            assert len(mine) == len(hf) == (30 if kind == "attentions" else 31)
+            assert all(torch.equal(a, b) for a, b in zip(mine, hf)), f"{kind}[{step}] differs from Hugging Face's"
+
+
 def test_real_model_answers_the_capital_question(real_model, chat_batch):
     model, tokenizer = real_model
     with Recorder(model) as rec:
