@@ -100,8 +100,28 @@ def made_up_step(step: int, rows: int, vocab: int) -> dict[str, torch.Tensor]:
     }
 
 
-def write_made_up_recording(root, *, steps: int, rows: int, vocab: int, shard_bytes: int, complete: bool = True):
-    """Drive the shard store directly (no model): the layer below `generate()`. Returns the Generation."""
+MADE_UP_LAYERS = {"counts": {"attentions": 2, "hidden_states": 3, "encoder_hidden_states": 3},
+                  "heads": None, "newest_position_only": False}
+
+
+def made_up_layers(step: int, rows: int, prompt: int = 2) -> dict[str, torch.Tensor]:
+    """One step's per-layer tensors (attentions of layer 1, hidden states of entry 2; the encoder's
+    hidden states of entry 0 at step 0), shaped as a 2-head, 3-wide model's, without RNG."""
+    queries, keys = (prompt, prompt) if step == 0 else (1, prompt + step)
+    count = rows * 2 * queries * keys
+    tensors = {
+        "attentions.1": (torch.arange(count, dtype=torch.float32) / count + step).reshape(rows, 2, queries, keys),
+        "hidden_states.2": (torch.arange(rows * queries * 3, dtype=torch.float32) - step).reshape(rows, queries, 3),
+    }
+    if step == 0:
+        tensors["encoder_hidden_states.0"] = torch.arange(rows * 4 * 3, dtype=torch.float32).reshape(rows, 4, 3)
+    return tensors
+
+
+def write_made_up_recording(root, *, steps: int, rows: int, vocab: int, shard_bytes: int, complete: bool = True,
+                            layers: bool = False):
+    """Drive the shard store directly (no model): the layer below `generate()`. Returns the Generation.
+    With `layers`, the steps also carry `made_up_layers`."""
     from transformers_offload._shard_store import Spill
 
     spill = Spill(root, shard_bytes=shard_bytes, model_info=FIXED_MODEL, created_by=FIXED_CREATED_BY)
@@ -109,9 +129,11 @@ def write_made_up_recording(root, *, steps: int, rows: int, vocab: int, shard_by
         "index": 0, "mode": "sample", "prompt_length": 2, "prompt_lengths": tuple([2] * rows), "num_beams": 1,
         "pad_token_id": 0, "eos_token_id": (1,), "generation_config": {"do_sample": True},
     }
-    store = spill.open_store(["logits", "scores", "tokens", "finished"], header)
+    store = spill.open_store(["logits", "scores", "tokens", "finished"], header, max_steps=steps)
+    if layers:
+        store.add_streams(["attentions.1", "hidden_states.2"], ["encoder_hidden_states.0"], MADE_UP_LAYERS)
     for step in range(steps):
-        store.drain(step, made_up_step(step, rows, vocab))
+        store.drain(step, {**made_up_step(step, rows, vocab), **(made_up_layers(step, rows) if layers else {})})
     sequences = torch.arange(rows * (2 + steps)).reshape(rows, 2 + steps) % vocab if complete else None
     error = None if complete else KeyboardInterrupt()
     return store.finish(steps, {**header, "num_rows": rows}, sequences, error, ring_waits=0)

@@ -348,3 +348,14 @@ def test_bytes_per_step_match_the_documented_formula(tmp_path):
         assert nbytes == 2 * rows * 4 * (prompt + step) * 4
     assert sum(a.numel() for a in attentions[0]) == 2 * rows * 4 * prompt * prompt
     assert math.prod(rec.hidden_states()[3][0].shape) == rows * 32
+
+
+def test_generate_keeps_none_of_them_itself():
+    """The forward is asked, not generate(): its own outputs stay as the call asked for them."""
+    model = make_tiny("llama", attn_implementation="eager")
+    with Recorder(model, streams=("scores", "attentions", "hidden_states")) as rec:
+        out = model.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=4,
+                             return_dict_in_generate=True)
+    assert out.attentions is None and out.hidden_states is None and out.scores is None
+    assert len(rec.attentions()) == 4
+    assert model.generation_config.output_attentions is False  # nothing of the recorder's is left behind

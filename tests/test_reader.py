@@ -17,9 +17,10 @@ import torch
 from transformers_offload import Recorder, RecordingError, open_recording
 
 from .conftest import left_padded_batch
-from .helpers import made_up_step, write_made_up_recording
+from .helpers import made_up_layers, made_up_step, write_made_up_recording
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "tiny-recording"
+GOLDEN_LAYERS = Path(__file__).resolve().parent / "golden" / "tiny-layers-recording"
 ROOT = Path(__file__).resolve().parent.parent
 ROWS, VOCAB, STEPS = 5, 16, 9
 
@@ -45,6 +46,24 @@ def test_the_format_is_pinned_byte_for_byte(tmp_path):
     """A change here is a format change: bump FORMAT_VERSION, then run tests/golden/make.py."""
     write_made_up_recording(tmp_path / "run", steps=3, rows=2, vocab=4, shard_bytes=164)
     assert _golden_files(tmp_path / "run") == _golden_files(GOLDEN)
+
+
+def test_the_ragged_layout_is_pinned_byte_for_byte(tmp_path):
+    """Attentions, hidden states and encoder outputs (`"ragged"` streams, the encoder file)."""
+    write_made_up_recording(tmp_path / "run", steps=3, rows=2, vocab=4, shard_bytes=164, layers=True)
+    assert _golden_files(tmp_path / "run") == _golden_files(GOLDEN_LAYERS)
+
+
+def test_the_golden_layers_recording_reads_back():
+    generation = open_recording(GOLDEN_LAYERS).generation()
+    assert generation.layer_indices == {"attentions": (1,), "hidden_states": (2,), "encoder_hidden_states": (0,)}
+    for step, (attentions,) in enumerate(generation.attentions()):
+        assert torch.equal(attentions, made_up_layers(step, 2)["attentions.1"])
+    assert torch.equal(generation.hidden_states(layers=[-1])[2][0], made_up_layers(2, 2)["hidden_states.2"])
+    (encoder,) = generation.encoder_hidden_states()
+    assert torch.equal(encoder, made_up_layers(0, 2)["encoder_hidden_states.0"])
+    array = generation.layer_array("attentions", 1, rows=0)
+    assert array.values.shape == (2, 4, 4) and array.lengths.tolist() == [2, 2, 3, 4]
 
 
 def test_the_golden_recording_reads_back():
@@ -376,3 +395,74 @@ def test_inspect_a_damaged_recording(recording):
     _truncate(recording)
     done = _inspect(str(recording))
     assert done.returncode == 1 and "g0000-s00001.safetensors" in done.stderr and "Traceback" not in done.stderr
+
+
+def _layers_copy(tmp_path: Path) -> Path:
+    root = tmp_path / "layers"
+    shutil.copytree(GOLDEN_LAYERS, root)
+    return root
+
+
+def _rewrite_shard(root: Path, name: str, change) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = root / name
+    with safe_open(str(path), framework="pt") as file:
+        tensors = {key: file.get_tensor(key) for key in file.keys()}
+        metadata = file.metadata()
+    change(tensors)
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def _edit_layers_manifest(root: Path, change) -> None:
+    manifest = json.loads((root / "manifest.json").read_text())
+    change(manifest["generations"][0])
+    (root / "manifest.json").write_text(json.dumps(manifest))
+
+
+LAYER_DAMAGE = {
+    # (damage, file named, message, found when reading the stream rather than at open)
+    "step shapes that do not add up": (
+        lambda root: _rewrite_shard(root, "g0000-s00001.safetensors",
+                                    lambda t: t["attentions.1.shapes"].copy_(torch.tensor([[2, 2, 1, 9]]))),
+        "g0000-s00001.safetensors", "do not add up", True,
+    ),
+    "step shapes that disagree with the manifest": (
+        lambda root: _edit_layers_manifest(root, lambda g: g["streams"]["attentions.1"].update(shape=[2, 3, None, None])),
+        "g0000-s00000.safetensors", "disagree with the manifest", True,
+    ),
+    "a dense stream called ragged": (
+        lambda root: _edit_layers_manifest(root, lambda g: g["streams"]["tokens"].update(encoding="ragged")),
+        "manifest.json", "only per-layer streams are ragged", False,
+    ),
+    "values in another dtype": (
+        lambda root: _edit_layers_manifest(root, lambda g: g["streams"]["hidden_states.2"].update(dtype="float16")),
+        "g0000-s00000.safetensors", "the manifest says flat float16", False,
+    ),
+    "missing encoder file": (
+        lambda root: (root / "g0000-encoder.safetensors").unlink(),
+        "g0000-encoder.safetensors", "file is not there", False,
+    ),
+    "heads not a list": (
+        lambda root: _edit_layers_manifest(root, lambda g: g["layers"].update(heads="all")),
+        "manifest.json", "`layers.heads`", False,
+    ),
+    "an encoder stream that is not one": (
+        lambda root: _edit_layers_manifest(root, lambda g: g["encoder"]["streams"].update(
+            {"logits": g["encoder"]["streams"].pop("encoder_hidden_states.0")})),
+        "manifest.json", "not an encoder output stream", False,
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(LAYER_DAMAGE))
+def test_a_damaged_layers_recording_gives_a_typed_error_naming_the_file(tmp_path, damage):
+    breaks, culprit, match, on_read = LAYER_DAMAGE[damage]
+    root = _layers_copy(tmp_path)
+    breaks(root)
+    with pytest.raises(RecordingError, match=match) as raised:
+        run = open_recording(root)
+        if on_read:
+            run.attentions()
+    assert raised.value.path.name == culprit
