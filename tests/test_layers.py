@@ -57,16 +57,22 @@ def _skip_missing(kwargs):
         pytest.skip(f"transformers {TRANSFORMERS} has no {missing}")
 
 
-@pytest.mark.parametrize("reader", READERS)
-@pytest.mark.parametrize("mode", sorted(MODES))
-@pytest.mark.parametrize("name", sorted(TINY_MODELS))
-def test_decoder_only_attentions_and_hidden_states_equal_hugging_face(name, mode, reader, tmp_path):
+def _both(name, mode, reader, tmp_path):
+    """An eager tiny model, Hugging Face's outputs of a call in `mode`, and the recording of the same call."""
     model = make_tiny(name, attn_implementation="eager")
     batch = left_padded_batch()
     kwargs = dict(MODES[mode], max_new_tokens=NEW_TOKENS)
     reference = _reference(model, batch, **kwargs)
     sequences, rec = _record(model, batch, reader, tmp_path, **kwargs)
     assert torch.equal(sequences, reference.sequences)
+    return model, reference, rec
+
+
+@pytest.mark.parametrize("reader", READERS)
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("name", sorted(TINY_MODELS))
+def test_decoder_only_attentions_and_hidden_states_equal_hugging_face(name, mode, reader, tmp_path):
+    model, reference, rec = _both(name, mode, reader, tmp_path)
     _assert_nested_equal(rec.attentions(), reference.attentions, "attentions")
     _assert_nested_equal(rec.hidden_states(), reference.hidden_states, "hidden_states")
     assert len(rec.scores()) == len(reference.scores)
@@ -81,12 +87,7 @@ def test_decoder_only_attentions_and_hidden_states_equal_hugging_face(name, mode
 @pytest.mark.parametrize("mode", ["greedy", "sample", "beam_search"])
 @pytest.mark.parametrize("name", sorted(ENCODER_DECODERS))
 def test_encoder_decoder_outputs_equal_hugging_face(name, mode, reader, tmp_path):
-    model = make_tiny(name, attn_implementation="eager")
-    batch = left_padded_batch()
-    kwargs = dict(MODES[mode], max_new_tokens=NEW_TOKENS)
-    reference = _reference(model, batch, **kwargs)
-    sequences, rec = _record(model, batch, reader, tmp_path, **kwargs)
-    assert torch.equal(sequences, reference.sequences)
+    _, reference, rec = _both(name, mode, reader, tmp_path)
     for kind in ENCODER_DECODER:
         _assert_nested_equal(getattr(rec, kind)(), getattr(reference, kind), kind)
     for kind in ENCODER:  # once per generation, one row per prompt (as generate() keeps them)

@@ -58,12 +58,14 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"  {generation['num_steps']} steps x {generation['num_rows']} rows{beams}, prompt "
             f"{generation['prompt_length']} tokens, {generation['num_shards']} shard(s), "
             f"{_size(generation['file_bytes'])} on disk",
-            f"  {'stream':<14}{'dtype':<10}{'encoding':<10}{'shape per step':<18}{'bytes':>12}",
         ]
+        width = max([14, *(len(stream) + 2 for stream in generation["streams"])])
+        lines.append(f"  {'stream':<{width}}{'dtype':<10}{'encoding':<10}{'shape per step':<20}{'bytes':>12}")
         for stream, info in generation["streams"].items():
-            shape = str(tuple(info["shape"]))
+            # A ragged stream's varying dimensions (null in the manifest) show as "*".
+            shape = "(" + ", ".join("*" if n is None else str(n) for n in info["shape"]) + ("," if len(info["shape"]) == 1 else "") + ")"
             lines.append(
-                f"  {stream:<14}{info['dtype']:<10}{info['encoding']:<10}{shape:<18}{_size(info['bytes']):>12}"
+                f"  {stream:<{width}}{info['dtype']:<10}{info['encoding']:<10}{shape:<20}{_size(info['bytes']):>12}"
             )
     return "\n".join(lines)
 
