@@ -444,6 +444,14 @@ LAYER_DAMAGE = {
         lambda root: (root / "g0000-encoder.safetensors").unlink(),
         "g0000-encoder.safetensors", "file is not there", False,
     ),
+    "a layer the counts do not have": (
+        lambda root: _edit_layers_manifest(root, lambda g: g["layers"]["counts"].update(attentions=1)),
+        "manifest.json", "names a layer that `layers.counts` does not have", False,
+    ),
+    "more heads kept than recorded": (
+        lambda root: _edit_layers_manifest(root, lambda g: g["layers"].update(heads=[0, 1, 2])),
+        "manifest.json", "holds 2 heads, `layers.heads` lists 3", False,
+    ),
     "heads not a list": (
         lambda root: _edit_layers_manifest(root, lambda g: g["layers"].update(heads="all")),
         "manifest.json", "`layers.heads`", False,

@@ -36,20 +36,6 @@ def check_mode(generation_config: Any, assistant_model: Any, streams: tuple[str,
     """The decoding mode `generation_config` asks for, or `UnsupportedModeError` naming it (`streams`:
     what the recorder records; attentions and hidden states are recorded in `LAYER_MODES` only)."""
     mode = _compat.generation_mode(generation_config, assistant_model)
-    layer_streams = [s for s in streams if s in _layers.STREAMS]
-    if layer_streams:
-        why = None
-        if mode not in LAYER_MODES:
-            why = f"{mode!r} does not run one forward per step over the running rows"
-        elif getattr(generation_config, "low_memory", False) and mode in _compat.BEAM_MODES:
-            why = "`low_memory=True` beam search splits each step's forward in sub-batches"
-        elif getattr(generation_config, "prefill_chunk_size", None):
-            why = "`prefill_chunk_size` splits the prefill in several forwards"
-        if why:
-            raise UnsupportedModeError(
-                f"transformers-offload records {layer_streams} in {', '.join(LAYER_MODES)} only: {why}. "
-                f"Drop {layer_streams} from the Recorder's `streams` for this call, or use one of those modes."
-            )
     if mode == _compat.ASSISTED_MODE and getattr(generation_config, "assistant_early_exit", None):
         raise UnsupportedModeError(
             f"transformers-offload does not record assisted decoding with `assistant_early_exit` "
@@ -69,6 +55,20 @@ def check_mode(generation_config: Any, assistant_model: Any, streams: tuple[str,
             f"transformers {_compat.TRANSFORMERS_VERSION} does not run `low_memory=True` beam search "
             "(it was removed in 4.50); pass `low_memory=False`."
         )
+    layer_streams = [s for s in streams if s in _layers.STREAMS]
+    if layer_streams:
+        why = None
+        if mode not in LAYER_MODES:
+            why = f"{mode!r} does not run one forward per step over the running rows"
+        elif getattr(generation_config, "low_memory", False) and mode in _compat.BEAM_MODES:
+            why = "`low_memory=True` beam search splits each step's forward in sub-batches"
+        elif getattr(generation_config, "prefill_chunk_size", None):
+            why = "`prefill_chunk_size` splits the prefill in several forwards"
+        if why:
+            raise UnsupportedModeError(
+                f"transformers-offload records {layer_streams} in {', '.join(LAYER_MODES)} only: {why}. "
+                f"Use one of those modes, or a Recorder without {layer_streams} in `streams` for this call."
+            )
     return mode
 
 
@@ -97,7 +97,7 @@ class Capture:
         self.num_beam_groups = 1
         self.num_rows = 0
         self.eos_ids: torch.Tensor | None = None
-        self.accumulates_on_device = False
+        self.kept_on_device: list[str] = []  # the call's own `output_*` options that keep steps on the device
         self.header: dict[str, Any] = {"index": index}
         self._step = -1
         self._tokens_until = 0  # steps [0, _tokens_until) have their token recorded
@@ -126,7 +126,7 @@ class Capture:
         eos_list = [] if eos is None else [int(e) for e in torch.as_tensor(eos).flatten().tolist()]
         if eos_list:
             self.eos_ids = torch.tensor(eos_list)
-        self.accumulates_on_device = _compat.asks_outputs_on_device(generation_config)
+        self.kept_on_device = _compat.outputs_kept_on_device(generation_config)
         mask = self.attention_mask
         self.attention_mask = None
         self.header.update(
@@ -204,6 +204,13 @@ class Capture:
             self._layer_names = per_step
         for name, tensor in self.layer_tap.pick(output, first=step == 0):
             self.ring.put(step, name, tensor)
+        self.layer_tap.encoder_output = None  # copied: the capture keeps no reference to it
+
+    def on_encoder(self, output: Any) -> None:
+        """An encoder-decoder model's encoder ran (before the decoding loop): its outputs are recorded
+        at the first step, when the ring exists."""
+        if self.layer_tap is not None:
+            self.layer_tap.encoder_output = output
 
     def on_raw(self, input_ids: torch.Tensor, scores: torch.Tensor, group: int | None = None) -> None:
         """Called with what the first processor receives, before it runs (once per beam group, with

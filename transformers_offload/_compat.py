@@ -137,12 +137,13 @@ def rows_done(is_done: Any, token: torch.Tensor, eos_ids: torch.Tensor | None) -
     return done
 
 
-def asks_outputs_on_device(generation_config: Any) -> bool:
-    """Whether `generate()` will also keep per-step scores, logits, attentions or hidden states on the
-    device (`output_logits` exists from 4.38)."""
+def outputs_kept_on_device(generation_config: Any) -> list[str]:
+    """The `output_*` options with which `generate()` will also keep per-step tensors on the device
+    until it returns (with `return_dict_in_generate`; `output_logits` exists from 4.38)."""
+    if not generation_config.return_dict_in_generate:
+        return []
     flags = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
-    wants = any(getattr(generation_config, flag, False) for flag in flags)
-    return bool(generation_config.return_dict_in_generate) and wants
+    return [flag for flag in flags if getattr(generation_config, flag, False)]
 
 
 def attention_implementations(model: Any) -> set[str]:

@@ -296,16 +296,30 @@ def _check_layers(entry: dict[str, Any], root: Path, path: Path, where: str, fil
         if not isinstance(layers.get("newest_position_only"), bool):
             raise RecordingError(path, f"{where}: `layers.newest_position_only` must be true or false.")
     encoder = entry.get("encoder")
-    if encoder is None:
-        return
-    if not isinstance(encoder, dict):
-        raise RecordingError(path, f"{where}: `encoder` must be a JSON object, got {encoder!r}.")
-    _claim(root, _field(encoder, "file", str, path, where + ", `encoder`"), path, files)
-    for name, stream in _field(encoder, "streams", dict, path, where + ", `encoder`").items():
-        _check_stream(name, stream, path, where)
+    streams = dict(entry["streams"])
+    if encoder is not None:
+        if not isinstance(encoder, dict):
+            raise RecordingError(path, f"{where}: `encoder` must be a JSON object, got {encoder!r}.")
+        _claim(root, _field(encoder, "file", str, path, where + ", `encoder`"), path, files)
+        for name, stream in _field(encoder, "streams", dict, path, where + ", `encoder`").items():
+            _check_stream(name, stream, path, where)
+            split = split_layer_stream(name)
+            if split is None or split[0] not in ENCODER_KINDS or stream["encoding"] != "dense":
+                raise RecordingError(path, f"{where}: {name!r} is not an encoder output stream.")
+            streams[name] = stream
+    # Every per-layer stream is a layer the model has, and holds as many heads as were kept.
+    for name, stream in streams.items():
         split = split_layer_stream(name)
-        if split is None or split[0] not in ENCODER_KINDS or stream["encoding"] != "dense":
-            raise RecordingError(path, f"{where}: {name!r} is not an encoder output stream.")
+        if split is None:
+            continue
+        kind, layer = split
+        if layers is None or layer >= layers["counts"].get(kind, 0):
+            raise RecordingError(
+                path, f"{where}: stream {name!r} names a layer that `layers.counts` does not have ({layers and layers['counts']})."
+            )
+        heads = layers["heads"]
+        if kind in ATTENTION_KINDS and heads is not None and stream["shape"][1] != len(heads):
+            raise RecordingError(path, f"{where}: stream {name!r} holds {stream['shape'][1]} heads, `layers.heads` lists {len(heads)}.")
 
 
 def _count(value: Any) -> bool:

@@ -103,7 +103,7 @@ class ModelHooks:
         self._wrappers: dict[str, Callable[..., Any]] = {}
         self._previous: dict[str, Any] = {}  # what the instance's __dict__ held before (usually nothing)
         self._forward_handle: Any = None
-        self._pre_handles: list[Any] = []
+        self._pre_handles: list[Any] = []  # the pre-hooks, and the encoder's forward hook
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         model = self._model_ref()
@@ -130,9 +130,12 @@ class ModelHooks:
             model.__dict__[name] = wrapper
             self._wrappers[name] = wrapper
         self._forward_handle = model.register_forward_hook(self._on_forward)
-        for module in (model, _compat.encoder_of(model)):
+        encoder = _compat.encoder_of(model)
+        for module in (model, encoder):
             if module is not None:
                 self._pre_handles.append(module.register_forward_pre_hook(self._ask_outputs, with_kwargs=True))
+        if encoder is not None:
+            self._pre_handles.append(encoder.register_forward_hook(self._on_encoder_forward))
 
     def uninstall(self) -> None:
         model = self._model_ref()
@@ -233,6 +236,11 @@ class ModelHooks:
         if capture is None or capture.layer_tap is None:
             return None
         return args, _layers.ask_forward(kwargs, capture.streams)
+
+    def _on_encoder_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        capture = _active_capture(self._model_ref())
+        if capture is not None:
+            capture.on_encoder(output)
 
     def _on_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         capture = _active_capture(module)

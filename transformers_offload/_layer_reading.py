@@ -8,6 +8,7 @@ back in `generate()`'s layout, or join one layer's steps into one zero-padded ar
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import torch
@@ -31,8 +32,9 @@ class LayerArray(NamedTuple):
         values (`torch.Tensor` or `np.ndarray`): attentions `(rows, heads, positions, max_keys)`, hidden
             states `(rows, positions, hidden_size)`; in the recorded dtype, on CPU; zero past each
             position's length.
-        lengths (int64 `(positions,)`): valid entries of the last axis per position (the keys a query
-            attended over; the hidden size for hidden states).
+        lengths (int64 `(positions,)`): valid entries of the last axis per position: the width of
+            that step's tensor as recorded, i.e. the keys a query attended over (with a static cache,
+            the cache's length, which transformers' attention weights span), or the hidden size.
         steps (int64 `(positions,)`): the step each position belongs to (0 for encoder outputs).
     """
 
@@ -148,9 +150,13 @@ class LayerReading:
         check_framework(framework)
         if kind not in _format.LAYER_KINDS:
             raise ValueError(f"`kind` must be one of {_format.LAYER_KINDS}, got {kind!r}.")
-        if isinstance(layer, bool) or not isinstance(layer, int):
+        if isinstance(layer, bool) or not hasattr(layer, "__index__"):
             raise TypeError(f"`layer` must be an int (a layer index), got {layer!r}.")
-        (name,) = self._layer_names(kind, [layer])
+        if self.num_steps == 0 and kind not in self.layer_indices:
+            step_range(steps, 0)  # checks the arguments
+            empty = torch.zeros(0, dtype=torch.int64)
+            return LayerArray(*(as_framework(part, kind, framework) for part in (torch.zeros(0), empty, empty)))
+        (name,) = self._layer_names(kind, [operator.index(layer)])
         if kind in _format.ENCODER_KINDS:
             parts, numbers = [self._read_once(name, rows, "pt")], [0]
         else:
@@ -171,13 +177,18 @@ class LayerReading:
     # -- helpers -------------------------------------------------------------------------------------
     def _per_step_layers(self, kind: str, steps: Steps, rows: Rows, layers: Sequence[int] | None,
                          framework: str) -> tuple[tuple[Any, ...], ...]:
-        if self.num_steps == 0 and self.layers is None:
+        if self.num_steps == 0:  # a call that failed before its first step
             self._get("tokens", steps, rows, framework)  # checks the arguments
-            return ()  # a call that failed before its first step
+            _layers.indices(layers, "layers")
+            return ()
         per_layer = [self._get(name, steps, rows, framework) for name in self._layer_names(kind, layers)]
         return tuple(zip(*per_layer))
 
     def _encoder_layers(self, kind: str, rows: Rows, layers: Sequence[int] | None, framework: str) -> tuple[Any, ...]:
+        if self.num_steps == 0 and kind not in self.layer_indices:
+            check_framework(framework)
+            _layers.indices(layers, "layers")
+            return ()  # a call that failed before the encoder's outputs were kept
         return tuple(self._read_once(name, rows, framework) for name in self._layer_names(kind, layers))
 
     def _layer_names(self, kind: str, layers: Sequence[int] | None) -> list[str]:
@@ -188,12 +199,11 @@ class LayerReading:
                 " Create the Recorder with `streams=(..., \"attentions\", \"hidden_states\")` to record them."
             )
             raise KeyError(f"this recording has no {kind!r}.{hint}")
+        layers = _layers.indices(layers, "layers")
         if layers is None:
             return [_format.layer_stream(kind, layer) for layer in recorded]
-        if isinstance(layers, int) or not isinstance(layers, Sequence):
-            raise TypeError(f"`layers` must be a sequence of layer indices (e.g. `[-1]`), got {layers!r}.")
         count = (self.layers or {}).get("counts", {}).get(kind, max(recorded) + 1)
-        chosen = _layers.resolve(list(layers), count, f"`layers` for {kind}")
+        chosen = _layers.resolve(layers, count, f"`layers` for {kind}")
         missing = [layer for layer in chosen if layer not in recorded]
         if missing:
             raise KeyError(f"layers {missing} of {kind!r} were not recorded; recorded: {list(recorded)}.")

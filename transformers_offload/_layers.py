@@ -9,12 +9,14 @@ nothing. Each forward of the decoding loop is one step; its output carries one t
 - decoder-only: `attentions` `(rows, heads, queries, keys)` and `hidden_states`
   `(rows, positions, hidden_size)` (entry 0 the embeddings);
 - encoder-decoder: `decoder_attentions`, `cross_attentions` and `decoder_hidden_states` per step, and,
-  at the first step, the `encoder_attentions` and `encoder_hidden_states` of the encoder's single run
-  (one row per prompt, as `generate()` keeps them).
+  at the first step, the `attentions` and `hidden_states` of the encoder's single run, taken from the
+  encoder's own output (the object `generate()` keeps as `out.encoder_attentions`...; one row per
+  prompt). A call given `encoder_outputs` runs no encoder: nothing of the encoder is recorded then.
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -39,18 +41,18 @@ def kinds(streams: Sequence[str], is_encoder_decoder: bool) -> tuple[str, ...]:
     return tuple(kind for stream in streams if stream in STREAMS for kind in _KINDS[(is_encoder_decoder, stream)])
 
 
-def resolve(indices: Sequence[int] | None, count: int, what: str) -> tuple[int, ...]:
-    """`indices` (negative ones count from the end) as sorted, distinct indices into `count` entries.
+def resolve(chosen: Sequence[int] | None, count: int, what: str) -> tuple[int, ...]:
+    """`chosen` (negative indices count from the end) as sorted, distinct indices into `count` entries.
 
     Raises:
         IndexError: an index is out of range, naming `what` and the count.
     """
-    if indices is None:
+    if chosen is None:
         return tuple(range(count))
-    wrong = [i for i in indices if not -count <= i < count]
+    wrong = [i for i in chosen if not -count <= i < count]
     if wrong:
         raise IndexError(f"{what} {wrong} out of range: this model has {count} (valid: {-count} to {count - 1}).")
-    return tuple(sorted({i % count for i in indices}))
+    return tuple(sorted({i % count for i in chosen}))
 
 
 @dataclass
@@ -82,6 +84,14 @@ class LayerTap:
         self.heads: tuple[int, ...] | None = None  # the selected heads, resolved
         self._layers: dict[str, tuple[int, ...]] = {}
         self._heads: dict[tuple[int, torch.device], Any] = {}  # (head count, device) -> index or slice
+        self.encoder_output: Any = None  # what the encoder's forward returned, until the first step
+
+    def _tensors(self, output: Any, kind: str) -> Any:
+        if kind in _format.ENCODER_KINDS:
+            # Not the decoder output's `encoder_*` fields: T5 re-packs the encoder output by position
+            # there, which puts the attentions in the hidden states' place when only they were asked.
+            return getattr(self.encoder_output, kind[len("encoder_") :], None)
+        return getattr(output, kind, None)
 
     def names(self, output: Any) -> tuple[list[str], list[str]]:
         """The per-step and the once-per-generation stream names, from the first forward's output.
@@ -92,7 +102,9 @@ class LayerTap:
         """
         per_step, once = [], []
         for kind in self.kinds:
-            tensors = getattr(output, kind, None)
+            if kind in _format.ENCODER_KINDS and self.encoder_output is None:
+                continue  # the call passed `encoder_outputs`: no encoder ran
+            tensors = self._tensors(output, kind)
             if not tensors or any(t is None for t in tensors):
                 raise ValueError(
                     f"the model's forward returned no `{kind}` although it was asked for them; attention "
@@ -119,9 +131,9 @@ class LayerTap:
         at the `first` forward only). The tensors are views or new tensors on the output's device."""
         for kind in self.kinds:
             is_encoder = kind in _format.ENCODER_KINDS
-            if is_encoder and not first:
+            if kind not in self._layers or (is_encoder and not first):
                 continue
-            tensors = getattr(output, kind)
+            tensors = self._tensors(output, kind)
             for layer in self._layers[kind]:
                 tensor = tensors[layer]
                 if kind in _format.ATTENTION_KINDS and self.selection.heads is not None:
@@ -156,15 +168,7 @@ def selection(model: Any, streams: tuple[str, ...], layers: Any, heads: Any, new
         IndexError: an index is out of range for the model's config.
     """
     records = [s for s in streams if s in STREAMS]
-    for name, value in (("layers", layers), ("heads", heads)):
-        if value is None:
-            continue
-        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not all(
-            isinstance(i, int) and not isinstance(i, bool) for i in value
-        ):
-            raise TypeError(f"`{name}` must be a sequence of int indices (e.g. `[-1]`), got {value!r}.")
-        if not value:
-            raise ValueError(f"`{name}` is empty; pass None to keep them all.")
+    layers, heads = indices(layers, "layers"), indices(heads, "heads")
     if not isinstance(newest, bool):
         raise TypeError(f"`newest_position_only` must be True or False, got {newest!r}.")
     if not records and (layers is not None or heads is not None or newest):
@@ -186,11 +190,31 @@ def selection(model: Any, streams: tuple[str, ...], layers: Any, heads: Any, new
         head_count = getattr(text, "num_attention_heads", None)
         if isinstance(head_count, int) and heads is not None:
             resolve(heads, head_count, "`heads`")
-    return Selection(
-        layers=None if layers is None else tuple(layers),
-        heads=None if heads is None else tuple(heads),
-        newest_position_only=newest,
-    )
+    return Selection(layers=layers, heads=heads, newest_position_only=newest)
+
+
+def indices(value: Any, name: str) -> tuple[int, ...] | None:
+    """`value` (None, or a sequence of integers: Python or NumPy ints, negative ones allowed) as a tuple.
+
+    Raises:
+        TypeError: not a sequence of integers (a string, a float, a bool...).
+        ValueError: an empty sequence.
+    """
+    if value is None:
+        return None
+    wrong = TypeError(f"`{name}` must be a sequence of int indices (e.g. `[-1]`), got {value!r}.")
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+        raise wrong
+    items = list(value)
+    if any(isinstance(i, bool) for i in items):
+        raise wrong
+    try:
+        found = tuple(operator.index(i) for i in items)
+    except TypeError:
+        raise wrong from None
+    if not found:
+        raise ValueError(f"`{name}` is empty; pass None to keep them all.")
+    return found
 
 
 def require_eager(model: Any) -> None:

@@ -26,7 +26,8 @@ STREAMS = (*DEFAULT_STREAMS, *_layers.STREAMS)
 
 
 class DeviceAccumulationWarning(UserWarning):
-    """`generate()` was also asked to return scores or logits, which it keeps on the device."""
+    """`generate()` was also asked to return per-step outputs (scores, logits, attentions, hidden
+    states), which it keeps on the device until it returns."""
 
 
 class Recorder(Readable, LogitsProcessor, StoppingCriteria):
@@ -74,9 +75,10 @@ class Recorder(Readable, LogitsProcessor, StoppingCriteria):
             `attn_implementation="eager"`) and `"hidden_states"`.
         layers (`Sequence[int]`, *optional*): with attentions or hidden states, the layers to keep, as
             indices into each output's tuple of layers (negative from the end; hidden states count the
-            embeddings as entry 0, so `[-1]` is the last layer of both); default all.
+            embeddings as entry 0, so `[-1]` is the last layer of both); default all. Kept in layer
+            order, each once.
         heads (`Sequence[int]`, *optional*): with attentions, the heads to keep (negative from the
-            end); default all.
+            end); default all. Kept in head order, each once (`Generation.layers["heads"]` lists them).
         newest_position_only (`bool`, *optional*, defaults to False): with attentions or hidden states,
             keep only the newest position of each step: the prefill's attentions shrink from
             `(rows, heads, prompt, prompt)` to `(rows, heads, 1, prompt)` and its hidden states to
@@ -259,14 +261,14 @@ class Recorder(Readable, LogitsProcessor, StoppingCriteria):
     def _end_generation(self, capture: Capture, output: Any, error: BaseException | None) -> None:
         try:
             if capture.started:
-                if capture.accumulates_on_device and not self._warned_accumulation:
+                if capture.kept_on_device and not self._warned_accumulation:
                     self._warned_accumulation = True
+                    flags = ", ".join(f"`{flag}`" for flag in capture.kept_on_device)
                     warnings.warn(
-                        "this generate() call ran with `output_scores`/`output_logits` and "
-                        "`return_dict_in_generate=True` (from its arguments or the model's "
-                        "generation_config), so it kept every step's scores on the device "
-                        "as well; the Recorder already has them. Drop those options to keep device "
-                        "memory flat.",
+                        f"this generate() call ran with `return_dict_in_generate=True` and {flags} (from its "
+                        "arguments or the model's generation_config), so generate() also kept those outputs "
+                        "of every step on the device until it returned. The Recorder records what its "
+                        "`streams` name without them: drop those options to keep device memory flat.",
                         DeviceAccumulationWarning,
                         stacklevel=3,
                     )
