@@ -6,11 +6,12 @@
 
 Greedy decoding on SmolLM2-135M-Instruct (CPU, float32), forced to `--steps` new tokens. `none` is
 stock generate() without outputs (the baseline: its own growth is the KV cache), `memory` the
-in-memory Recorder, `spill` the Recorder writing shards. Peak RSS comes from `getrusage` (the kernel's
-high-water mark), read when the decoding loop reaches `--checkpoint` and after generate() returns, so
-"growth" is how much the peak rose over the last `steps - checkpoint` steps. `--streams` is the
-Recorder's `streams` (with `attentions`, the model loads with eager attention, for every store).
-Prints one JSON object.
+in-memory Recorder, `spill` the Recorder writing shards. Peak RSS is the kernel's high-water mark
+(Linux `VmHWM`, started over once the model is loaded, whose own transient peak depends on timing;
+`getrusage` elsewhere), read when the decoding loop reaches `--checkpoint` and after generate()
+returns, so "growth" is how much the peak rose over the last `steps - checkpoint` steps. `--streams`
+is the Recorder's `streams` (with `attentions`, the model loads with eager attention, for every
+store). Prints one JSON object.
 Run each store in its own process: a peak never goes down.
 """
 
@@ -41,9 +42,27 @@ PROMPTS = [
 
 
 def peak_mib() -> float:
-    """The process's peak resident set so far, in MiB (`ru_maxrss` is KiB on Linux)."""
-    scale = 1 if sys.platform == "darwin" else 1024  # macOS reports bytes
+    """The process's peak resident set since `reset_peak()` (Linux `VmHWM`), or since it started
+    (`ru_maxrss` elsewhere: KiB on Linux, bytes on macOS), in MiB."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    scale = 1 if sys.platform == "darwin" else 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**20
+
+
+def reset_peak() -> None:
+    """Start the peak over from the current resident set (Linux: `echo 5 > /proc/self/clear_refs`), so
+    that loading the model, whose transient peak depends on timing, does not hide what follows."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        pass
 
 
 class PeakAt(LogitsProcessor):
@@ -76,6 +95,7 @@ def main() -> None:
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
     common = dict(max_new_tokens=args.steps, min_new_tokens=args.steps, pad_token_id=tokenizer.pad_token_id)
     model.generate(**batch, max_new_tokens=2, pad_token_id=tokenizer.pad_token_id)  # warm-up
+    reset_peak()
     loaded = peak_mib()
 
     checkpoint = PeakAt(args.checkpoint)
