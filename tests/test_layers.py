@@ -433,3 +433,46 @@ def test_numpy_integers_are_indices():
     assert rec.generation().layer_indices == {"attentions": (1,)}
     assert len(rec.attentions(layers=np.array([1]))[0]) == 1
     assert rec.layer_array("attentions", np.int64(-1)).values.shape[1] == 1
+
+
+@pytest.mark.parametrize("mode", ["greedy", "beam_search"])
+def test_a_processor_running_the_model_adds_no_step(mode, tmp_path):
+    """Classifier-free guidance's processor runs the model once more per step: not a step."""
+    model = make_tiny("llama", attn_implementation="eager")
+    batch = left_padded_batch()
+    kwargs = dict(MODES[mode], max_new_tokens=NEW_TOKENS, guidance_scale=1.5)
+    reference = _reference(model, batch, **kwargs)
+    sequences, rec = _record(model, batch, "open_recording", tmp_path, **kwargs)
+    assert torch.equal(sequences, reference.sequences)
+    _assert_nested_equal(rec.attentions(), reference.attentions, "attentions")
+    _assert_nested_equal(rec.hidden_states(), reference.hidden_states, "hidden_states")
+    assert all(torch.equal(a, b) for a, b in zip(rec.scores(), reference.scores))
+
+
+def test_encoder_and_decoder_with_different_head_counts(tmp_path):
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    config = BartConfig(
+        vocab_size=128, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+        pad_token_id=0, eos_token_id=1, bos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None,
+    )
+    torch.manual_seed(0)
+    model = BartForConditionalGeneration._from_config(config, attn_implementation="eager").eval()
+    batch = left_padded_batch()
+    reference = _reference(model, batch, max_new_tokens=4)
+    _, rec = _record(model, batch, "open_recording", tmp_path, options={"heads": [1, -1]}, max_new_tokens=4)
+    assert rec.generation().layers["heads"] == {"encoder_attentions": [1, 3], "decoder_attentions": [1],
+                                                "cross_attentions": [1]}
+    (encoder, *_) = rec.encoder_attentions()
+    assert torch.equal(encoder, reference.encoder_attentions[0][:, [1, 3]])
+    assert torch.equal(rec.decoder_attentions()[2][0], reference.decoder_attentions[2][0][:, [1]])
+
+
+def test_a_layer_array_of_no_steps_keeps_the_dtype_and_leading_shape():
+    model = make_tiny("gpt2", attn_implementation="eager").to(torch.bfloat16)
+    with Recorder(model, streams=("attentions",)) as rec:
+        model.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=3)
+    array = rec.layer_array("attentions", 0, steps=slice(2, 2))
+    assert array.values.shape == (3, 2, 0, 0) and array.values.dtype == torch.bfloat16
+    assert array.lengths.shape == (0,) and array.steps.shape == (0,)

@@ -11,6 +11,7 @@ from transformers_offload import Recorder, UnsupportedModeError, _compat, open_r
 from .conftest import ENCODER_DECODERS, EOS, PAD, left_padded_batch, make_tiny
 from .helpers import (
     HAS_OUTPUT_LOGITS,
+    HF_LOGITS_EXACT,
     TRANSFORMERS,
     assert_same_beam_rows,
     assert_steps_equal,
@@ -211,3 +212,21 @@ def test_group_beam_search(case, reader, tiny_model, tmp_path, record_property):
     assert_steps_equal(rec.scores(), reference.scores, "scores")
     prompt = batch["input_ids"].shape[1]
     _assert_rows_hold_the_sequences(rec.beam_indices(), sequences, prompt, rec.tokens(), rec.beam_parents())
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_a_processor_that_runs_the_model_does_not_shift_the_raw_logits(mode):
+    """Classifier-free guidance's processor runs one more forward per step, inside the processor list:
+    beam search's raw logits (taken from the forward) must come from the decoding loop's own."""
+    model = make_tiny("llama")
+    kwargs = dict(MODES[mode], max_new_tokens=8, guidance_scale=1.5)
+    logits = {"output_logits": True} if HF_LOGITS_EXACT else {}
+    torch.manual_seed(0)
+    reference = model.generate(**left_padded_batch(), **kwargs, return_dict_in_generate=True, output_scores=True, **logits)
+    with Recorder(model) as rec:
+        torch.manual_seed(0)
+        sequences = model.generate(**left_padded_batch(), logits_processor=[rec], **kwargs)
+    assert torch.equal(sequences, reference.sequences)
+    assert_steps_equal(rec.scores(), reference.scores, "scores")
+    if HF_LOGITS_EXACT:  # out.logits is exact from 4.40
+        assert_steps_equal(rec.logits(), reference.logits, "logits")

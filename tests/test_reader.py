@@ -449,8 +449,8 @@ LAYER_DAMAGE = {
         "manifest.json", "names a layer that `layers.counts` does not have", False,
     ),
     "more heads kept than recorded": (
-        lambda root: _edit_layers_manifest(root, lambda g: g["layers"].update(heads=[0, 1, 2])),
-        "manifest.json", "holds 2 heads, `layers.heads` lists 3", False,
+        lambda root: _edit_layers_manifest(root, lambda g: g["layers"].update(heads={"attentions": [0, 1, 2]})),
+        "manifest.json", "holds 2 heads, `layers.heads` lists \\[0, 1, 2\\]", False,
     ),
     "heads not a list": (
         lambda root: _edit_layers_manifest(root, lambda g: g["layers"].update(heads="all")),

@@ -9,7 +9,8 @@ receives `log_softmax(logits)`), and for attentions and hidden states (`_layers`
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -81,7 +82,8 @@ class Capture:
         self.streams = streams
         self.layer_tap = layer_tap  # attentions and hidden states, when the recorder records them
         self._layer_names: list[str] = []  # per-step layer streams, known from the first forward
-        self._forwards = 0
+        self._forwards = 0  # forwards of the decoding loop so far
+        self._in_lists = 0  # > 0 while the processor or criteria list runs
         self.ring_slots = ring_slots
         self.threaded = threaded
         self.open_store = open_store
@@ -178,10 +180,22 @@ class Capture:
         return self.mode == _compat.GROUP_BEAM_MODE
 
     # -- taps, inside the decoding loop --------------------------------------------------------------
+    @contextlib.contextmanager
+    def inside_a_list(self) -> Iterator[None]:
+        """While the processor or stopping-criteria list runs: a forward of the model there is not the
+        decoding loop's (classifier-free guidance's processor runs one per step, a user's may too)."""
+        self._in_lists += 1
+        try:
+            yield
+        finally:
+            self._in_lists -= 1
+
     def on_forward(self, output: Any) -> None:
         """Record the selected attentions and hidden states of this step's forward. Beam search: keep
         its next-token logits as transformers takes them. Assisted decoding: note that the recorded
-        model (not the assistant) ran."""
+        model (not the assistant) ran. Forwards made by a processor or criterion are ignored."""
+        if self._in_lists:
+            return
         if self.is_assisted:
             self._target_forward = True
         if self.layer_tap is not None:

@@ -291,8 +291,14 @@ def _check_layers(entry: dict[str, Any], root: Path, path: Path, where: str, fil
         if not all(kind in LAYER_KINDS and _count(n) for kind, n in counts.items()):
             raise RecordingError(path, f"{where}: `layers.counts` must map output names to layer counts, got {counts!r}.")
         heads = layers.get("heads")
-        if heads is not None and not (isinstance(heads, list) and all(_count(h) for h in heads)):
-            raise RecordingError(path, f"{where}: `layers.heads` must list head indices or be null, got {heads!r}.")
+        if heads is not None and not (
+            isinstance(heads, dict)
+            and all(kind in ATTENTION_KINDS and isinstance(kept, list) and all(_count(h) for h in kept)
+                    for kind, kept in heads.items())
+        ):
+            raise RecordingError(
+                path, f"{where}: `layers.heads` must map attention outputs to head indices, or be null; got {heads!r}."
+            )
         if not isinstance(layers.get("newest_position_only"), bool):
             raise RecordingError(path, f"{where}: `layers.newest_position_only` must be true or false.")
     encoder = entry.get("encoder")
@@ -318,8 +324,10 @@ def _check_layers(entry: dict[str, Any], root: Path, path: Path, where: str, fil
                 path, f"{where}: stream {name!r} names a layer that `layers.counts` does not have ({layers and layers['counts']})."
             )
         heads = layers["heads"]
-        if kind in ATTENTION_KINDS and heads is not None and stream["shape"][1] != len(heads):
-            raise RecordingError(path, f"{where}: stream {name!r} holds {stream['shape'][1]} heads, `layers.heads` lists {len(heads)}.")
+        if kind in ATTENTION_KINDS and heads is not None and stream["shape"][1] != len(heads.get(kind, ())):
+            raise RecordingError(
+                path, f"{where}: stream {name!r} holds {stream['shape'][1]} heads, `layers.heads` lists {heads.get(kind)}."
+            )
 
 
 def _count(value: Any) -> bool:

@@ -75,7 +75,8 @@ class _TappedProcessorList(_compat.LogitsProcessorList):
         group = kwargs.get("beam_group_idx")  # group beam search calls the list once per group
         if self._raw:
             self._capture.on_raw(input_ids, scores, group)
-        scores = super().__call__(input_ids, scores, **kwargs)
+        with self._capture.inside_a_list():
+            scores = super().__call__(input_ids, scores, **kwargs)
         if self._processed:
             self._capture.on_processed(input_ids, scores, group)
         return scores
@@ -89,7 +90,8 @@ class _TappedCriteriaList(_compat.StoppingCriteriaList):
         self._capture = capture
 
     def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> Any:
-        is_done = super().__call__(input_ids, scores, **kwargs)
+        with self._capture.inside_a_list():
+            is_done = super().__call__(input_ids, scores, **kwargs)
         self._capture.on_stopping(input_ids, is_done)
         return is_done
 

@@ -161,7 +161,9 @@ class LayerReading:
             parts, numbers = [self._read_once(name, rows, "pt")], [0]
         else:
             parts, numbers = list(self._get(name, steps, rows, "pt")), list(step_range(steps, self.num_steps))
-        array = _join_positions(parts, numbers)
+        # No step selected: an empty array of the recorded dtype and leading shape (read from step 0).
+        like = parts[0] if parts else self._get(name, range(0, 1), rows, "pt")[0] if self.num_steps else None
+        array = _join_positions(parts, numbers, like)
         return LayerArray(*(as_framework(part, name, framework) for part in array))
 
     @property
@@ -222,11 +224,13 @@ class LayerReading:
         raise NotImplementedError
 
 
-def _join_positions(parts: list[torch.Tensor], steps: list[int]) -> LayerArray:
-    """Concatenate per-step tensors `(..., positions, width)` along positions, zero-padding widths."""
+def _join_positions(parts: list[torch.Tensor], steps: list[int], like: torch.Tensor | None) -> LayerArray:
+    """Concatenate per-step tensors `(..., positions, width)` along positions, zero-padding widths
+    (none: an empty array shaped and typed like `like`, if there is one)."""
     if not parts:
         empty = torch.zeros(0, dtype=torch.int64)
-        return LayerArray(torch.zeros(0), empty, empty)
+        values = torch.zeros(0) if like is None else torch.zeros((*like.shape[:-2], 0, 0), dtype=like.dtype)
+        return LayerArray(values, empty, empty)
     width = max(part.shape[-1] for part in parts)
     positions = sum(part.shape[-2] for part in parts)
     values = torch.zeros((*parts[0].shape[:-2], positions, width), dtype=parts[0].dtype)

@@ -81,7 +81,7 @@ class LayerTap:
         self.kinds = kinds
         self.selection = selection
         self.counts: dict[str, int] = {}  # layers (tuple entries) of each recorded output
-        self.heads: tuple[int, ...] | None = None  # the selected heads, resolved
+        self.heads: dict[str, list[int]] = {}  # per attention output, the selected heads, resolved
         self._layers: dict[str, tuple[int, ...]] = {}
         self._heads: dict[tuple[int, torch.device], Any] = {}  # (head count, device) -> index or slice
         self.encoder_output: Any = None  # what the encoder's forward returned, until the first step
@@ -113,7 +113,8 @@ class LayerTap:
             self.counts[kind] = len(tensors)
             self._layers[kind] = resolve(self.selection.layers, len(tensors), f"`layers` for {kind}")
             if kind in _format.ATTENTION_KINDS and self.selection.heads is not None:
-                self.heads = resolve(self.selection.heads, tensors[0].shape[1], "`heads`")
+                # Resolved per output: an encoder and a decoder may have different head counts.
+                self.heads[kind] = list(resolve(self.selection.heads, tensors[0].shape[1], "`heads`"))
             names = [_format.layer_stream(kind, layer) for layer in self._layers[kind]]
             (once if kind in _format.ENCODER_KINDS else per_step).extend(names)
         return per_step, once
@@ -122,7 +123,7 @@ class LayerTap:
         """The manifest's `layers` entry (once `names` has seen the first output)."""
         return {
             "counts": dict(self.counts),
-            "heads": None if self.heads is None else list(self.heads),
+            "heads": None if self.selection.heads is None else dict(self.heads),
             "newest_position_only": self.selection.newest_position_only,
         }
 

@@ -102,7 +102,8 @@ class HostRing:
         Raises:
             BaseException: what the drain raised (threaded ring).
         """
-        for slot in sorted((s for s in self._slots if s.step is not None), key=lambda s: s.step):
+        # Only slots not yet handed over: the drainer thread resets the step of those it released.
+        for slot in sorted((s for s in self._slots if s.step is not None and not s.submitted), key=lambda s: s.step):
             self._submit(slot)
         for slot in self._slots:
             slot.free.wait()

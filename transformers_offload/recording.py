@@ -106,7 +106,8 @@ class Generation(LayerReading):
         stats (`TransferStats | None`): transfer counters of the recording process; None when read back
             from a directory.
         layers (`dict | None`): with attentions or hidden states, what was selected: `counts` (layers
-            of each output in the model), `heads` (None: all) and `newest_position_only`; else None.
+            of each output in the model), `heads` (per attention output, the kept heads; None: all) and
+            `newest_position_only`; else None.
             `layer_indices` lists the recorded layers.
     """
 
