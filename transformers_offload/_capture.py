@@ -218,7 +218,8 @@ class Capture:
             self._layer_names = per_step
         for name, tensor in self.layer_tap.pick(output, first=step == 0):
             self.ring.put(step, name, tensor)
-        self.layer_tap.encoder_output = None  # copied: the capture keeps no reference to it
+        if step == 0:
+            self.layer_tap.encoder_output = None  # copied: the capture keeps no reference to it
 
     def on_encoder(self, output: Any) -> None:
         """An encoder-decoder model's encoder ran (before the decoding loop): its outputs are recorded

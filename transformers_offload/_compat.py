@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import inspect
 import re
+import warnings
 from typing import Any
 
 import torch
@@ -146,14 +147,18 @@ def outputs_kept_on_device(generation_config: Any) -> list[str]:
     return [flag for flag in flags if getattr(generation_config, flag, False)]
 
 
+def text_config(config: Any) -> Any:
+    """The config of the model's text decoder: `get_text_config()` (4.46+) for composite models, else
+    the config itself."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def attention_implementations(model: Any) -> set[str]:
     """The attention implementations `model`'s configs name (`config._attn_implementation`, private but
     present on every release from 4.36; sdpa models fall back to eager for attention weights up to
     4.57 with a warning, and return none from 5.0)."""
     config = getattr(model, "config", None)
-    configs = [config]
-    if hasattr(config, "get_text_config"):  # 4.46+: composite models keep their decoder's config apart
-        configs.append(config.get_text_config())
+    configs = [config, text_config(config)]  # composite models keep their decoder's config apart
     found = {getattr(c, "_attn_implementation", None) for c in configs if c is not None}
     return {str(name) for name in found if name is not None}
 
@@ -208,6 +213,17 @@ def final_tap_on_warper_list(mode: str, do_sample: bool) -> bool:
     `LogitNormalization`).
     """
     return HAS_SEPARATE_WARPER_LIST and (mode == "sample" or (mode == ASSISTED_MODE and bool(do_sample)))
+
+
+def read_slice(view: Any, start: int | None, stop: int | None) -> torch.Tensor:
+    """`view[start:stop]` of a safetensors slice (`safe_open(...).get_slice(name)`), read from the file.
+
+    safetensors 0.4 indexes torch tensors with a list internally, which torch 2.x warns about; the
+    warning is about safetensors' code, not ours, so it is silenced here.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Using a non-tuple sequence for multidimensional indexing", UserWarning)
+        return view[start:stop]
 
 
 def errno_in_message(message: str) -> int | None:

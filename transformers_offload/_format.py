@@ -86,6 +86,10 @@ class RecordingError(ValueError):
         self.path = Path(path)
         super().__init__(f"{self.path}: {problem}")
 
+# The same dtypes as safetensors names them in a file's header (`get_slice(name).get_dtype()`).
+SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64",
+                      "I64": "int64", "I32": "int32", "BOOL": "bool"}
+
 
 def dtype_name(dtype: torch.dtype) -> str:
     """`torch.float32` -> `"float32"`, the name the manifest uses."""

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import _compat, _layers
+from . import _compat
 from ._capture import Capture, check_mode
 
 _ABSENT = object()
@@ -237,7 +237,7 @@ class ModelHooks:
         capture = _active_capture(self._model_ref())
         if capture is None or capture.layer_tap is None:
             return None
-        return args, _layers.ask_forward(kwargs, capture.streams)
+        return args, capture.layer_tap.ask(kwargs)
 
     def _on_encoder_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         capture = _active_capture(self._model_ref())

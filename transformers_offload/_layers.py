@@ -33,7 +33,7 @@ _KINDS = {
     (True, "hidden_states"): ("encoder_hidden_states", "decoder_hidden_states"),
 }
 # What the forward must be asked for, per Recorder stream.
-FLAGS = {"attentions": "output_attentions", "hidden_states": "output_hidden_states"}
+_FLAGS = {"attentions": "output_attentions", "hidden_states": "output_hidden_states"}
 
 
 def kinds(streams: Sequence[str], is_encoder_decoder: bool) -> tuple[str, ...]:
@@ -73,13 +73,14 @@ class Selection:
     newest_position_only: bool = False
 
 
-
 class LayerTap:
     """Picks the selected per-layer tensors out of each forward output of one `generate()` call."""
 
-    def __init__(self, kinds: tuple[str, ...], selection: Selection) -> None:
+    def __init__(self, kinds: tuple[str, ...], selection: Selection, streams: Sequence[str]) -> None:
         self.kinds = kinds
         self.selection = selection
+        # The keyword arguments each forward of the call gets (`ask`), set once.
+        self.forward_flags = {_FLAGS[stream]: True for stream in streams if stream in _FLAGS}
         self.counts: dict[str, int] = {}  # layers (tuple entries) of each recorded output
         self.heads: dict[str, list[int]] = {}  # per attention output, the selected heads, resolved
         self._layers: dict[str, tuple[int, ...]] = {}
@@ -118,6 +119,10 @@ class LayerTap:
             names = [_format.layer_stream(kind, layer) for layer in self._layers[kind]]
             (once if kind in _format.ENCODER_KINDS else per_step).extend(names)
         return per_step, once
+
+    def ask(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """A forward's keyword arguments with the outputs the recorder records switched on."""
+        return {**kwargs, **self.forward_flags}
 
     def header(self) -> dict[str, Any]:
         """The manifest's `layers` entry (once `names` has seen the first output)."""
@@ -180,7 +185,7 @@ def selection(model: Any, streams: tuple[str, ...], layers: Any, heads: Any, new
     if heads is not None and "attentions" not in streams:
         raise ValueError("`heads` selects attention heads: add \"attentions\" to `streams`.")
     config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = _compat.text_config(config)
     if records and not getattr(config, "is_encoder_decoder", False):
         count = getattr(text, "num_hidden_layers", None)
         if isinstance(count, int) and layers is not None:
@@ -229,7 +234,3 @@ def require_eager(model: Any) -> None:
             "attn_implementation=\"eager\")`), or drop \"attentions\" from `streams`."
         )
 
-
-def ask_forward(kwargs: dict[str, Any], streams: Sequence[str]) -> dict[str, Any]:
-    """A forward's keyword arguments with the outputs `streams` need switched on."""
-    return {**kwargs, **{FLAGS[stream]: True for stream in streams if stream in FLAGS}}

@@ -17,15 +17,13 @@ class MemoryStore:
     def __init__(self, names: list[str]) -> None:
         self._names = list(names)
         self._once: set[str] = set()
-        self._layers: dict[str, Any] | None = None
         self._steps: dict[str, dict[int, torch.Tensor]] = {}
 
     def add_streams(self, names: list[str], once: list[str], layers: dict[str, Any]) -> None:
         """More streams, before the first drain: per-step `names`, and `once` (recorded at step 0 only,
-        the encoder's outputs); `layers` describes the selection (the manifest's `layers` entry)."""
+        the encoder's outputs). `layers` (the selection) reaches the `Generation` through the header."""
         self._names += names
         self._once.update(once)
-        self._layers = layers
 
     def drain(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
         """Keep a copy of `tensors` (host slot buffers that the ring reuses) for `step`."""

@@ -8,7 +8,6 @@ whole shard to return one step.
 
 from __future__ import annotations
 
-import warnings
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -16,13 +15,10 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from . import _format
+from . import _compat, _format
 from ._format import RecordingError
 
 _OPEN_SHARDS = 64  # shard files kept open per generation (least recently used are dropped)
-# safetensors' names of the dtypes a recording holds.
-_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64",
-                       "I64": "int64", "I32": "int32", "BOOL": "bool"}
 
 
 class ShardSource:
@@ -75,9 +71,8 @@ class ShardSource:
                 total += self._shard(shard).ends(name)[count - 1]
         return total
 
-    def read_once(self, name: str, rows: Any) -> torch.Tensor:
-        tensor = self._encoder().dense(name)
-        return tensor if rows is None else tensor[rows]
+    def read_once(self, name: str) -> torch.Tensor:
+        return self._encoder().dense(name)
 
     def close(self) -> None:
         """Drop the open files (tensors already returned keep their own memory or mapping)."""
@@ -124,7 +119,7 @@ class _Shard:
         """Steps `local` (within the shard) of ragged stream `name`: one read of the span they cover."""
         shapes, ends = self._shapes_of(name)
         start = ends[local.start - 1] if local.start else 0
-        span = _read(self.path, lambda: _slice(self._handle.get_slice(name), start, ends[local[-1]]))
+        span = _read(self.path, lambda: _compat.read_slice(self._handle.get_slice(name), start, ends[local[-1]]))
         picked = []
         for t in local:
             begin = (ends[t - 1] if t else 0) - start
@@ -136,7 +131,7 @@ class _Shard:
         found = self._shapes.get(name)
         if found is None:
             key = _format.shapes_key(name)
-            shapes = _read(self.path, lambda: _slice(self._handle.get_slice(key), None, None))
+            shapes = _read(self.path, lambda: _compat.read_slice(self._handle.get_slice(key), None, None))
             fixed = self._ragged[name]["shape"]
             ends = shapes.prod(dim=1).cumsum(0).tolist()
             total = self._handle.get_slice(name).get_shape()[0]
@@ -146,13 +141,6 @@ class _Shard:
                 raise RecordingError(self.path, f"the step shapes of {name!r} do not add up to its {total} values; the file is damaged.")
             found = self._shapes[name] = (shapes, ends)
         return found
-
-
-def _slice(view: Any, start: int | None, stop: int | None) -> torch.Tensor:
-    with warnings.catch_warnings():
-        # safetensors 0.4 indexes torch tensors with a list internally, which torch 2.x warns about.
-        warnings.filterwarnings("ignore", "Using a non-tuple sequence for multidimensional indexing", UserWarning)
-        return view[start:stop]
 
 
 def _read(path: Path, read: Any) -> Any:
@@ -225,7 +213,7 @@ def open_file(path: Path, what: str) -> tuple[Any, dict[str, str] | None, dict[s
         header = {}
         for name in handle.keys():
             view = handle.get_slice(name)
-            header[name] = (list(view.get_shape()), _SAFETENSORS_DTYPES.get(view.get_dtype(), view.get_dtype()))
+            header[name] = (list(view.get_shape()), _format.SAFETENSORS_DTYPES.get(view.get_dtype(), view.get_dtype()))
         return handle, handle.metadata(), header
     except (SafetensorError, OSError, RuntimeError) as error:
         raise RecordingError(path, f"not a readable safetensors {what} ({error}); the file is damaged.") from None

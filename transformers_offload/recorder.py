@@ -15,7 +15,7 @@ import transformers
 from transformers import GenerationMixin
 from transformers.generation import LogitsProcessor, StoppingCriteria
 
-from . import _hooks, _layers
+from . import _compat, _hooks, _layers
 from ._capture import Capture, UnsupportedModeError
 from ._memory_store import MemoryStore
 from ._shard_store import DEFAULT_SHARD_BYTES, Spill
@@ -254,7 +254,7 @@ class Recorder(Readable, LogitsProcessor, StoppingCriteria):
                 index=len(self._generations),
                 attention_mask=attention_mask,
                 threaded=_on_cuda(self._model),
-                layer_tap=_layers.LayerTap(kinds, self._selection) if kinds else None,
+                layer_tap=_layers.LayerTap(kinds, self._selection, self._streams) if kinds else None,
             )
             return self._active
 
@@ -330,7 +330,7 @@ def _on_cuda(model: Any) -> bool:
 
 def _model_info(model: Any) -> dict[str, Any]:
     config = getattr(model, "config", None)
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text_config = _compat.text_config(config)
     return {
         "class": type(model).__name__,
         "name_or_path": str(getattr(model, "name_or_path", "") or ""),

@@ -29,8 +29,8 @@ class StepSource(Protocol):
         """Steps `steps` of stream `name`, each indexed by `rows` (None: every row)."""
         ...
 
-    def read_once(self, name: str, rows: Any) -> torch.Tensor:
-        """Once-per-generation stream `name`, indexed by `rows` (None: every row)."""
+    def read_once(self, name: str) -> torch.Tensor:
+        """Once-per-generation stream `name` (mapped from disk: indexing it reads only what it picks)."""
         ...
 
 
@@ -43,9 +43,8 @@ class MemorySource:
         self.streams = tuple(streams)
         self.once_streams = tuple(self._once)
 
-    def read_once(self, name: str, rows: Any) -> torch.Tensor:
-        tensor = self._once[name]
-        return tensor if rows is None else tensor[rows]
+    def read_once(self, name: str) -> torch.Tensor:
+        return self._once[name]
 
     def read(self, name: str, steps: range, rows: Any) -> tuple[torch.Tensor, ...]:
         stored = self._streams[name]
@@ -243,11 +242,9 @@ class Generation(LayerReading):
 
     def _read_once(self, name: str, rows: Rows, framework: str) -> Any:
         check_framework(framework)
-        value = self._source.read_once(name, row_index(rows, self._once_rows(name)))
-        return as_framework(value, name, framework)
-
-    def _once_rows(self, name: str) -> int:
-        return self._source.read_once(name, None).shape[0]
+        value = self._source.read_once(name)
+        index = row_index(rows, value.shape[0])
+        return as_framework(value if index is None else value[index], name, framework)
 
     def _get(self, name: str, steps: Steps, rows: Rows, framework: str) -> tuple[Any, ...]:
         check_framework(framework)
