@@ -152,19 +152,19 @@ class LayerReading:
             raise ValueError(f"`kind` must be one of {_format.LAYER_KINDS}, got {kind!r}.")
         if isinstance(layer, bool) or not hasattr(layer, "__index__"):
             raise TypeError(f"`layer` must be an int (a layer index), got {layer!r}.")
-        if self.num_steps == 0 and kind not in self.layer_indices:
+        if self.num_steps == 0 and kind not in self.layer_indices:  # a call that failed before its first step
             step_range(steps, 0)  # checks the arguments
-            empty = torch.zeros(0, dtype=torch.int64)
-            return LayerArray(*(as_framework(part, kind, framework) for part in (torch.zeros(0), empty, empty)))
-        (name,) = self._layer_names(kind, [operator.index(layer)])
-        if kind in _format.ENCODER_KINDS:
-            parts, numbers = [self._read_once(name, rows, "pt")], [0]
+            array = _join_positions([], [], None)
         else:
-            parts, numbers = list(self._get(name, steps, rows, "pt")), list(step_range(steps, self.num_steps))
-        # No step selected: an empty array of the recorded dtype and leading shape (read from step 0).
-        like = parts[0] if parts else self._get(name, range(0, 1), rows, "pt")[0] if self.num_steps else None
-        array = _join_positions(parts, numbers, like)
-        return LayerArray(*(as_framework(part, name, framework) for part in array))
+            (name,) = self._layer_names(kind, [operator.index(layer)])
+            if kind in _format.ENCODER_KINDS:
+                parts, numbers = [self._read_once(name, rows, "pt")], [0]
+            else:
+                parts, numbers = list(self._get(name, steps, rows, "pt")), list(step_range(steps, self.num_steps))
+            # No step selected: an empty array of the recorded dtype and leading shape (read from step 0).
+            like = parts[0] if parts else self._get(name, range(0, 1), rows, "pt")[0] if self.num_steps else None
+            array = _join_positions(parts, numbers, like)
+        return LayerArray(*(as_framework(part, kind, framework) for part in array))
 
     @property
     def layer_indices(self) -> dict[str, tuple[int, ...]]:
