@@ -7,6 +7,7 @@ import os
 import platform
 import resource
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -34,6 +35,8 @@ def peak_rss_bytes() -> int:
 class MemoryProbe(StoppingCriteria):
     """A stopping criterion that never stops and notes `read()` once per step (after the token is
     appended): the memory-against-steps trace. Every case of a benchmark carries it, the baseline too.
+    It also notes the host clock (`time.perf_counter()`, seconds) in `times`: on a device, a step's
+    end as the host sees it (generate() waits for the device once per step).
 
     `read` must not synchronise with the device (`torch.cuda.memory_allocated` and the RSS are host
     counters). It returns a `(rows,)` bool tensor of False on `input_ids`' device, made once.
@@ -42,9 +45,11 @@ class MemoryProbe(StoppingCriteria):
     def __init__(self, read: Callable[[], int]) -> None:
         self.read = read
         self.trace: list[int] = []
+        self.times: list[float] = []
         self._never: torch.Tensor | None = None
 
     def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        self.times.append(time.perf_counter())
         self.trace.append(self.read())
         if self._never is None or self._never.shape[0] != input_ids.shape[0]:
             self._never = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)

@@ -1,20 +1,30 @@
 """Device memory and time on a GPU: stock generate() against generate() with outputs and the Recorder.
 
     python bench/gpu.py [--models llama-1.1b smollm2-135m] [--batch 64] [--new-tokens 1000]
-                        [--warmup-tokens N] [--budget-s 290] [--out bench/results]
+                        [--warmup-tokens 32] [--sdpa no-cudnn] [--budget-s 290] [--out bench/results]
     python bench/gpu.py --dry-run        # the same code end to end on CPU, tiny models, no GPU figures
 
-Per model, in one process and in this order: a warm-up of `--warmup-tokens` (default: as many as
-measured; on the H200 the first full-length call of a model ran about 3x slower than the later
-ones), stock generate (no outputs, the baseline), the Recorder in memory, generate with
-`output_scores` + `output_logits` (`return_dict_in_generate=True`), the Recorder spilling to
-`--spill-root`, and the baseline again (the two baseline timings are averaged; each case's
-sequences are compared with both baselines'). Greedy, bf16, batch 64, 1,000 new tokens with no end-of-sequence token (every row runs to
-the end), random prompts of 32 tokens. For each case: `torch.cuda.max_memory_allocated()` after
-`reset_peak_memory_stats()`, time between `torch.cuda.synchronize()` calls, and whether the
-sequences equal the baseline's. Every case, the baseline too, carries a stopping criterion that
-notes `torch.cuda.memory_allocated()` after each step (a host counter: no synchronisation), for the
-memory-against-steps plot.
+Per model, in one process and in this order: a warm-up call of `--warmup-tokens`, stock generate
+(no outputs, the baseline), the Recorder in memory, generate with `output_scores` + `output_logits`
+(`return_dict_in_generate=True`), the Recorder spilling to `--spill-root`, and the baseline again
+(the two baseline timings are averaged; each case's sequences are compared with each baseline's).
+Greedy, bf16, batch 64, 1,000 new tokens with no end-of-sequence token (every row runs to the end),
+random prompts of 32 tokens. For each case: `torch.cuda.max_memory_allocated()` after
+`reset_peak_memory_stats()`, time between `torch.cuda.synchronize()` calls, the process's CPU time
+(all threads), and whether the sequences equal the baselines'. Every case, the baseline too, carries
+a stopping criterion that notes `torch.cuda.memory_allocated()` and the host clock after each step
+(host counters: no synchronisation), for the memory and step-time plots.
+
+Attention runs without PyTorch's cuDNN backend (`--sdpa no-cudnn`, the default). On Hopper, PyTorch
+may pick cuDNN attention, which builds a plan for every new key length: every decode step of a
+model's first call. In the first H200 run (2026-11-30, cuDNN allowed) the first full-length call of
+each model took 41-46 s longer than the later ones (59 s against 18 s for llama-1.1b), about 40 ms per
+step whatever the model, so every case after it needed a full-length warm-up, and both models did not
+fit in 5 minutes. `--sdpa default` keeps PyTorch's choice; then pass `--warmup-tokens 1000`.
+
+Last, the ring alone: the host time per step of the four `HostRing.put` calls a greedy step makes
+(logits and scores `(batch, vocab)` float32, tokens, finished), with a drain that keeps nothing: the
+recorder's own per-step cost in `generate()`'s thread, without a model.
 
 Models are built from configs with random weights, on the GPU (no download, and the GPU machine
 reaches no network): `smollm2-135m` has SmolLM2-135M's exact shape (30 layers, vocabulary 49,152),
@@ -46,6 +56,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from _common import RESULTS, MemoryProbe, machine, plot_traces, print_table, rss_bytes, write_json  # noqa: E402
 from transformers_offload import Recorder  # noqa: E402
+from transformers_offload._transfer import HostRing  # noqa: E402
 
 SHAPES = {
     # SmolLM2-135M-Instruct's config.json (the real model of the CPU benchmarks), weights random.
@@ -93,13 +104,18 @@ class Meter:
             torch.cuda.reset_peak_memory_stats()
         initial = self.allocated()
         probe = MemoryProbe(self.allocated)
+        cpu_started = time.process_time()
         started = time.perf_counter()
         sequences = case(probe)
         if self.cuda:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - started
         peak = torch.cuda.max_memory_allocated() if self.cuda else max([initial, *probe.trace])
-        return {"sequences": sequences, "initial": initial, "peak": peak, "seconds": seconds, "trace": probe.trace}
+        # Milliseconds per step as the host saw it; the first one holds the prefill.
+        ends = [started, *probe.times]
+        step_ms = [round((b - a) * 1e3, 3) for a, b in zip(ends, ends[1:])]
+        return {"sequences": sequences, "initial": initial, "peak": peak, "seconds": seconds,
+                "cpu_seconds": time.process_time() - cpu_started, "trace": probe.trace, "step_ms": step_ms}
 
 
 def bench_model(name: str, args: argparse.Namespace, device: torch.device, deadline: float) -> dict[str, Any]:
@@ -142,7 +158,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, deadl
             CASES[4]: baseline}
     meter = Meter(device)
     warmup = time.perf_counter()
-    model.generate(**batch, max_new_tokens=args.warmup_tokens or args.new_tokens, do_sample=False)
+    model.generate(**batch, max_new_tokens=args.warmup_tokens, do_sample=False)
     if device.type == "cuda":
         torch.cuda.synchronize()
     print(f"[{name}] warm-up: {time.perf_counter() - warmup:.2f} s", flush=True)
@@ -165,6 +181,8 @@ def summarize(name: str, params: int, args: argparse.Namespace, results: dict[st
     base_seconds = sum(r["seconds"] for r in base_runs) / len(base_runs)
     base_increase = sum(r["peak"] - r["initial"] for r in base_runs) / len(base_runs)
     references = [r["sequences"].cpu() for r in base_runs]
+    steady = sorted(r["step_ms"][i] for r in base_runs for i in range(1, len(r["step_ms"])))
+    base_step_ms = steady[len(steady) // 2] if steady else None
     extra_outputs = None
     if CASES[2] in results:
         extra_outputs = results[CASES[2]]["peak"] - results[CASES[2]]["initial"] - base_increase
@@ -180,27 +198,67 @@ def summarize(name: str, params: int, args: argparse.Namespace, results: dict[st
             "extra_over_baseline_mib": extra / 2**20,
             "seconds": result["seconds"],
             "time_ratio_to_baseline": result["seconds"] / base_seconds,
-            # Equal to every baseline run's sequences (the two baselines are also compared).
-            "sequences_match": all(torch.equal(result["sequences"].cpu(), ref) for ref in references),
+            # Equal to each baseline run's sequences (the two baselines are also compared).
+            "matches_baselines": [torch.equal(result["sequences"].cpu(), ref) for ref in references],
+            "cpu_seconds": result["cpu_seconds"],
+            "median_step_ms": _median(result["step_ms"][1:]),
             "trace_mib": [round(v / 2**20, 2) for v in result["trace"]],
+            "step_ms": result["step_ms"],
         }
+        row["sequences_match"] = all(row["matches_baselines"])
         if extra_outputs and case.startswith("recorder"):
             row["extra_share_of_outputs_extra"] = extra / extra_outputs
         row.update(stats.get(case, {}))
         rows.append(row)
     return {"model": name, "parameters": params, "batch": args.batch, "new_tokens": args.new_tokens,
-            "baseline_seconds_mean": base_seconds, "cases": rows}
+            "baseline_seconds_mean": base_seconds, "baseline_median_step_ms": base_step_ms, "cases": rows}
 
 
-def report(models: list[dict[str, Any]]) -> None:
+def _median(values: list[float]) -> float | None:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else None
+
+
+def ring_cost(device: torch.device, batch: int, vocab: int, steps: int) -> dict[str, Any]:
+    """Host microseconds per step of a greedy step's four puts into a ring whose drain keeps nothing
+    (threaded on CUDA, as in the recorder), measured until the last put returns, then after the flush."""
+    cuda = device.type == "cuda"
+    tensors = {
+        "logits": torch.randn(batch, vocab, device=device),
+        "finished": torch.zeros(batch, dtype=torch.bool, device=device),
+        "scores": torch.randn(batch, vocab, device=device),
+        "tokens": torch.zeros(batch, dtype=torch.long, device=device),
+    }
+    timings = []
+    for _ in range(2):  # the first round allocates the slots
+        ring = HostRing(4, lambda step, drained: None, threaded=cuda)
+        if cuda:
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        for step in range(steps):
+            for name, tensor in tensors.items():
+                ring.put(step, name, tensor)
+        issued = time.perf_counter() - started
+        ring.flush()
+        if cuda:
+            torch.cuda.synchronize()
+        timings.append((issued, time.perf_counter() - started, ring.waits))
+    issued, total, waits = timings[-1]
+    return {"batch": batch, "vocab": vocab, "steps": steps, "host_us_per_step": issued / steps * 1e6,
+            "with_flush_us_per_step": total / steps * 1e6, "waits": waits,
+            "bytes_per_step": sum(t.numel() * t.element_size() for t in tensors.values())}
+
+
+def report(models: list[dict[str, Any]], ring: dict[str, Any] | None) -> None:
     for entry in models:
         print(f"\n{entry['model']} ({entry['parameters'] / 1e9:.2f} B parameters), batch {entry['batch']}, "
               f"{entry['new_tokens']} new tokens")
         print_table(
             ["case", "extra peak over baseline (MiB)", "share of outputs' extra", "time (s)", "x baseline",
-             "waits"],
+             "median step (ms)", "CPU time (s)", "waits", "matches baselines"],
             [[r["case"], r["extra_over_baseline_mib"], r.get("extra_share_of_outputs_extra", "-"), r["seconds"],
-              r["time_ratio_to_baseline"], r.get("waits", "-")] for r in entry["cases"]],
+              r["time_ratio_to_baseline"], r["median_step_ms"], r["cpu_seconds"], r.get("waits", "-"),
+              "/".join("yes" if m else "no" for m in r["matches_baselines"])] for r in entry["cases"]],
         )
         print()
         print_table(
@@ -209,6 +267,21 @@ def report(models: list[dict[str, Any]]) -> None:
               r["increase_mib"] * 2**20 / 1e6, r["seconds"], f"{(r['time_ratio_to_baseline'] - 1) * 100:+.1f}%",
               r["sequences_match"]] for r in entry["cases"]],
         )
+    if ring is not None:
+        print(f"\nthe ring alone: four puts per step, batch {ring['batch']}, vocabulary {ring['vocab']}, "
+              f"{ring['bytes_per_step'] / 1e6:.1f} MB per step")
+        print_table(["host time per step until the last put (us)", "with the flush (us)", "waits"],
+                    [[ring["host_us_per_step"], ring["with_flush_us_per_step"], ring["waits"]]])
+
+
+def sdpa_backends() -> dict[str, bool]:
+    """Which of PyTorch's attention backends are enabled (torch.backends.cuda flags)."""
+    flags = {}
+    for name in ("flash", "mem_efficient", "math", "cudnn"):
+        check = getattr(torch.backends.cuda, f"{name}_sdp_enabled", None)
+        if check is not None:
+            flags[name] = bool(check())
+    return flags
 
 
 def main() -> None:
@@ -216,7 +289,10 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=tuple(SHAPES), default=["llama-1.1b", "smollm2-135m"])
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=1000)
-    parser.add_argument("--warmup-tokens", type=int, help="new tokens of the warm-up call (default: --new-tokens)")
+    parser.add_argument("--warmup-tokens", type=int, default=32, help="new tokens of the warm-up call")
+    parser.add_argument("--sdpa", choices=("no-cudnn", "default"), default="no-cudnn",
+                        help="no-cudnn: attention without PyTorch's cuDNN backend (see above); default: "
+                        "PyTorch's own choice")
     parser.add_argument("--budget-s", type=float, default=290.0, help="start no case after this many seconds")
     parser.add_argument("--spill-root", help="where the spilling case writes (default: a temporary directory)")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -235,20 +311,33 @@ def main() -> None:
         device = torch.device("cuda")
     else:
         parser.error("no CUDA device is visible; run with --dry-run to check the script on CPU")
+    if args.sdpa == "no-cudnn" and hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
+        torch.backends.cuda.enable_cudnn_sdp(False)
     stem = "gpu-dry-run" if args.dry_run else "gpu"
-    models = []
+    record = {"machine": machine(), "dry_run": args.dry_run, "sdpa": args.sdpa, "sdpa_backends": sdpa_backends(),
+              "warmup_tokens": args.warmup_tokens, "models": [], "ring": None}
     for name in args.models:
-        models.append(bench_model(name, args, device, started + args.budget_s))
-        record = {"machine": machine(), "dry_run": args.dry_run, "wall_seconds": time.perf_counter() - started,
-                  "models": models}
+        record["models"].append(bench_model(name, args, device, started + args.budget_s))
+        record["wall_seconds"] = time.perf_counter() - started
         write_json(args.out / f"{stem}.json", record)  # after each model: a later timeout keeps it
-    report(models)
+    vocab = 1024 if args.dry_run else SHAPES[args.models[-1]]["vocab_size"]
+    record["ring"] = ring_cost(device, args.batch, vocab, steps=200)
+    record["wall_seconds"] = time.perf_counter() - started
+    write_json(args.out / f"{stem}.json", record)
+    models = record["models"]
+    report(models, record["ring"])
     plot_traces(
         args.out / f"{stem}.png",
         {f"{m['model']}, batch {m['batch']}": {r["case"]: [v / 1024 for v in r["trace_mib"]] for r in m["cases"]}
          for m in models},
         ylabel="device memory allocated (GiB)" if device.type == "cuda" else "resident set (GiB)",
         title=f"memory against steps ({'CPU dry run' if args.dry_run else machine().get('gpu', '')})",
+    )
+    plot_traces(
+        args.out / f"{stem}-step-time.png",
+        {f"{m['model']}, batch {m['batch']}": {r["case"]: r["step_ms"][1:] for r in m["cases"]} for m in models},
+        ylabel="step time seen by the host (ms)",
+        title=f"time per decode step ({'CPU dry run' if args.dry_run else machine().get('gpu', '')})",
     )
     print(f"total {time.perf_counter() - started:.1f} s")
 
