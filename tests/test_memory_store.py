@@ -47,6 +47,19 @@ def test_steps_are_kept_in_a_few_chunks_whatever_the_number_of_steps():
     assert len(_storages(tokens)) == 1 and tokens[7].dtype == torch.long
 
 
+def test_the_last_chunk_is_trimmed_to_what_it_holds(tmp_path):
+    store = MemoryStore(["logits"])
+    sources = [torch.randn(2, 50) for _ in range(3)]  # 400 bytes a step, in a 64 KiB first chunk
+    for step, source in enumerate(sources):
+        store.drain(step, {"logits": source})
+    logits = _finish(store, 3).read("logits", range(3), None)
+    assert all(torch.equal(a, b) for a, b in zip(logits, sources))
+    assert _storages(logits) == {logits[0].untyped_storage().data_ptr()}
+    assert logits[0].untyped_storage().nbytes() == 3 * 400
+    torch.save(logits, tmp_path / "logits.pt")  # what a user may do with `rec.logits()`
+    assert (tmp_path / "logits.pt").stat().st_size < 3 * 400 + 4096
+
+
 def test_the_store_copies_what_it_keeps():
     store = MemoryStore(["x"])
     slot = torch.ones(3)

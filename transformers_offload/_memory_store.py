@@ -42,6 +42,19 @@ class _Chunks:
         self._used += size
         return kept.copy_(tensor)
 
+    def trim(self, steps: dict[int, torch.Tensor]) -> None:
+        """Move the steps of the last chunk into one of their exact size (the rest of that chunk, up to
+        `CHUNK_BYTES_MAX`, would otherwise go along with them into `torch.save` or `pickle`)."""
+        chunk, self._chunk = self._chunk, None
+        if chunk is None or self._used == chunk.numel():
+            return
+        exact = chunk[: self._used].clone()
+        pointer = chunk.untyped_storage().data_ptr()
+        for step, tensor in steps.items():
+            if tensor.untyped_storage().data_ptr() == pointer:
+                start = tensor.storage_offset()
+                steps[step] = exact[start : start + tensor.numel()].view(tensor.shape)
+
 
 class MemoryStore:
     """Per-stream, per-step CPU tensors of one generation, in step order."""
@@ -80,6 +93,8 @@ class MemoryStore:
     def finish(self, num_steps: int, header: dict[str, Any], sequences: torch.Tensor | None,
                error: BaseException | None, *, ring_waits: int) -> Generation:
         """The first `num_steps` steps as a `Generation` (later steps are dropped)."""
+        for name, chunks in self._chunks.items():
+            chunks.trim(self._steps[name])
         streams = {
             name: tuple(self._steps.get(name, {})[t] for t in range(num_steps)) for name in self._names
         }
