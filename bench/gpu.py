@@ -206,7 +206,7 @@ def summarize(name: str, params: int, args: argparse.Namespace, results: dict[st
             "step_ms": result["step_ms"],
         }
         row["sequences_match"] = all(row["matches_baselines"])
-        if extra_outputs and case.startswith("recorder"):
+        if extra_outputs is not None and extra_outputs > 0 and case.startswith("recorder"):
             row["extra_share_of_outputs_extra"] = extra / extra_outputs
         row.update(stats.get(case, {}))
         rows.append(row)
@@ -251,7 +251,7 @@ def ring_cost(device: torch.device, batch: int, vocab: int, steps: int) -> dict[
 
 def report(models: list[dict[str, Any]], ring: dict[str, Any] | None) -> None:
     for entry in models:
-        print(f"\n{entry['model']} ({entry['parameters'] / 1e9:.2f} B parameters), batch {entry['batch']}, "
+        print(f"\n{entry['model']} ({entry['parameters'] / 1e6:,.1f} M parameters), batch {entry['batch']}, "
               f"{entry['new_tokens']} new tokens")
         print_table(
             ["case", "extra peak over baseline (MiB)", "share of outputs' extra", "time (s)", "x baseline",
@@ -303,6 +303,7 @@ def main() -> None:
     started = time.perf_counter()
     if args.dry_run:
         device = torch.device("cpu")
+        torch.set_num_threads(1)  # tiny models: more threads only add scheduling noise to the timings
         if args.batch == parser.get_default("batch"):
             args.batch = 4
         if args.new_tokens == parser.get_default("new_tokens"):

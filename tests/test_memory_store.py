@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+import gc
+import io
 import json
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -28,8 +32,11 @@ def _finish(store: MemoryStore, steps: int):
     return store.finish(steps, HEADER, None, None, ring_waits=0)._source
 
 
-def _storages(tensors) -> set[int]:
-    return {t.untyped_storage().data_ptr() for t in tensors}
+def _chunks_spanned(steps) -> int:
+    """How many separate blocks of memory hold `steps` (each starts where the previous one ended,
+    rounded up to the store's alignment, unless a new chunk began)."""
+    room = [-(-t.numel() * t.element_size() // _memory_store.ALIGNMENT) * _memory_store.ALIGNMENT for t in steps]
+    return 1 + sum(b.data_ptr() != a.data_ptr() + r for a, b, r in zip(steps, steps[1:], room))
 
 
 def test_steps_are_kept_in_a_few_chunks_whatever_the_number_of_steps():
@@ -42,22 +49,40 @@ def test_steps_are_kept_in_a_few_chunks_whatever_the_number_of_steps():
     assert all(torch.equal(a, b) for a, b in zip(logits, sources))
     assert all(t.is_contiguous() and not t.is_pinned() for t in logits)
     # 800 KB of logits: chunks of 64 KiB, 128 KiB, ... 512 KiB, not 2,000 allocations.
-    assert len(_storages(logits)) <= 5
+    assert _chunks_spanned(logits) <= 5
     tokens = kept.read("tokens", range(2000), None)
-    assert len(_storages(tokens)) == 1 and tokens[7].dtype == torch.long
+    assert _chunks_spanned(tokens) <= 2 and tokens[7].dtype == torch.long
 
 
-def test_the_last_chunk_is_trimmed_to_what_it_holds(tmp_path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.long, torch.bool])
+def test_each_step_serializes_as_its_own_bytes(dtype, tmp_path):
+    # Steps share chunks in memory; `pickle`, `torch.save` and `deepcopy` must still write one step's
+    # bytes per step (a view of a chunk would carry the whole chunk, once per step with `pickle`).
     store = MemoryStore(["logits"])
-    sources = [torch.randn(2, 50) for _ in range(3)]  # 400 bytes a step, in a 64 KiB first chunk
+    sources = [torch.randn(2, 50).to(dtype) for _ in range(60)]  # 400 bytes or less a step
     for step, source in enumerate(sources):
         store.drain(step, {"logits": source})
-    logits = _finish(store, 3).read("logits", range(3), None)
-    assert all(torch.equal(a, b) for a, b in zip(logits, sources))
-    assert _storages(logits) == {logits[0].untyped_storage().data_ptr()}
-    assert logits[0].untyped_storage().nbytes() == 3 * 400
-    torch.save(logits, tmp_path / "logits.pt")  # what a user may do with `rec.logits()`
-    assert (tmp_path / "logits.pt").stat().st_size < 3 * 400 + 4096
+    logits = _finish(store, 60).read("logits", range(60), None)
+    assert _chunks_spanned(logits) == 1
+    data = sum(t.numel() * t.element_size() for t in logits)
+    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in logits)
+    assert len(pickle.dumps(logits)) < data + 60 * 1024
+    buffer = io.BytesIO()
+    torch.save(logits, buffer)
+    assert len(buffer.getvalue()) < data + 60 * 1024
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(pickle.loads(pickle.dumps(logits)), sources))
+    assert all(torch.equal(a, b) for a, b in zip(copy.deepcopy(logits), sources))
+
+
+def test_a_step_kept_alone_outlives_the_store_and_its_neighbours():
+    store = MemoryStore(["logits"])
+    for step in range(10):
+        store.drain(step, {"logits": torch.full((3, 7), float(step))})
+    kept = _finish(store, 10).read("logits", range(10), None)[4]
+    del store
+    gc.collect()
+    assert torch.equal(kept, torch.full((3, 7), 4.0))
+    assert kept.numpy().sum() == 84.0  # NumPy reads the same memory
 
 
 def test_the_store_copies_what_it_keeps():
@@ -97,7 +122,7 @@ def test_a_step_larger_than_a_chunk_gets_a_chunk_of_its_own(monkeypatch):
         store.drain(step, {"x": source})
     kept = _finish(store, 3).read("x", range(3), None)
     assert all(torch.equal(a, b) for a, b in zip(kept, sources))
-    assert all(t.untyped_storage().nbytes() == 400 for t in kept)
+    assert _chunks_spanned(kept) == 3
 
 
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the resident set from /proc (Linux)")

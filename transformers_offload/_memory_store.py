@@ -1,13 +1,21 @@
 """The in-memory store: keeps each drained step as plain CPU tensors, per stream.
 
 A step's tensors are not allocated one by one: each stream packs its steps back to back into large
-flat CPU chunks (`_Chunks`), and a step is a view of its chunk. One allocation per step, interleaved
-with the model's own (a growing KV cache reallocated every step), pins the allocator's heap:
+CPU chunks (`_Chunks`). One allocation per step, interleaved with the model's own (a growing KV cache
+reallocated every step), pins the allocator's heap:
 `tests/scripts/memory_store_next_to_a_growing_cache.py 1024` (1,024 steps of `(1, 1000)` logits and
 scores next to a 30-layer cache grown by `torch.cat`) grew the resident set by 1,562 MiB for 31 MiB
-kept that way, and by 62 MiB with chunks. Chunks grow by doubling from `CHUNK_BYTES_MIN` up
-to `CHUNK_BYTES_MAX` (or one step, if larger), so a stream makes a handful of allocations however
-long the call runs, and the pages of a chunk not yet written are not resident.
+kept that way, and by 62 MiB with chunks. Chunks grow by doubling from `CHUNK_BYTES_MIN` up to
+`CHUNK_BYTES_MAX` (in whole steps: a stream whose steps keep their size leaves no unused tail), so a
+stream makes a handful of allocations however long the call runs, and the pages of a chunk not yet
+written are not resident.
+
+While the call runs, a step is a view of its chunk. When it ends, each step becomes a tensor of its
+own storage, exactly its bytes, over the same memory (`torch.frombuffer`): `pickle`, `torch.save` and
+`copy.deepcopy` then write that step's bytes and nothing else of its chunk (a view would carry the
+whole chunk, once per step with `pickle`). A chunk lives as long as any of its steps. (The steps are
+not made so while the call runs: the small objects each one needs, made between the KV cache's
+reallocations, pinned the heap again: 2.2 GB resident in the same script.)
 """
 
 from __future__ import annotations
@@ -20,40 +28,42 @@ from .recording import Generation, MemorySource, TransferStats
 
 CHUNK_BYTES_MIN = 64 * 2**10
 CHUNK_BYTES_MAX = 64 * 2**20
+ALIGNMENT = 64  # bytes: where each step starts in its chunk
 
 
 class _Chunks:
-    """One stream's steps, packed into flat CPU chunks (pageable memory) in the order they come."""
+    """One stream's steps, packed into CPU chunks (pageable memory) in the order they come."""
 
     def __init__(self) -> None:
-        self._chunk: torch.Tensor | None = None
-        self._used = 0  # elements of `_chunk` taken
+        self._chunk: torch.Tensor | None = None  # uint8, flat
+        self._used = 0  # bytes of `_chunk` taken
+        self.arrays: dict[int, Any] = {}  # a NumPy view of every chunk, by its address
 
     def keep(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A copy of `tensor` (any shape, CPU), as a view of the current chunk (or of a new one)."""
-        size = tensor.numel()
+        """A copy of `tensor` (any shape and dtype, CPU), as a view of the current chunk (or of a new one)."""
+        size = tensor.numel() * tensor.element_size()
+        if size == 0:
+            return torch.empty(tensor.shape, dtype=tensor.dtype)
+        room = -(-size // ALIGNMENT) * ALIGNMENT
         chunk = self._chunk
-        if chunk is None or chunk.dtype != tensor.dtype or chunk.numel() - self._used < size:
-            grown = 0 if chunk is None else 2 * chunk.numel() * chunk.element_size()
+        if chunk is None or chunk.numel() - self._used < size:
+            grown = 0 if chunk is None else 2 * chunk.numel()
             target = min(CHUNK_BYTES_MAX, max(CHUNK_BYTES_MIN, grown))
-            chunk = self._chunk = torch.empty(max(size, target // tensor.element_size()), dtype=tensor.dtype)
+            chunk = self._chunk = torch.empty(max(1, target // room) * room, dtype=torch.uint8)
+            self.arrays[chunk.data_ptr()] = chunk.numpy()
             self._used = 0
-        kept = chunk[self._used : self._used + size].view(tensor.shape)
-        self._used += size
+        kept = chunk[self._used : self._used + size].view(tensor.dtype).view(tensor.shape)
+        self._used += room
         return kept.copy_(tensor)
 
-    def trim(self, steps: dict[int, torch.Tensor]) -> None:
-        """Move the steps of the last chunk into one of their exact size (the rest of that chunk, up to
-        `CHUNK_BYTES_MAX`, would otherwise go along with them into `torch.save` or `pickle`)."""
-        chunk, self._chunk = self._chunk, None
-        if chunk is None or self._used == chunk.numel():
-            return
-        exact = chunk[: self._used].clone()
-        pointer = chunk.untyped_storage().data_ptr()
-        for step, tensor in steps.items():
-            if tensor.untyped_storage().data_ptr() == pointer:
-                start = tensor.storage_offset()
-                steps[step] = exact[start : start + tensor.numel()].view(tensor.shape)
+    def own_storage(self, kept: torch.Tensor) -> torch.Tensor:
+        """`kept` (what `keep` returned) as a tensor whose storage is exactly its bytes, same memory."""
+        array = self.arrays.get(kept.untyped_storage().data_ptr())
+        if array is None:
+            return kept  # an empty step: its own tensor already
+        start = kept.storage_offset() * kept.element_size()
+        view = array[start : start + kept.numel() * kept.element_size()]
+        return torch.frombuffer(view, dtype=kept.dtype).view(kept.shape)
 
 
 class MemoryStore:
@@ -84,7 +94,10 @@ class MemoryStore:
                 earlier.copy_(tensor)
                 continue
             # Pageable memory, never a clone of the slot (a clone of a pinned slot could stay pinned).
-            steps[step] = self._chunks.setdefault(name, _Chunks()).keep(tensor)
+            chunks = self._chunks.get(name)
+            if chunks is None:
+                chunks = self._chunks[name] = _Chunks()
+            steps[step] = chunks.keep(tensor)
 
     def has(self, name: str, step: int) -> bool:
         """Whether `step` of stream `name` reached the store."""
@@ -93,12 +106,11 @@ class MemoryStore:
     def finish(self, num_steps: int, header: dict[str, Any], sequences: torch.Tensor | None,
                error: BaseException | None, *, ring_waits: int) -> Generation:
         """The first `num_steps` steps as a `Generation` (later steps are dropped)."""
-        for name, chunks in self._chunks.items():
-            chunks.trim(self._steps[name])
-        streams = {
-            name: tuple(self._steps.get(name, {})[t] for t in range(num_steps)) for name in self._names
-        }
-        once = {name: self._steps[name][0] for name in self._once if 0 in self._steps.get(name, {})}
+        def own(name: str, step: int) -> torch.Tensor:
+            return self._chunks[name].own_storage(self._steps[name][step])
+
+        streams = {name: tuple(own(name, t) for t in range(num_steps)) for name in self._names}
+        once = {name: own(name, 0) for name in self._once if 0 in self._steps.get(name, {})}
         self._steps.clear()
         self._chunks.clear()
         return Generation(

@@ -215,7 +215,9 @@ class Recorder(Readable, LogitsProcessor, StoppingCriteria):
         return None if self._spill is None else self._spill.root
 
     def clear(self) -> None:
-        """Forget every recorded generation (frees their host memory).
+        """Forget every recorded generation, freeing their host memory: all of it once you hold none of
+        their tensors. A step's tensor you keep keeps the block of neighbouring steps it was stored in
+        (up to 64 MiB) until you drop it; `.clone()` the steps you keep to hold only their own bytes.
 
         Raises:
             ValueError: the recorder writes to `spill_dir`, whose recording stays on disk.
