@@ -7,7 +7,8 @@ launch the next kernels, and `generate()` waits for the device once per step. Wh
 does in `generate()`'s thread then adds to every step in full. This measures that work on CPU with a
 model so small (one Llama layer, hidden size 32, vocabulary 256, batch 1, one thread) that copying
 the tensors costs next to nothing and the difference is the recorder's Python: its taps, the ring's
-`put` calls, the store's `drain`. Cases, interleaved, `--repeats` times, each the median:
+`put` calls, the store's `drain` (and making and closing the Recorder, once per call). Cases,
+interleaved, `--repeats` times, each the median:
 
 - stock `generate()` (the baseline);
 - the Recorder in memory, draining in `generate()`'s thread (the CPU path);
