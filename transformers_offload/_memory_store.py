@@ -5,10 +5,10 @@ CPU chunks (`_Chunks`). One allocation per step, interleaved with the model's ow
 reallocated every step), pins the allocator's heap:
 `tests/scripts/memory_store_next_to_a_growing_cache.py 1024` (1,024 steps of `(1, 1000)` logits and
 scores next to a 30-layer cache grown by `torch.cat`) grew the resident set by 1,562 MiB for 31 MiB
-kept that way, and by 62 MiB with chunks. Chunks grow by doubling from `CHUNK_BYTES_MIN` up to
-`CHUNK_BYTES_MAX` (in whole steps: a stream whose steps keep their size leaves no unused tail), so a
-stream makes a handful of allocations however long the call runs, and the pages of a chunk not yet
-written are not resident.
+kept that way, and by 62-77 MiB with chunks (runs differ). Chunks grow by doubling from
+`CHUNK_BYTES_MIN` up to `CHUNK_BYTES_MAX` (in whole steps: a stream whose steps keep their size
+leaves no unused tail), so a stream makes a handful of allocations however long the call runs, and
+the pages of a chunk not yet written are not resident.
 
 While the call runs, a step is a view of its chunk. When it ends, each step becomes a tensor of its
 own storage, exactly its bytes, over the same memory (`torch.frombuffer`): `pickle`, `torch.save` and
