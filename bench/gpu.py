@@ -181,8 +181,7 @@ def summarize(name: str, params: int, args: argparse.Namespace, results: dict[st
     base_seconds = sum(r["seconds"] for r in base_runs) / len(base_runs)
     base_increase = sum(r["peak"] - r["initial"] for r in base_runs) / len(base_runs)
     references = [r["sequences"].cpu() for r in base_runs]
-    steady = sorted(r["step_ms"][i] for r in base_runs for i in range(1, len(r["step_ms"])))
-    base_step_ms = steady[len(steady) // 2] if steady else None
+    base_step_ms = _median([ms for r in base_runs for ms in r["step_ms"][1:]])
     extra_outputs = None
     if CASES[2] in results:
         extra_outputs = results[CASES[2]]["peak"] - results[CASES[2]]["initial"] - base_increase

@@ -129,7 +129,7 @@ def test_a_step_larger_than_a_chunk_gets_a_chunk_of_its_own(monkeypatch):
 def test_resident_memory_stays_near_the_data_next_to_a_growing_cache():
     # One allocation per kept step, between the model's own per-step reallocations, pinned the heap:
     # this very script grew the resident set by 1,562 MiB for 31 MiB kept before steps were packed into
-    # chunks (62-77 MiB after).
+    # chunks (62-78 MiB after).
     script = ROOT / "tests" / "scripts" / "memory_store_next_to_a_growing_cache.py"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, str(script), "1024"], env=env, capture_output=True, text=True,

@@ -5,7 +5,7 @@ CPU chunks (`_Chunks`). One allocation per step, interleaved with the model's ow
 reallocated every step), pins the allocator's heap:
 `tests/scripts/memory_store_next_to_a_growing_cache.py 1024` (1,024 steps of `(1, 1000)` logits and
 scores next to a 30-layer cache grown by `torch.cat`) grew the resident set by 1,562 MiB for 31 MiB
-kept that way, and by 62-77 MiB with chunks (runs differ). Chunks grow by doubling from
+kept that way, and by 62-78 MiB with chunks (runs differ). Chunks grow by doubling from
 `CHUNK_BYTES_MIN` up to `CHUNK_BYTES_MAX` (in whole steps: a stream whose steps keep their size
 leaves no unused tail), so a stream makes a handful of allocations however long the call runs, and
 the pages of a chunk not yet written are not resident.
@@ -35,24 +35,25 @@ class _Chunks:
     """One stream's steps, packed into CPU chunks (pageable memory) in the order they come."""
 
     def __init__(self) -> None:
-        self._chunk: torch.Tensor | None = None  # uint8, flat
-        self._used = 0  # bytes of `_chunk` taken
-        self.arrays: dict[int, Any] = {}  # a NumPy view of every chunk, by its address
+        self._chunk: torch.Tensor | None = None  # flat, in the stream's dtype
+        self._used = 0  # elements of `_chunk` taken
+        self.arrays: dict[int, Any] = {}  # every chunk's bytes as a NumPy array, by the chunk's address
 
     def keep(self, tensor: torch.Tensor) -> torch.Tensor:
         """A copy of `tensor` (any shape and dtype, CPU), as a view of the current chunk (or of a new one)."""
-        size = tensor.numel() * tensor.element_size()
+        size = tensor.numel()
         if size == 0:
             return torch.empty(tensor.shape, dtype=tensor.dtype)
-        room = -(-size // ALIGNMENT) * ALIGNMENT
+        itemsize = tensor.element_size()
+        room = -(-size * itemsize // ALIGNMENT) * ALIGNMENT // itemsize  # elements, so the next step is aligned
         chunk = self._chunk
-        if chunk is None or chunk.numel() - self._used < size:
-            grown = 0 if chunk is None else 2 * chunk.numel()
+        if chunk is None or chunk.dtype != tensor.dtype or chunk.numel() - self._used < size:
+            grown = 0 if chunk is None else 2 * chunk.numel() * chunk.element_size()
             target = min(CHUNK_BYTES_MAX, max(CHUNK_BYTES_MIN, grown))
-            chunk = self._chunk = torch.empty(max(1, target // room) * room, dtype=torch.uint8)
-            self.arrays[chunk.data_ptr()] = chunk.numpy()
+            chunk = self._chunk = torch.empty(max(1, target // (room * itemsize)) * room, dtype=tensor.dtype)
+            self.arrays[chunk.data_ptr()] = chunk.view(torch.uint8).numpy()
             self._used = 0
-        kept = chunk[self._used : self._used + size].view(tensor.dtype).view(tensor.shape)
+        kept = chunk[self._used : self._used + size].view(tensor.shape)
         self._used += room
         return kept.copy_(tensor)
 
