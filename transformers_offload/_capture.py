@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import _compat, _layers
+from . import _compat, _interrupts, _layers
 from ._transfer import HostRing
 from .recording import Generation
 
@@ -244,10 +244,11 @@ class Capture:
         if self.is_beam:
             self._step += 1
             step = self._step
+            # The previous step's token first: this step's first put may wait for a slot.
+            self._record_ancestry(step, input_ids)
             if "logits" in self.streams:
                 self.ring.put(step, "logits", self._take_forward_logits())
             self._put_running_beams_finished(step, input_ids.shape[0])
-            self._record_ancestry(step, input_ids)
             return
         if self.is_assisted and not self._target_forward:
             return  # an assistant's draft, or prompt lookup probing its candidates with made-up scores
@@ -298,7 +299,8 @@ class Capture:
             self.ring.put(step, "scores", scores)
 
     def on_stopping(self, input_ids: torch.Tensor, is_done: Any) -> None:
-        """Called after the step's token was appended, with the stopping criteria's verdict."""
+        """Called after the step's token was appended, with the stopping criteria's verdict (None when
+        a criterion raised: the token is recorded all the same, the call ends)."""
         if self.is_group:
             # Every row, after every group appended its tokens: the rows the next step starts from.
             if self._previous_ids is None:
@@ -322,7 +324,8 @@ class Capture:
         for step in range(self._tokens_until, last):  # assisted decoding accepts several tokens at once
             self.ring.put(step, "tokens", input_ids[:, self.prompt_length + step])
         self._tokens_until = last
-        self._finished = self._finished | _compat.rows_done(is_done, token, self.eos_ids)
+        if is_done is not None:
+            self._finished = self._finished | _compat.rows_done(is_done, token, self.eos_ids)
 
     def _record_ancestry(self, step: int, input_ids: torch.Tensor) -> None:
         rows = input_ids.shape[0]
@@ -356,6 +359,8 @@ class Capture:
         except Exception as late:  # noqa: BLE001 - kept, and raised once the recording is closed
             self._late_error = late
             error = error if error is not None else late
+        if error is None and _interrupts.pending():
+            error = KeyboardInterrupt()  # Ctrl-C held while the call ended: it is raised next
         self._previous_ids = None
         self._group_scores = None
         self._forward_logits = []

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import _compat
+from . import _compat, _interrupts
 from ._capture import Capture, check_mode
 
 _ABSENT = object()
@@ -74,11 +74,13 @@ class _TappedProcessorList(_compat.LogitsProcessorList):
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         group = kwargs.get("beam_group_idx")  # group beam search calls the list once per group
         if self._raw:
-            self._capture.on_raw(input_ids, scores, group)
+            with _interrupts.held():
+                self._capture.on_raw(input_ids, scores, group)
         with self._capture.inside_a_list():
             scores = super().__call__(input_ids, scores, **kwargs)
         if self._processed:
-            self._capture.on_processed(input_ids, scores, group)
+            with _interrupts.held():
+                self._capture.on_processed(input_ids, scores, group)
         return scores
 
 
@@ -90,9 +92,16 @@ class _TappedCriteriaList(_compat.StoppingCriteriaList):
         self._capture = capture
 
     def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> Any:
-        with self._capture.inside_a_list():
-            is_done = super().__call__(input_ids, scores, **kwargs)
-        self._capture.on_stopping(input_ids, is_done)
+        try:
+            with self._capture.inside_a_list():
+                is_done = super().__call__(input_ids, scores, **kwargs)
+        except BaseException:
+            # A criterion raised (or Ctrl-C came) after the step's token was appended: record it.
+            with contextlib.suppress(Exception), _interrupts.held():
+                self._capture.on_stopping(input_ids, None)
+            raise
+        with _interrupts.held():
+            self._capture.on_stopping(input_ids, is_done)
         return is_done
 
 
@@ -178,18 +187,26 @@ class ModelHooks:
                     return original(*args, **kwargs)
             config = _compat.provisional_generation_config(model, arguments.get("generation_config"), extra)
             check_mode(config, arguments.get("assistant_model"), recorder._streams)
-            capture = recorder._begin_generation(
-                assistant_model=arguments.get("assistant_model"),
-                custom_generate=arguments.get("custom_generate"),
-                attention_mask=_tensor_or_none(extra.get("attention_mask")),
-            )
-            try:
-                with _active(model, capture):
-                    output = original(*args, **kwargs)
-            except BaseException as error:
-                recorder._end_generation(capture, None, error)
-                raise
-            recorder._end_generation(capture, output, None)
+            # Ctrl-C is held while the recorder's own code runs, and the end of the call writes what
+            # was recorded before raising it (`_interrupts`).
+            with _interrupts.call():
+                capture = None
+                try:
+                    with _interrupts.held():
+                        capture = recorder._begin_generation(
+                            assistant_model=arguments.get("assistant_model"),
+                            custom_generate=arguments.get("custom_generate"),
+                            attention_mask=_tensor_or_none(extra.get("attention_mask")),
+                        )
+                    with _active(model, capture):
+                        output = original(*args, **kwargs)
+                except BaseException as error:
+                    if capture is not None:
+                        with _interrupts.ending():
+                            recorder._end_generation(capture, None, error)
+                    raise
+                with _interrupts.ending():
+                    recorder._end_generation(capture, output, None)
             return output
 
         generate.__wrapped__ = original  # type: ignore[attr-defined]
@@ -204,7 +221,8 @@ class ModelHooks:
                 # No recorded call, or a nested generate() that bypassed the wrapper: leave it alone.
                 return processors
             arguments = _bind(original, args, kwargs)
-            capture.start(arguments["generation_config"], arguments.get("input_ids_seq_length") or 0)
+            with _interrupts.held():
+                capture.start(arguments["generation_config"], arguments.get("input_ids_seq_length") or 0)
             on_warpers = _compat.final_tap_on_warper_list(capture.mode, capture.do_sample)
             kept = [p for p in processors if not _is_recorder(p)]
             return _TappedProcessorList(kept, capture, raw=True, processed=not on_warpers)
@@ -247,7 +265,8 @@ class ModelHooks:
     def _on_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         capture = _active_capture(module)
         if capture is not None and capture.started:
-            capture.on_forward(output)
+            with _interrupts.held():
+                capture.on_forward(output)
 
     # -- which recorder a call carries ---------------------------------------------------------------
     def _recorder_of_call(self, arguments: dict[str, Any]) -> Any:

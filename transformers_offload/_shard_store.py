@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 from safetensors.torch import save_file
 
-from . import _compat, _format
+from . import _compat, _format, _interrupts
 from ._shard_buffer import ShardBuffer
 from .reader import generation_from_entry
 from .recording import Generation, TransferStats
@@ -170,12 +170,11 @@ class ShardStore:
         """Copy one step's host tensors into its shard buffer; hand over every shard that is complete."""
         if self._raised:
             return  # a failure was raised in generate(); what remains is not written
+        taken = False
         try:
             self._raise_failure()
-            once = {name: tensors[name].clone() for name in self._once if name in tensors}
-            if once:  # a copy: the ring reuses its buffers
-                tensors = {name: tensor for name, tensor in tensors.items() if name not in once}
-                self._jobs.put((partial(self._write_encoder, once), None))
+            once = {name: tensors[name] for name in self._once if name in tensors}
+            tensors = {name: tensor for name, tensor in tensors.items() if name not in once}
             if not self._capacity:
                 self._capacity = self._steps_per_shard(tensors)
             if step < self._sealed_until:
@@ -183,12 +182,20 @@ class ShardStore:
                     f"transformers-offload: step {step} arrived after its shard was written; please "
                     "report this with your transformers version."
                 )
-            buffer = self._buffer_for(step // self._capacity)
+            buffer = self._buffer_for(step // self._capacity)  # may wait for the writer
+            taken = True
+            if once:  # a copy: the ring reuses its buffers
+                self._jobs.put((partial(self._write_encoder, {name: t.clone() for name, t in once.items()}), None))
             for name, tensor in tensors.items():
                 if name in self._ragged:
                     buffer.put_ragged(name, step, tensor, self._size_hints.get(name, 0))
                 else:
                     buffer.put(name, step, tensor)
+        except KeyboardInterrupt:
+            # Ctrl-C while waiting for a shard buffer: nothing of the step was taken, and the ring
+            # hands it over again. Later (a second Ctrl-C mid-copy), the step is half taken: stop.
+            self._raised = taken
+            raise
         except BaseException:
             self._raised = True  # later steps would leave a gap: keep what is complete so far
             raise
@@ -217,22 +224,29 @@ class ShardStore:
         if sequences is not None:
             self._jobs.put((partial(self._write_sequences, sequences), None))  # after the last shard
         self._jobs.put(None)
-        self._thread.join()
+        with _interrupts.waiting("writer"):
+            self._thread.join()
         entry = self._entry
         if self._error is not None and self.failure is None:
             self.failure = self._as_spill_error(self._error)
         problem = error if error is not None else self.failure
-        entry["status"] = "complete" if problem is None else "failed"
-        entry["error"] = None if problem is None else repr(problem)
         entry["num_steps"] = min(entry["num_steps"], num_steps)
         if not entry["num_rows"]:
             entry["num_rows"] = header["num_rows"]
-        try:
-            _format.write_manifest(self._spill.root, self._spill.manifest)
-        except OSError as write_error:
-            if problem is None:
-                self.failure = self._as_spill_error(write_error)
-            # Otherwise the previous manifest stays: it names every committed shard.
+        while True:
+            if problem is None and _interrupts.pending():
+                problem = KeyboardInterrupt()  # Ctrl-C held while the call ended: it raises next
+            entry["status"] = "complete" if problem is None else "failed"
+            entry["error"] = None if problem is None else repr(problem)
+            try:
+                _format.write_manifest(self._spill.root, self._spill.manifest)
+            except OSError as write_error:
+                if problem is None:
+                    self.failure = self._as_spill_error(write_error)
+                # Otherwise the previous manifest stays: it names every committed shard.
+                break
+            if problem is not None or not _interrupts.pending():
+                break  # else a Ctrl-C came during the write: the call fails, and says so
         stats = TransferStats(waits=ring_waits + self.counters.waits, bytes_written=self.counters.bytes_written,
                               write_seconds=self.counters.write_seconds)
         return generation_from_entry(self._spill.root, dict(entry), stats=stats)
@@ -273,8 +287,9 @@ class ShardStore:
             with_writer = self._allocated - len(self._open) - len(self._free)
             if not self._free and self._allocated >= MAX_SHARD_BUFFERS and with_writer > 0:
                 self.counters.waits += 1
-                while not self._free and self._error is None:
-                    self._released.wait()
+                with _interrupts.waiting("shard buffer"):
+                    while not self._free and self._error is None:
+                        self._released.wait()
             self._raise_failure()
             if self._free:
                 buffer = self._free.pop()

@@ -34,6 +34,8 @@ from typing import Callable
 
 import torch
 
+from . import _interrupts
+
 Drain = Callable[[int, dict[str, torch.Tensor]], None]
 
 
@@ -103,15 +105,22 @@ class HostRing:
             BaseException: what the drain raised (threaded ring).
         """
         # Only slots not yet handed over: the drainer thread resets the step of those it released.
-        for slot in sorted((s for s in self._slots if s.step is not None and not s.submitted), key=lambda s: s.step):
+        for slot in self._occupied(submitted=False):
             self._submit(slot)
-        for slot in self._slots:
-            slot.free.wait()
         if self._queue is not None:
             self._queue.put(None)
-            self._thread.join()
+            with _interrupts.waiting("flush"):
+                self._thread.join()
             self._queue = None
+        # Anything still occupied was never drained (an interrupt left it in its slot): drain it here.
+        for slot in self._occupied():
+            self._release(slot)
         self._raise_drain_error()
+
+    def _occupied(self, *, submitted: bool | None = None) -> list[_Slot]:
+        """The slots holding a step, oldest first (`submitted`: only those handed over, or not)."""
+        slots = [s for s in self._slots if s.step is not None and submitted in (None, s.submitted)]
+        return sorted(slots, key=lambda s: s.step)
 
     # -- the generate() side -------------------------------------------------------------------------
     def _slot_for(self, step: int) -> _Slot:
@@ -119,16 +128,17 @@ class HostRing:
             if slot.step == step and not slot.submitted:
                 return slot
         # A new step: hand over every slot two or more steps behind it, oldest first.
-        behind = [s for s in self._slots if s.step is not None and not s.submitted and s.step <= step - 2]
-        for slot in sorted(behind, key=lambda s: s.step):
-            self._submit(slot)
+        for slot in self._occupied(submitted=False):
+            if slot.step <= step - 2:
+                self._submit(slot)
         self._current = (self._current + 1) % len(self._slots)
         slot = self._slots[self._current]
         if slot.step is not None:
             self._submit(slot)  # the ring is short: the slot goes before its two steps are up
         if not slot.free.is_set():
             self.waits += 1
-            slot.free.wait()
+            with _interrupts.waiting("ring slot"):
+                slot.free.wait()
             self._raise_drain_error()
         slot.step = step
         slot.submitted = False
@@ -182,16 +192,27 @@ class HostRing:
                 for event in slot.copied.values():
                     event.synchronize()
                 self._drain(slot.step, {name: slot.views[name] for name in slot.written})
+        except KeyboardInterrupt:
+            # Ctrl-C while the store waited for room (in the caller's thread): the step keeps its slot,
+            # and `flush` hands it over again.
+            slot.submitted = False
+            slot.free.set()
+            raise
         except BaseException as error:  # noqa: BLE001 - kept; raised in the generate() thread
             self._failure = error
+            self._reset(slot)
             if self._queue is None:
                 self._failure_raised = True
                 raise
-        finally:
-            slot.step = None
-            slot.written = []
-            slot.views = {}
-            slot.free.set()
+            return
+        self._reset(slot)
+
+    @staticmethod
+    def _reset(slot: _Slot) -> None:
+        slot.step = None
+        slot.written = []
+        slot.views = {}
+        slot.free.set()
 
     def _drainer(self) -> None:
         for slot in iter(self._queue.get, None):
