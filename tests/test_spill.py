@@ -283,3 +283,63 @@ def test_beam_accessors_of_a_beam_generation_without_steps(gpt2, tmp_path):
                           num_beams=2)
     generation = open_recording(tmp_path / "run").generation()
     assert generation.is_beam and generation.beam_parents() == () and generation.num_steps == 0
+
+
+@pytest.mark.slow
+def test_a_reader_beside_the_writer_sees_the_committed_steps_and_they_never_change(tmp_path):
+    """Another process watches a long spilling run: every open of the directory gives a whole manifest,
+    the steps committed so far (never fewer than the last open saw), and each step, once read, reads
+    the same in every later open, the finished recording included."""
+    path = tmp_path / "run"
+    script = ROOT / "tests" / "scripts" / "spill_then_sigint.py"  # run to its end: no signal is sent
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
+    writer = subprocess.Popen([sys.executable, str(script), str(path), "120"], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert writer.stdout.readline() == "ready\n"
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # step -> (logits, tokens) as first read
+    opens, counts = 0, []
+    while True:
+        done = writer.poll() is not None
+        run = open_recording(path)  # any RecordingError here is a torn or damaged manifest
+        opens += 1
+        if run.generations:
+            generation = run.generation()
+            counts.append(generation.num_steps)
+            new = range(max(seen, default=-1) + 1, generation.num_steps)
+            old = list(seen)[:: max(1, len(seen) // 8)]  # a sample of the steps read before
+            for step in [*new, *old]:
+                one = range(step, step + 1)
+                logits, tokens = generation.logits(steps=one)[0].clone(), generation.tokens(steps=one)[0].clone()
+                if step in seen:
+                    assert torch.equal(logits, seen[step][0]) and torch.equal(tokens, seen[step][1]), f"step {step} changed"
+                else:
+                    seen[step] = (logits, tokens)
+        run.close()
+        if done:
+            break
+    assert writer.wait() == 0
+    writer.stdout.close()
+    assert counts == sorted(counts), "the committed steps went backwards"
+    assert opens > 10 and len(set(counts)) > 5, f"the reader saw too little of the run ({opens} opens: {counts})"
+    final = open_recording(path).generation()
+    assert final.complete and final.num_steps == 120 == len(seen)
+    for step, (logits, tokens) in seen.items():
+        one = range(step, step + 1)
+        assert torch.equal(final.logits(steps=one)[0], logits) and torch.equal(final.tokens(steps=one)[0], tokens)
+
+
+@pytest.mark.parametrize("hard_links", [True, False], ids=["link", "no-hard-links"])
+def test_the_first_manifest_appears_whole_and_claims_the_directory_once(tmp_path, monkeypatch, hard_links):
+    from transformers_offload import _format
+
+    if not hard_links:
+        def no_link(source, target):
+            raise OSError(errno.EPERM, "hard links not supported")
+
+        monkeypatch.setattr(os, "link", no_link)
+    _format.create_manifest(tmp_path, {"format": "x", "generations": []})
+    assert json.loads((tmp_path / "manifest.json").read_text()) == {"format": "x", "generations": []}
+    with pytest.raises(FileExistsError):
+        _format.create_manifest(tmp_path, {"format": "y"})
+    assert json.loads((tmp_path / "manifest.json").read_text())["format"] == "x"
+    assert [p.name for p in tmp_path.iterdir()] == ["manifest.json"]  # no temporary file left

@@ -157,8 +157,39 @@ def write_atomically(path: Path, write: Callable[[Path], None]) -> int:
 
 
 def write_manifest(root: Path, manifest: dict[str, Any]) -> None:
-    text = json.dumps(manifest, indent=1, sort_keys=False) + "\n"
+    text = _manifest_text(manifest)
     write_atomically(root / MANIFEST, lambda temporary: temporary.write_text(text, encoding="utf-8"))
+
+
+def create_manifest(root: Path, manifest: dict[str, Any]) -> None:
+    """Write `root`'s first manifest, refused if one exists: of two writers racing for a directory,
+    one gets `FileExistsError`. The file is complete from the moment it exists (written aside, then
+    hard-linked into place), so a reader watching the directory never sees it empty or half written.
+    Where the file system has no hard links, it is created empty first and then replaced.
+    """
+    path = root / MANIFEST
+    text = _manifest_text(manifest)
+    fd, name = tempfile.mkstemp(dir=root, prefix=MANIFEST + ".", suffix=".tmp")
+    temporary = Path(name)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        try:
+            os.link(temporary, path)
+        except FileExistsError:
+            raise
+        except OSError:  # no hard links here (some network and FAT file systems)
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+    _fsync_directory(root)
+
+
+def _manifest_text(manifest: dict[str, Any]) -> str:
+    return json.dumps(manifest, indent=1, sort_keys=False) + "\n"
 
 
 def _fsync_directory(directory: Path) -> None:

@@ -17,7 +17,6 @@ one more is taken (as many as the candidates span).
 from __future__ import annotations
 
 import errno
-import os
 import queue
 import threading
 import time
@@ -67,13 +66,6 @@ class Spill:
                 "empty directory. Pick another path (or remove that one)."
             )
         root.mkdir(parents=True, exist_ok=True)
-        try:  # claim the directory: of two recorders racing for it, one gets FileExistsError
-            os.close(os.open(root / _format.MANIFEST, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            raise FileExistsError(
-                f"`spill_dir` {str(root)!r} already holds a recording (another Recorder got there "
-                "first). Pick another path."
-            ) from None
         self.root = root
         self.shard_bytes = shard_bytes
         self.manifest: dict[str, Any] = {
@@ -83,7 +75,13 @@ class Spill:
             "model": model_info,
             "generations": [],
         }
-        _format.write_manifest(root, self.manifest)
+        try:  # claim the directory: of two recorders racing for it, one gets FileExistsError
+            _format.create_manifest(root, self.manifest)
+        except FileExistsError:
+            raise FileExistsError(
+                f"`spill_dir` {str(root)!r} already holds a recording (another Recorder got there "
+                "first). Pick another path."
+            ) from None
 
     def open_store(self, names: list[str], header: dict[str, Any], max_steps: int = 2**31) -> ShardStore:
         """Add a generation (status `"recording"`) to the manifest, durably, and return its store.

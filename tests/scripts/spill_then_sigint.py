@@ -1,5 +1,6 @@
-"""Run by tests/test_interrupts.py: spill a long greedy run with one-step shards (the writer is the
-bottleneck), print "ready" just before generate(), and wait for a SIGINT from the test.
+"""Run by tests/test_interrupts.py (and by tests/test_spill.py, which watches the directory while it
+is written): spill a long greedy run with one-step shards (the writer is the bottleneck), print
+"ready" just before generate(), and wait for a SIGINT from the test (or run to the end).
 
 A user's stopping criterion counts the steps whose token was appended and keeps those tokens. When
 generate() returns or raises, one JSON line reports them; the test compares it with what the
