@@ -9,8 +9,11 @@ thread (safetensors, fsync, rename, manifest). Two figures for the store:
 - end to end: bytes of shards / seconds from the first step handed over to the end of `finish()`;
 - writer: bytes of shards / seconds the writer thread spent writing them (`TransferStats`).
 The baseline writes the same number of files of the same size with `write()` + `fsync`, one after
-another, into the same directory: this disk's own sequential write bandwidth. Median of the repeats,
-cases interleaved. Writes `spill_throughput.json` and `spill_throughput.png` under `--out`.
+another, into the same directory: this disk's own sequential write bandwidth. Two more cases give
+the checksums' cost: the store with its CRC-32 replaced by a constant (A/B), and the CRC-32 alone
+over the shards just written (read back from the page cache, as the writer does before the fsync).
+Median of the repeats, cases interleaved. Writes `spill_throughput.json` and `spill_throughput.png`
+under `--out`.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import torch  # noqa: E402
 
 from _common import RESULTS, machine, plot_bars, print_table, write_json  # noqa: E402
+from transformers_offload import _format  # noqa: E402
 from transformers_offload._shard_store import Spill  # noqa: E402
 
 
@@ -71,6 +75,25 @@ def spill(root: Path, steps: list[dict[str, torch.Tensor]], shard_bytes: int) ->
             "shards": len(list(root.glob("*-s*.safetensors")))}
 
 
+def spill_without_checksums(root: Path, steps: list[dict[str, torch.Tensor]], shard_bytes: int) -> dict[str, float]:
+    real = _format.file_checksum
+    _format.file_checksum = lambda file: "crc32:00000000"  # the A/B case: no read-back, no CRC
+    try:
+        return spill(root, steps, shard_bytes)
+    finally:
+        _format.file_checksum = real
+
+
+def checksum_only(root: Path) -> dict[str, float]:
+    """The CRC-32 of every shard under `root`, read back from the page cache (just written)."""
+    total, started = 0, time.perf_counter()
+    for path in sorted(root.glob("*-s*.safetensors")):
+        with open(path, "rb") as file:
+            _format.file_checksum(file)
+        total += path.stat().st_size
+    return {"bytes": total, "seconds": time.perf_counter() - started}
+
+
 def plain_write(root: Path, total_bytes: int, files: int) -> dict[str, float]:
     root.mkdir()
     size = total_bytes // files
@@ -95,14 +118,26 @@ def main() -> None:
     steps = made_up_steps(args.rows, args.vocab, args.steps)
     base = args.dir or Path(tempfile.mkdtemp(prefix="spill-bench-"))
     base.mkdir(parents=True, exist_ok=True)
-    runs: dict[str, list[dict[str, float]]] = {"spill": [], "plain": []}
+    runs: dict[str, list[dict[str, float]]] = {"spill": [], "plain": [], "no_checksums": [], "checksum": []}
+    shard_bytes = int(args.shard_mib * 2**20)
+    total = spill(base / "size", steps, shard_bytes)  # also a warm-up; sizes the plain write
+    shutil.rmtree(base / "size")
+    cases = {
+        "spill": lambda root: spill(root, steps, shard_bytes),
+        "plain": lambda root: plain_write(root, total["bytes"], total["shards"]),
+        "no_checksums": lambda root: spill_without_checksums(root, steps, shard_bytes),
+    }
     try:
         for repeat in range(args.repeats):
-            result = spill(base / f"spill-{repeat}", steps, int(args.shard_mib * 2**20))
-            runs["spill"].append(result)
-            runs["plain"].append(plain_write(base / f"plain-{repeat}", result["bytes"], result["shards"]))
-            shutil.rmtree(base / f"spill-{repeat}")
-            shutil.rmtree(base / f"plain-{repeat}")
+            # The writing cases in a rotated order: a disk's speed drifts with what was written before.
+            order = list(cases)[repeat % len(cases):] + list(cases)[: repeat % len(cases)]
+            for name in order:
+                root = base / f"{name}-{repeat}"
+                runs[name].append(cases[name](root))
+                if name == "spill":
+                    runs["checksum"].append(checksum_only(root))
+                shutil.rmtree(root)
+                os.sync()
     finally:
         if args.dir is None:
             shutil.rmtree(base, ignore_errors=True)
@@ -114,6 +149,8 @@ def main() -> None:
         "plain write + fsync (baseline)": rate(runs["plain"]),
         "spill, end to end": rate(runs["spill"]),
         "spill, writer thread only": rate(runs["spill"], "writer_seconds"),
+        "spill without checksums (A/B), end to end": rate(runs["no_checksums"]),
+        "CRC-32 alone (read back + checksum)": rate(runs["checksum"]),
     }
     baseline = table["plain write + fsync (baseline)"]
     total_mb = runs["spill"][0]["bytes"] / 1e6

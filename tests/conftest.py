@@ -3,11 +3,24 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# hypothesis keeps caches in a directory of its own: not in the checkout.
+os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(tempfile.gettempdir(), "transformers-offload-hypothesis"))
+
+from hypothesis import settings  # noqa: E402
+
+# Property-based tests (hypothesis): the same examples on every run, nothing written to the checkout.
+# `TRANSFORMERS_OFFLOAD_FUZZ=large` runs ten times as many, from a random seed, on demand.
+settings.register_profile("ci", database=None, derandomize=True, deadline=None, print_blob=True)
+settings.register_profile("large", database=None, deadline=None, print_blob=True)
+FUZZ_SCALE = 10 if os.environ.get("TRANSFORMERS_OFFLOAD_FUZZ") == "large" else 1
+settings.load_profile("large" if FUZZ_SCALE > 1 else "ci")
 
 from transformers import (  # noqa: E402
     BartConfig,

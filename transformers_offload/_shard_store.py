@@ -74,6 +74,7 @@ class Spill:
             "created_by": created_by,
             "model": model_info,
             "generations": [],
+            "files": {},  # every file's size and checksum, by name
         }
         try:  # claim the directory: of two recorders racing for it, one gets FileExistsError
             _format.create_manifest(root, self.manifest)
@@ -342,11 +343,8 @@ class ShardStore:
         for stream in self._ragged:
             tensors[stream], shapes[stream] = buffer.ragged(stream, count)
             tensors[_format.shapes_key(stream)] = shapes[stream]
-        metadata = _format.shard_metadata(entry["index"], buffer.first_step)
         started = time.perf_counter()
-        size = _format.write_atomically(
-            self._spill.root / name, lambda temporary: save_file(tensors, temporary, metadata=metadata)
-        )
+        size = self._commit(name, tensors, _format.shard_metadata(entry["index"], buffer.first_step))
         if not entry["streams"]:
             entry["num_rows"] = int(tensors["tokens"].shape[1])
             entry["streams"] = {
@@ -373,11 +371,8 @@ class ShardStore:
     def _write_encoder(self, tensors: dict[str, torch.Tensor]) -> None:
         entry = self._entry
         name = _format.encoder_name(entry["index"])
-        metadata = _format.shard_metadata(entry["index"], 0)
         tensors = {key: tensor.contiguous() for key, tensor in tensors.items()}
-        _format.write_atomically(
-            self._spill.root / name, lambda temporary: save_file(tensors, temporary, metadata=metadata)
-        )
+        self._commit(name, tensors, _format.shard_metadata(entry["index"], 0))
         entry["encoder"] = {
             "file": name,
             "streams": {
@@ -390,9 +385,15 @@ class ShardStore:
     def _write_sequences(self, sequences: torch.Tensor) -> None:
         entry = self._entry
         name = _format.sequences_name(entry["index"])
-        sequences = sequences.contiguous()
-        _format.write_atomically(
-            self._spill.root / name, lambda temporary: save_file({"sequences": sequences}, temporary)
-        )
+        self._commit(name, {"sequences": sequences.contiguous()}, None)
         entry["sequences"] = name
+
+    def _commit(self, name: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> int:
+        """Write one safetensors file of the recording durably, and note its size and checksum in the
+        manifest's `files` (the manifest written next names it). Returns its size in bytes."""
+        record = _format.write_atomically(
+            self._spill.root / name, lambda temporary: save_file(tensors, temporary, metadata=metadata), checksum=True
+        )
+        self._spill.manifest["files"][name] = record
+        return record["bytes"]
 

@@ -1,4 +1,4 @@
-"""The command line, run as `python -m transformers_offload inspect PATH [--json]`."""
+"""The command line: `python -m transformers_offload {inspect,verify} PATH [--json]`."""
 
 from __future__ import annotations
 
@@ -16,26 +16,48 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m transformers_offload",
         description="Tools for recordings written by transformers-offload's Recorder(spill_dir=...).",
+        epilog="examples:\n  python -m transformers_offload inspect runs/france\n"
+        "  python -m transformers_offload verify runs/france --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", required=True)
     inspect = commands.add_parser(
         "inspect", help="summarise a recording: generations, steps, rows, streams, sizes, versions"
     )
-    inspect.add_argument("path", help="the recording directory (the Recorder's spill_dir)")
-    inspect.add_argument("--json", action="store_true", help="print the summary as JSON")
+    verify = commands.add_parser(
+        "verify",
+        help="read every byte of a recording and check each file against its checksum",
+        description="Read every file of a recording and check its size and CRC-32 against the manifest. "
+        "Exit status: 0 when every file is intact; 1 when a file is damaged or missing, or when the "
+        "recording carries no checksums (written before they were added).",
+    )
+    for command in (inspect, verify):
+        command.add_argument("path", help="the recording directory (the Recorder's spill_dir)")
+        command.add_argument("--json", action="store_true", help="print the result as JSON")
     arguments = parser.parse_args(argv)
     try:
         recording = open_recording(arguments.path)
-        summary = recording.describe()
+        if arguments.command == "verify":
+            result = {"path": str(recording.path), "ok": True, **recording.verify()}
+            text = f"ok: {result['files']} file(s), {_size(result['bytes'])}, intact in {result['path']}"
+        else:
+            result = recording.describe()
+            text = format_summary(result)
     except RecordingError as error:
+        if arguments.json:
+            _print(json.dumps({"path": arguments.path, "ok": False, "file": str(error.path), "error": str(error)}, indent=2))
         print(f"error: {error}", file=sys.stderr)
         return 1
+    _print(json.dumps(result, indent=2) if arguments.json else text)
+    return 0
+
+
+def _print(text: str) -> None:
     try:
-        print(json.dumps(summary, indent=2) if arguments.json else format_summary(summary))
+        print(text)
         sys.stdout.flush()
     except BrokenPipeError:  # `inspect ... | head`: the reader left, which is fine
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 0
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -47,6 +69,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"recording {summary['path']} (format {summary['format_version']})",
         f"recorded with {versions}",
         f"model {model.get('class')}{name} ({model.get('config_class')}), vocabulary {model.get('vocab_size')}",
+        "checksums: CRC-32 per file (check every byte: `python -m transformers_offload verify PATH`)"
+        if summary["checksums"] else "checksums: none (written before they were added)",
         f"{len(summary['generations'])} generation(s)",
     ]
     for generation in summary["generations"]:

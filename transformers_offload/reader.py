@@ -15,14 +15,17 @@ from ._shard_reader import ShardSource, open_file
 from .recording import Generation, Readable, TransferStats, pick
 
 
-def open_recording(path: str | os.PathLike) -> Recording:
+def open_recording(path: str | os.PathLike, *, verify: bool = False) -> Recording:
     """Open a recording directory written by `Recorder(model, spill_dir=path)`.
 
     The manifest and every shard's header are checked at once; tensor data is read only when asked
-    for, and only the selected steps and rows.
+    for, and only the selected steps and rows. With `verify=True` every byte of every file is read
+    once first and checked against the checksum the recorder wrote (`Recording.verify()`).
 
     Args:
         path (`str | os.PathLike`): the recording directory (the `spill_dir` the recorder was given).
+        verify (`bool`, *optional*, defaults to False): check every file's size and CRC-32 against
+            the manifest before returning (reads the whole recording: about the disk's read speed).
 
     Returns:
         `Recording`: the recording's generations, with the recorder's accessors.
@@ -30,15 +33,19 @@ def open_recording(path: str | os.PathLike) -> Recording:
     Raises:
         RecordingError: the directory is missing, not a recording, of an unknown format version,
             damaged (truncated shard, corrupted header, a shape or dtype that disagrees with the
-            manifest) or hostile (a manifest naming a file outside the directory). The error's `path`
-            names the file.
+            manifest) or hostile (a manifest naming a file outside the directory); with `verify`, a
+            file whose bytes differ from its checksum, or a recording written before checksums (it
+            carries none to check: open it without `verify`). The error's `path` names the file.
 
     Example:
         >>> run = open_recording("run/")  # doctest: +SKIP
         >>> run.logits(steps=slice(0, 4), rows=[0])[0].shape  # doctest: +SKIP
         torch.Size([1, 49152])
     """
-    return Recording(Path(path))
+    recording = Recording(Path(path))
+    if verify:
+        recording.verify()
+    return recording
 
 
 class Recording(Readable):
@@ -64,6 +71,7 @@ class Recording(Readable):
         self.created_by: dict[str, Any] = manifest["created_by"]
         self.model: dict[str, Any] = manifest["model"]
         self._entries: list[dict[str, Any]] = manifest["generations"]
+        self._file_records: dict[str, dict[str, Any]] | None = manifest.get("files")
         self._generations = tuple(generation_from_entry(path, entry) for entry in self._entries)
 
     @property
@@ -86,7 +94,8 @@ class Recording(Readable):
         return len(self._generations)
 
     def describe(self) -> dict[str, Any]:
-        """A JSON-able summary: versions, model, and per generation its state, sizes and streams.
+        """A JSON-able summary: versions, model, whether its files carry checksums, and per generation
+        its state, sizes and streams.
 
         Each stream gives its `dtype`, `encoding`, per-step `shape` and `bytes` (of the readable
         steps); each generation its `file_bytes` on disk (shards and sequences).
@@ -109,8 +118,7 @@ class Recording(Readable):
                     "shape": stream["shape"],
                     "bytes": elements * itemsize,
                 }
-            files = [shard["file"] for shard in entry["shards"]] + [entry["sequences"]] * bool(entry.get("sequences"))
-            files += [encoder["file"]] if encoder else []
+            files = _format.files_of(entry)
             generations.append(
                 {
                     "index": generation.index,
@@ -132,8 +140,40 @@ class Recording(Readable):
             "format_version": self.format_version,
             "created_by": self.created_by,
             "model": self.model,
+            "checksums": self._file_records is not None,
             "generations": generations,
         }
+
+    def verify(self) -> dict[str, int]:
+        """Read every byte of every file the manifest names (shards, sequences, encoder outputs) and
+        compare its size and CRC-32 with those the recorder noted when it wrote the file.
+
+        Returns:
+            `dict`: `{"files": files checked, "bytes": bytes read}`.
+
+        Raises:
+            RecordingError: a file differs from its checksum or size (its `path` names the file), or
+                the recording carries no checksum for a file (recordings written before checksums
+                were added carry none; they read as before without `verify`).
+
+        Example:
+            >>> open_recording("run/").verify()  # doctest: +SKIP
+            {'files': 3, 'bytes': 1210816}
+        """
+        names = [name for entry in self._entries for name in _format.files_of(entry)]
+        records = self._file_records or {}
+        missing = [name for name in names if name not in records]
+        if missing:
+            written = self.created_by.get("transformers_offload", "?")
+            raise RecordingError(
+                self.path / (missing[0] if self._file_records is not None else _format.MANIFEST),
+                f"carries no checksum for {len(missing)} of its {len(names)} file(s) (written by "
+                f"transformers-offload {written}, before checksums), so it cannot be verified; it reads "
+                "as before without `verify`.",
+            )
+        for name in names:
+            _format.verify_file(self.path / name, records[name])
+        return {"files": len(names), "bytes": sum(records[name]["bytes"] for name in names)}
 
     def close(self) -> None:
         """Drop the shard mappings this object holds (tensors already returned keep theirs)."""

@@ -1,4 +1,10 @@
-"""Rewrite the golden recordings (tests/golden/tiny-recording, tiny-layers-recording) after a deliberate format change (bump FORMAT_VERSION first).
+"""Rewrite the golden recordings (tests/golden/tiny-recording, tiny-layers-recording) after a deliberate
+format change. Decide first whether a reader of the current FORMAT_VERSION would misread the new layout:
+if so, bump FORMAT_VERSION; if it reads it right (a key it ignores, like the `files` checksums), the
+version stays. Either way the README's format section says what changed.
+
+tests/golden/tiny-recording-before-checksums is a frozen copy from before checksums (what older
+recordings look like): never rewritten.
 
 Usage: python -m tests.golden.make
 """
