@@ -8,6 +8,7 @@ shared by the writer (`_shard_store`) and the reader (`reader`). Nothing here un
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import tempfile
@@ -303,6 +304,7 @@ def read_manifest(root: Path) -> dict[str, Any]:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as error:
         raise RecordingError(path, f"not valid JSON ({type(error).__name__}: {error}); the manifest is damaged.") from None
+    _check_numbers(manifest, path)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise RecordingError(path, f"not a transformers-offload manifest (no \"format\": {FORMAT!r}).")
     version = manifest.get("format_version")
@@ -342,6 +344,22 @@ def _check_file_records(records: Any, root: Path, path: Path) -> None:
             raise RecordingError(
                 path, f"`files` holds {record!r} for {name!r}; expected {{\"bytes\": SIZE, \"checksum\": \"ALGORITHM:HEX\"}}."
             )
+
+
+def _check_numbers(manifest: Any, path: Path) -> None:
+    """Every number in the manifest is finite and fits 64 bits (no field needs more): a huge or
+    non-finite one is damage, refused before any field is used."""
+    pending = [manifest]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, dict):
+            pending.extend(value.values())
+        elif isinstance(value, list):
+            pending.extend(value)
+        elif isinstance(value, int) and not -(2**63) <= value < 2**63:
+            raise RecordingError(path, f"holds the number {str(value)[:24]}..., beyond 64 bits; the manifest is damaged.")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise RecordingError(path, f"holds the number {value}; the manifest is damaged.")
 
 
 def check_generation(entry: Any, index: int, root: Path, path: Path, files: set[str]) -> None:
@@ -454,7 +472,7 @@ def _check_layers(entry: dict[str, Any], root: Path, path: Path, where: str, fil
             raise RecordingError(
                 path, f"{where}: stream {name!r} names a layer that `layers.counts` does not have ({layers and layers['counts']})."
             )
-        heads = layers["heads"]
+        heads = layers.get("heads")
         if kind in ATTENTION_KINDS and heads is not None and stream["shape"][1] != len(heads.get(kind, ())):
             raise RecordingError(
                 path, f"{where}: stream {name!r} holds {stream['shape'][1]} heads, `layers.heads` lists {heads.get(kind)}."

@@ -8,6 +8,8 @@ whole shard to return one step.
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -133,7 +135,7 @@ class _Shard:
             key = _format.shapes_key(name)
             shapes = _read(self.path, lambda: _compat.read_slice(self._handle.get_slice(key), None, None))
             fixed = self._ragged[name]["shape"]
-            ends = shapes.prod(dim=1).cumsum(0).tolist()
+            ends = list(itertools.accumulate(math.prod(shape) for shape in shapes.tolist()))  # exact: no int64 wrap
             total = self._handle.get_slice(name).get_shape()[0]
             if bool((shapes < 0).any()) or any(n is not None and bool((shapes[:, i] != n).any()) for i, n in enumerate(fixed)):
                 raise RecordingError(self.path, f"the step shapes of {name!r} disagree with the manifest's {fixed}.")
