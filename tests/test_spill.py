@@ -109,24 +109,24 @@ def test_a_fault_mid_run_leaves_every_step_before_it_readable(gpt2, tmp_path, er
     assert not list((tmp_path / "run").glob("*.tmp"))
 
 
-def _killed_run(tmp_path: Path, kill_at: int) -> subprocess.CompletedProcess:
+def _killed_run(tmp_path: Path, kill_at: int, committed: int) -> subprocess.CompletedProcess:
     script = ROOT / "tests" / "scripts" / "spill_then_sigkill.py"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
     return subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "run"), str(kill_at)],
+        [sys.executable, str(script), str(tmp_path / "run"), str(kill_at), str(committed)],
         env=env, capture_output=True, text=True, timeout=300,
     )
 
 
 def test_sigkill_mid_run_leaves_every_committed_shard_readable(tmp_path):
-    done = _killed_run(tmp_path, kill_at=23)
+    done = _killed_run(tmp_path, kill_at=23, committed=12)
     assert done.returncode == -9, done.stderr
     steps_per_shard = 4
     run = open_recording(tmp_path / "run")
     generation = run.generation()
     assert not generation.complete and "stopped before this generation ended" in generation.error
-    # The killing processor waited for the writer, so every step drained from the ring by then (at
-    # least all but the ring's 4 slots and the shard being filled) is committed.
+    # By step 23 the writer was handed at least the steps but the ring's 4 slots and the shard being
+    # filled (12: three shards of 4), and the killing processor waited until it had committed them.
     assert generation.num_steps % steps_per_shard == 0 and 12 <= generation.num_steps <= 23
     reference = _reference(make_tiny("gpt2"), max_new_tokens=30, min_new_tokens=30, do_sample=True)
     steps = generation.num_steps
