@@ -1,4 +1,4 @@
-"""Checksums: every file a recording names carries its size and CRC-32 in the manifest; `verify`
+"""Checksums: every file a recording names carries its size and CRC-32C in the manifest; `verify`
 reads every byte and names the damaged file."""
 
 from __future__ import annotations
@@ -7,8 +7,10 @@ import json
 import shutil
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
+import google_crc32c
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -38,7 +40,7 @@ def test_every_file_carries_its_size_and_checksum_and_verifies(recording):
     assert set(manifest["files"]) == FILES
     for name, record in manifest["files"].items():
         assert record["bytes"] == (recording / name).stat().st_size
-        assert record["checksum"].startswith("crc32:") and len(record["checksum"]) == len("crc32:") + 8
+        assert record["checksum"].startswith("crc32c:") and len(record["checksum"]) == len("crc32c:") + 8
     assert open_recording(recording, verify=True).verify() == {
         "files": 5, "bytes": sum(r["bytes"] for r in manifest["files"].values())
     }
@@ -116,3 +118,14 @@ def test_verify_as_a_module_exits_with_its_status(recording):
     done = subprocess.run([sys.executable, "-m", "transformers_offload", "verify", str(recording)],
                           capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.startswith("ok:"), done.stderr
+
+
+def test_both_algorithms_check_the_same_bytes(recording):
+    """CRC-32C where google-crc32c is compiled (everywhere it has a wheel), zlib's CRC-32 elsewhere."""
+    path = recording / "g0000-sequences.safetensors"
+    with open(path, "rb") as file:
+        crc32c, crc32 = _format.file_checksum(file, "crc32c"), _format.file_checksum(file, "crc32")
+    data = path.read_bytes()
+    assert crc32c == f"crc32c:{google_crc32c.value(data):08x}" and crc32 == f"crc32:{zlib.crc32(data):08x}"
+    _format.verify_file(path, {"bytes": len(data), "checksum": crc32})
+    assert _format.CHECKSUM_ALGORITHM == "crc32c"  # this machine has the compiled extension

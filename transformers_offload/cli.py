@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     verify = commands.add_parser(
         "verify",
         help="read every byte of a recording and check each file against its checksum",
-        description="Read every file of a recording and check its size and CRC-32 against the manifest. "
+        description="Read every file of a recording and check its size and CRC-32C against the manifest. "
         "Exit status: 0 when every file is intact; 1 when a file is damaged or missing, or when the "
         "recording carries no checksums (written before they were added).",
     )
@@ -69,7 +69,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"recording {summary['path']} (format {summary['format_version']})",
         f"recorded with {versions}",
         f"model {model.get('class')}{name} ({model.get('config_class')}), vocabulary {model.get('vocab_size')}",
-        "checksums: CRC-32 per file (check every byte: `python -m transformers_offload verify PATH`)"
+        "checksums: CRC-32C per file (check every byte: `python -m transformers_offload verify PATH`)"
         if summary["checksums"] else "checksums: none (written before they were added)",
         f"{len(summary['generations'])} generation(s)",
     ]

@@ -24,7 +24,7 @@ def open_recording(path: str | os.PathLike, *, verify: bool = False) -> Recordin
 
     Args:
         path (`str | os.PathLike`): the recording directory (the `spill_dir` the recorder was given).
-        verify (`bool`, *optional*, defaults to False): check every file's size and CRC-32 against
+        verify (`bool`, *optional*, defaults to False): check every file's size and CRC-32C against
             the manifest before returning (reads the whole recording: about the disk's read speed).
 
     Returns:
@@ -146,7 +146,7 @@ class Recording(Readable):
 
     def verify(self) -> dict[str, int]:
         """Read every byte of every file the manifest names (shards, sequences, encoder outputs) and
-        compare its size and CRC-32 with those the recorder noted when it wrote the file.
+        compare its size and CRC-32C with those the recorder noted when it wrote the file.
 
         Returns:
             `dict`: `{"files": files checked, "bytes": bytes read}`.
