@@ -192,7 +192,7 @@ def test_attentions_and_hidden_states_on_cuda_equal_hugging_face(kwargs, store, 
 @pytest.mark.parametrize("store", ["memory", "spill"])
 @pytest.mark.parametrize("options", sorted(LAYER_OPTIONS))
 def test_recording_attentions_makes_no_synchronising_call_in_the_step_path(options, store, tmp_path, monkeypatch):
-    for name in ("on_forward", "on_raw", "on_processed", "on_stopping"):
+    for name in ("on_forward", "on_raw", "on_processed", "on_stopping", "_on_layer"):  # _on_layer: module hooks
         monkeypatch.setattr(_capture.Capture, name, _strict(getattr(_capture.Capture, name)))
     monkeypatch.setattr(_transfer.HostRing, "put", _strict(_transfer.HostRing.put))
     model = make_tiny("llama", attn_implementation="eager").to("cuda")
@@ -224,3 +224,35 @@ def test_device_memory_does_not_grow_with_steps_when_recording_attentions(store,
             rec.close()
         growth[recorded] = peaks[1] - peaks[0]
     assert growth[True] - growth[False] < 512 * 1024, growth
+
+
+@pytest.mark.parametrize("selection", [{"layers": [-1]}, {"layers": [-1], "newest_position_only": True}])
+def test_one_selected_layer_over_a_long_prompt_costs_the_device_at_most_twice_its_own_bytes(selection):
+    """A 1,000-token prompt, the last of 8 layers of 8 heads: the device peak over stock generate() stays
+    within 2 x that layer's prefill weights + 32 MiB. Asking the forward for every layer's weights, as
+    the recorder did before module hooks, held all 8 layers' (256 MB) until the forward returned."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=2048,
+                         bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    model = LlamaForCausalLM._from_config(config, attn_implementation="eager").eval().to("cuda")
+    input_ids = torch.randint(3, 128, (1, 1000), device="cuda")
+    common = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=2, min_new_tokens=2)
+    layer_bytes = 8 * 1000 * 1000 * 4
+
+    def peak(processors) -> int:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        model.generate(**common, logits_processor=processors)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    peak([])  # warm-up
+    stock = peak([])
+    with Recorder(model, streams=("attentions",), **selection) as rec:
+        recorded = peak([rec])
+    assert rec.generation().attentions()[0][0].shape[-2:] == ((1, 1000) if selection.get("newest_position_only") else (1000, 1000))
+    assert recorded - stock <= 2 * layer_bytes + 32 * 2**20, (stock, recorded)

@@ -96,6 +96,31 @@ def test_encoder_decoder_outputs_equal_hugging_face(name, mode, reader, tmp_path
         rec.attentions()
 
 
+@pytest.mark.parametrize("name", sorted(TINY_MODELS))
+def test_selected_layers_come_from_their_modules_where_the_model_declares_them(name, tmp_path, record_property):
+    """Where the model's class declares which module computes each output (transformers'
+    `_can_record_outputs`), the recorder hooks those modules and asks the forward for nothing, so the
+    model never holds every layer's weights; elsewhere it asks the forward. Either way the recording
+    equals Hugging Face's (the tests above and below)."""
+    model = make_tiny(name, attn_implementation="eager")
+    declared = _compat.capture_points(model.base_model)
+    hooked = "attentions" in declared and "hidden_states" in declared
+    batch = left_padded_batch()
+    reference = _reference(model, batch, max_new_tokens=3)
+    asked = []
+    with Recorder(model, streams=("attentions", "hidden_states"), layers=[-1], spill_dir=tmp_path / "run") as rec:
+        spy = model.register_forward_pre_hook(  # after the recorder's own pre-hook: sees what it asks
+            lambda module, args, kwargs: asked.append({k for k in ("output_attentions", "output_hidden_states") if kwargs.get(k)}),
+            with_kwargs=True,
+        )
+        model.generate(**batch, logits_processor=[rec], max_new_tokens=3)
+        spy.remove()
+    assert len(asked) == 3 and all(flags == (set() if hooked else {"output_attentions", "output_hidden_states"}) for flags in asked)
+    _assert_nested_equal(rec.attentions(), tuple(step[-1:] for step in reference.attentions), "attentions")
+    _assert_nested_equal(rec.hidden_states(), tuple(step[-1:] for step in reference.hidden_states), "hidden_states")
+    record_property("outcome", "module hooks" if hooked else "whole forward")
+
+
 def test_hidden_states_need_no_eager_attention(tmp_path):
     model = make_tiny("llama")  # the release's default attention implementation (sdpa where it exists)
     batch = left_padded_batch()

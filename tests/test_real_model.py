@@ -156,6 +156,38 @@ def test_spilling_every_layers_attentions_keeps_peak_memory_flat(real_model):
     assert spill["bytes_written"] > late_mib * 2**20
 
 
+def _layer_peak(case: dict, prompt_tokens: int = 1000) -> float:
+    """Peak RSS growth of one generate() call over a `prompt_tokens` prompt, in a fresh process with
+    glibc's malloc thresholds fixed (bench/layer_peak.py: repeatable to about 1 MiB)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from layer_peak import measure
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    return measure(case, prompt_tokens, 4)["growth_mib"]
+
+
+@pytest.fixture(scope="module")
+def stock_peak(real_model) -> float:
+    return _layer_peak({"recorder": False})
+
+
+@pytest.mark.parametrize("selection", [
+    {"streams": ["attentions"], "layers": [-1]},
+    {"streams": ["attentions"], "layers": [-1], "newest_position_only": True},
+    {"streams": ["hidden_states"], "layers": [-1]},
+], ids=["attentions", "attentions-newest", "hidden_states"])
+def test_one_selected_layer_over_a_long_prompt_costs_at_most_twice_its_own_bytes(real_model, stock_peak, selection):
+    """SmolLM2 (eager), a 1,000-token prompt, the last layer: peak growth over stock generate() within
+    2 x that layer's prefill bytes + 32 MiB (asking the forward for every layer, as before module
+    hooks, cost about 1 GiB). Attention weights: 9 heads x 1,000 x 1,000 x 4 bytes."""
+    stock = stock_peak
+    recorded = _layer_peak(selection)
+    layer_mib = (9 * 1000 * 1000 * 4 if selection["streams"] == ["attentions"] else 1000 * 576 * 4) / 2**20
+    print(json.dumps({"stock_mib": stock, "recorded_mib": recorded, "layer_mib": layer_mib}))
+    assert recorded - stock <= 2 * layer_mib + 32, (stock, recorded, layer_mib)
+
+
 def test_the_demo_records_to_a_directory_and_reads_it_back(real_model, tmp_path):
     done = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "chat_demo.py"), "--out", str(tmp_path / "demo")],

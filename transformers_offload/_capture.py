@@ -10,6 +10,7 @@ receives `log_softmax(logits)`), and for attentions and hidden states (`_layers`
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Callable, Iterator
 
 import torch
@@ -82,6 +83,8 @@ class Capture:
         self.streams = streams
         self.layer_tap = layer_tap  # attentions and hidden states, when the recorder records them
         self._layer_names: list[str] = []  # per-step layer streams, known from the first forward
+        self._layers_fired = 0  # selected layers the module hooks put in the current forward
+        self._thread = 0  # the thread running the call
         self._forwards = 0  # forwards of the decoding loop so far
         self._in_lists = 0  # > 0 while the processor or criteria list runs
         self.ring_slots = ring_slots
@@ -151,6 +154,13 @@ class Capture:
         # Beam search adds a step's token and parent one step later, while its slot is still held.
         slots = max(self.ring_slots, 2) if self.is_beam else self.ring_slots
         self.ring = HostRing(slots, self.store.drain, threaded=self.threaded)
+        if self.layer_tap is not None:
+            self._thread = threading.get_ident()
+            names = self.layer_tap.install(self._on_layer)  # module hooks, where the model declares them
+            if names is not None:
+                self.header["layers"] = self.layer_tap.header()
+                self.store.add_streams(names, [], self.header["layers"])
+                self._layer_names = names
         self.started = True
 
     @property
@@ -211,6 +221,15 @@ class Capture:
     def _record_layers(self, output: Any) -> None:
         step = self._forwards  # in the modes that record them, every forward is one step
         self._forwards += 1
+        if self.layer_tap.taps is not None:  # the module hooks put this step's layers already
+            fired, self._layers_fired = self._layers_fired, 0
+            if fired != len(self._layer_names):
+                raise RuntimeError(
+                    f"transformers-offload: the hooks on this model's layers ran {fired} times in the "
+                    f"forward of step {step}, for {len(self._layer_names)} selected layers; its layers do "
+                    "not run as its class declares. Please report this with your transformers version."
+                )
+            return
         if step == 0:
             per_step, once = self.layer_tap.names(output)
             self.header["layers"] = self.layer_tap.header()
@@ -220,6 +239,19 @@ class Capture:
             self.ring.put(step, name, tensor)
         if step == 0:
             self.layer_tap.encoder_output = None  # copied: the capture keeps no reference to it
+
+    def _on_layer(self, name: str, tensor: torch.Tensor) -> None:
+        """A selected layer's tensor, from its module's hook, in the forward of step `_forwards`."""
+        if self._in_lists or threading.get_ident() != self._thread:
+            return  # a forward made by a processor, or another thread's call of the same model
+        with _interrupts.held():
+            self._layers_fired += 1
+            self.ring.put(self._forwards, name, tensor)
+
+    def close_taps(self) -> None:
+        """Remove the module hooks of the call (idempotent)."""
+        if self.layer_tap is not None:
+            self.layer_tap.remove()
 
     def on_encoder(self, output: Any) -> None:
         """An encoder-decoder model's encoder ran (before the decoding loop): its outputs are recorded
@@ -348,6 +380,7 @@ class Capture:
 
     # -- the end ---------------------------------------------------------------------------------------
     def finish(self, output: Any, error: BaseException | None) -> Generation:
+        self.close_taps()
         steps = self._step + 1
         if self.is_beam and steps > 0:
             # After the last step no running beam continues.

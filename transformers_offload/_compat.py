@@ -6,6 +6,7 @@ No other module of the package looks at a version number or probes transformers'
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import re
 import warnings
@@ -233,3 +234,64 @@ def errno_in_message(message: str) -> int | None:
     """
     found = re.search(r"os error (\d+)|Os \{ code: (\d+)", message)
     return None if found is None else int(found.group(1) or found.group(2))
+
+
+# -- where a model computes each output, as transformers itself declares it -----------------------------
+# Model classes declare which module computes each output they can return (`_can_record_outputs`):
+# Llama from 4.57 (collected by `check_model_inputs`, which patches those modules' forward during a
+# call asking for them), GPT-2, T5, BART and most others by 5.24 (`capture_outputs`, with forward
+# hooks). An entry is a module class, a class-name suffix, an `OutputRecorder(target_class, index,
+# layer_name, class_name[, capture_initial_hidden_state])` or a list of those. Hidden states: the
+# first matched module's first positional input (the embeddings), then each matched module's output,
+# the last replaced by the model's `last_hidden_state` (unless `config.tie_last_hidden_states` is
+# False, 5.x); other outputs: each matched module's output at `index` (1 by default).
+@dataclasses.dataclass(frozen=True)
+class CapturePoint:
+    """One output's capture point in a model's forward, as its class declares it."""
+
+    target_class: Any  # a module class, or None
+    class_name: str | None  # a suffix of the module's dotted name, or None
+    layer_name: str | None  # a part of the module's dotted name that must match, or None
+    index: int  # which element of a tuple output
+    capture_initial: bool  # hidden states: the first module's input is entry 0
+
+
+def capture_points(module: Any) -> dict[str, CapturePoint]:
+    """The capture point of each output `module` (a model's base model) declares with one entry; {}
+    where its release or class declares none (then the recorder asks the forward for its outputs)."""
+    declared = getattr(type(module), "_can_record_outputs", None)
+    if not isinstance(declared, dict):
+        return {}
+    points = {}
+    for key, spec in declared.items():
+        if isinstance(spec, (list, tuple)):
+            continue  # several module types under one key: their order is not the modules' order
+        default_index = 0 if "hidden_states" in key else 1
+        if isinstance(spec, str):
+            points[key] = CapturePoint(None, spec, None, default_index, True)
+        elif isinstance(spec, type):
+            points[key] = CapturePoint(spec, None, None, default_index, True)
+        elif hasattr(spec, "target_class") and hasattr(spec, "index"):
+            points[key] = CapturePoint(
+                spec.target_class, getattr(spec, "class_name", None), getattr(spec, "layer_name", None),
+                int(spec.index), bool(getattr(spec, "capture_initial_hidden_state", True)),
+            )
+    return points
+
+
+def matches(point: CapturePoint, dotted_name: str, module: Any) -> bool:
+    """Whether `module`, at `dotted_name` (".layers.0.self_attn") inside the declaring model, is one
+    that `point` names (5.24's `recursively_install_hooks`; 4.57-5.0 match the same modules)."""
+    found = (point.target_class is not None and isinstance(module, point.target_class)) or (
+        point.class_name is not None and dotted_name.endswith(point.class_name)
+    )
+    if found and point.layer_name is not None:
+        found = "." + point.layer_name.strip(".") + "." in dotted_name + "."
+    return found
+
+
+def ties_last_hidden_state(config: Any) -> bool:
+    """Whether the last hidden state is the model's `last_hidden_state` (every language model; a 5.x
+    config may say otherwise)."""
+    tie = getattr(config, "tie_last_hidden_states", None)
+    return True if tie is None else bool(tie)

@@ -18,12 +18,17 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from . import _compat, _format
+from ._module_taps import ModuleTaps
 
+_NO_WEIGHTS = (
+    "the model computed no `{kind}` in its forward; attention weights need eager attention: load the "
+    "model with `attn_implementation=\"eager\"`."
+)
 STREAMS = ("attentions", "hidden_states")  # the Recorder's `streams` names that select these outputs
 # Which outputs a Recorder stream records, by model kind.
 _KINDS = {
@@ -74,11 +79,15 @@ class Selection:
 
 
 class LayerTap:
-    """Picks the selected per-layer tensors out of each forward output of one `generate()` call."""
+    """The selected per-layer tensors of one `generate()` call: taken from hooks on the modules that
+    compute them where the model declares those (`_module_taps`, installed by `install`), else picked
+    out of each forward's output, which the forward is then asked for (`ask`, `names`, `pick`)."""
 
-    def __init__(self, kinds: tuple[str, ...], selection: Selection, streams: Sequence[str]) -> None:
+    def __init__(self, kinds: tuple[str, ...], selection: Selection, streams: Sequence[str], model: Any = None) -> None:
         self.kinds = kinds
         self.selection = selection
+        self.model = model
+        self.taps: ModuleTaps | None = None  # installed module hooks, for the call
         # The keyword arguments each forward of the call gets (`ask`), set once.
         self.forward_flags = {_FLAGS[stream]: True for stream in streams if stream in _FLAGS}
         self.counts: dict[str, int] = {}  # layers (tuple entries) of each recorded output
@@ -107,10 +116,7 @@ class LayerTap:
                 continue  # the call passed `encoder_outputs`: no encoder ran
             tensors = self._tensors(output, kind)
             if not tensors or any(t is None for t in tensors):
-                raise ValueError(
-                    f"the model's forward returned no `{kind}` although it was asked for them; attention "
-                    "weights need eager attention: load the model with `attn_implementation=\"eager\"`."
-                )
+                raise ValueError(_NO_WEIGHTS.format(kind=kind))
             self.counts[kind] = len(tensors)
             self._layers[kind] = resolve(self.selection.layers, len(tensors), f"`layers` for {kind}")
             if kind in _format.ATTENTION_KINDS and self.selection.heads is not None:
@@ -120,8 +126,53 @@ class LayerTap:
             (once if kind in _format.ENCODER_KINDS else per_step).extend(names)
         return per_step, once
 
+    def install(self, on_tensor: Callable[[str, torch.Tensor], None]) -> list[str] | None:
+        """Hook the modules that compute the selected layers, where the model declares them: then each
+        selected tensor reaches `on_tensor(stream, tensor)` (heads and positions selected) as soon as
+        its module returns, and the per-step stream names are returned; else None (use `names`/`pick`).
+
+        Raises:
+            IndexError: a selected layer or head is out of range.
+        """
+        def resolved(count: int, kind: str) -> tuple[int, ...]:
+            what = f"`layers` for {kind}" + (" (the embeddings are entry 0)" if kind == "hidden_states" else "")
+            return resolve(self.selection.layers, count, what)
+
+        head_count = getattr(_compat.text_config(getattr(self.model, "config", None)), "num_attention_heads", None)
+        if self.model is None or not isinstance(head_count, int):
+            return None
+        taps = ModuleTaps.plan(self.model, self.kinds, resolved)
+        if taps is None:
+            return None
+        self.counts = dict(taps.counts)
+        self._layers = dict(taps.layers)
+        if "attentions" in self.kinds and self.selection.heads is not None:
+            self.heads["attentions"] = list(resolve(self.selection.heads, head_count, "`heads`"))
+
+        def take(kind: str, name: str, tensor: Any) -> None:
+            if tensor is None:
+                raise ValueError(_NO_WEIGHTS.format(kind=kind))
+            if kind == "attentions" and tensor.shape[1] != head_count:
+                raise RuntimeError(
+                    f"transformers-offload: the attention weights have {tensor.shape[1]} heads, the config "
+                    f"says {head_count}; please report this with your transformers version."
+                )
+            on_tensor(name, self.select(kind, tensor, is_encoder=False))
+
+        taps.install(take)
+        self.taps = taps
+        return list(taps.names)
+
+    def remove(self) -> None:
+        """Remove the module hooks `install` put in place (idempotent)."""
+        if self.taps is not None:
+            self.taps.remove()
+
     def ask(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """A forward's keyword arguments with the outputs the recorder records switched on."""
+        """A forward's keyword arguments with the outputs the recorder records switched on (none where
+        module hooks take them)."""
+        if self.taps is not None:
+            return kwargs
         return {**kwargs, **self.forward_flags}
 
     def header(self) -> dict[str, Any]:
@@ -141,12 +192,15 @@ class LayerTap:
                 continue
             tensors = self._tensors(output, kind)
             for layer in self._layers[kind]:
-                tensor = tensors[layer]
-                if kind in _format.ATTENTION_KINDS and self.selection.heads is not None:
-                    tensor = self._select_heads(tensor)
-                if self.selection.newest_position_only and not is_encoder:
-                    tensor = tensor[..., -1:, :]  # queries (attentions) or positions (hidden states)
-                yield _format.layer_stream(kind, layer), tensor
+                yield _format.layer_stream(kind, layer), self.select(kind, tensors[layer], is_encoder=is_encoder)
+
+    def select(self, kind: str, tensor: torch.Tensor, *, is_encoder: bool) -> torch.Tensor:
+        """The selected heads and positions of one layer's tensor: a view, or a new tensor on its device."""
+        if kind in _format.ATTENTION_KINDS and self.selection.heads is not None:
+            tensor = self._select_heads(tensor)
+        if self.selection.newest_position_only and not is_encoder:
+            tensor = tensor[..., -1:, :]  # queries (attentions) or positions (hidden states)
+        return tensor
 
     def _select_heads(self, tensor: torch.Tensor) -> torch.Tensor:
         key = (tensor.shape[1], tensor.device)

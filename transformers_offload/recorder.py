@@ -256,7 +256,7 @@ class Recorder(Readable, LogitsProcessor, StoppingCriteria):
                 index=len(self._generations),
                 attention_mask=attention_mask,
                 threaded=_on_cuda(self._model),
-                layer_tap=_layers.LayerTap(kinds, self._selection, self._streams) if kinds else None,
+                layer_tap=_layers.LayerTap(kinds, self._selection, self._streams, self._model) if kinds else None,
             )
             return self._active
 
@@ -286,6 +286,7 @@ class Recorder(Readable, LogitsProcessor, StoppingCriteria):
                     "supported by transformers-offload."
                 )
         finally:
+            capture.close_taps()
             with self._lock:
                 self._active = None
 
