@@ -20,7 +20,7 @@ import torch
 from transformers import LogitsProcessor, StoppingCriteria
 
 from transformers_offload import Recorder, open_recording
-from transformers_offload import _format, _interrupts, _shard_store
+from transformers_offload import _format, _interrupts, _memory_store, _shard_store
 from transformers_offload import recorder as recorder_module
 
 from .conftest import left_padded_batch
@@ -78,16 +78,42 @@ def _slow_writer(monkeypatch) -> None:
     monkeypatch.setattr(_shard_store, "save_file", slow_save_file)
 
 
-def _interrupt_at_wait(monkeypatch, where: str, nth: int = 3) -> list[int]:
-    """Send SIGINT the `nth` time the recorder waits at `where` (from whichever thread waits)."""
+def _hold_the_store(monkeypatch, store: str) -> threading.Event:
+    """Keep the store from taking anything (the writer's files, or the memory store's drains) until
+    the returned event is set: generate() then has to wait for it, however fast this machine is."""
+    release = threading.Event()
+    if store == "spill":
+        real_save = _shard_store.save_file
+
+        def held_save_file(*args, **kwargs):
+            release.wait(60)
+            real_save(*args, **kwargs)
+
+        monkeypatch.setattr(_shard_store, "save_file", held_save_file)
+    else:
+        real_drain = _memory_store.MemoryStore.drain
+
+        def held_drain(self, step, tensors):
+            release.wait(60)
+            real_drain(self, step, tensors)
+
+        monkeypatch.setattr(_memory_store.MemoryStore, "drain", held_drain)
+    return release
+
+
+def _interrupt_at_wait(monkeypatch, where: str, release: threading.Event | None = None) -> list[int]:
+    """Send SIGINT the first time the recorder waits at `where` (from whichever thread waits), then
+    let a held store go on."""
     real = _interrupts.waiting
     seen = [0]
 
     def waiting(label):
         if label == where:
             seen[0] += 1
-            if seen[0] == nth:
+            if seen[0] == 1:
                 sigint()
+                if release is not None:
+                    release.set()
         return real(label)
 
     monkeypatch.setattr(_interrupts, "waiting", waiting)
@@ -151,12 +177,15 @@ def test_a_ctrl_c_anywhere_keeps_every_completed_step(gpt2, tmp_path, monkeypatc
     if threaded:
         monkeypatch.setattr(recorder_module, "_on_cuda", lambda model: True)
     spill = store == "spill"
-    if spill:
+    release = None
+    if where in ("shard buffer", "ring slot"):  # waits inside a step: the store is made to lag
+        release = _hold_the_store(monkeypatch, store)
+    elif spill:
         _slow_writer(monkeypatch)
     completed = Completed(interrupt_at=5 if where == "criterion" else None)
     processors, handle = [], None
     if where in ("shard buffer", "ring slot", "flush", "writer"):
-        seen = _interrupt_at_wait(monkeypatch, where, nth=1 if where in ("flush", "writer") else 3)
+        seen = _interrupt_at_wait(monkeypatch, where, release)
     elif where.startswith("manifest"):
         _interrupt_at_manifest_write(monkeypatch, where.split()[1])
     elif where == "forward":
