@@ -150,7 +150,7 @@ def main() -> None:
         "spill, end to end": rate(runs["spill"]),
         "spill, writer thread only": rate(runs["spill"], "writer_seconds"),
         "spill without checksums (A/B), end to end": rate(runs["no_checksums"]),
-        "CRC-32C alone (mapped, from the page cache)": rate(runs["checksum"]),
+        "CRC-32C alone (read back from the page cache)": rate(runs["checksum"]),
     }
     baseline = table["plain write + fsync (baseline)"]
     total_mb = runs["spill"][0]["bytes"] / 1e6

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 import re
 import tempfile
@@ -201,20 +200,22 @@ def _while_fsync(fd: int, work: Callable[[], Any]) -> Any:
 # reader checks both and refuses other algorithms by name.
 CHECKSUM_ALGORITHM = "crc32c" if google_crc32c.implementation == "c" else "crc32"
 _CHECKSUMS: dict[str, Callable[[Any], int]] = {"crc32c": google_crc32c.value, "crc32": zlib.crc32}
+_EXTEND: dict[str, Callable[[int, Any], int]] = {"crc32c": google_crc32c.extend, "crc32": lambda crc, data: zlib.crc32(data, crc)}
+_CHECKSUM_BLOCK = 8 * 2**20  # bytes read at a time
 
 
 def file_checksum(file: Any, algorithm: str = CHECKSUM_ALGORITHM) -> str:
-    """`"ALGORITHM:XXXXXXXX"` of every byte of `file` (an open binary file), read through a memory map
-    (the page cache's own pages: no copy)."""
+    """`"ALGORITHM:XXXXXXXX"` of every byte of `file` (an open binary file), read from its start in
+    blocks of at most 8 MiB (a map of the whole file would count the file in the process's resident
+    set: a shard's size more at the writer's peak)."""
     size = os.fstat(file.fileno()).st_size
-    if size == 0:
-        return f"{algorithm}:{_CHECKSUMS[algorithm](b''):08x}"
-    with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-        view = numpy.frombuffer(mapped, dtype=numpy.uint8)  # google-crc32c takes arrays, not maps
-        try:
-            return f"{algorithm}:{_CHECKSUMS[algorithm](view):08x}"
-        finally:
-            del view  # the map closes only once nothing views it
+    block = bytearray(min(size, _CHECKSUM_BLOCK) or 1)
+    view = numpy.frombuffer(block, dtype=numpy.uint8)  # google-crc32c takes arrays, not bytearrays
+    crc = _CHECKSUMS[algorithm](b"")
+    file.seek(0)
+    while count := file.readinto(block):
+        crc = _EXTEND[algorithm](crc, view[:count])
+    return f"{algorithm}:{crc:08x}"
 
 
 def verify_file(path: Path, record: dict[str, Any]) -> None:
