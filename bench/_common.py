@@ -17,6 +17,13 @@ from transformers.generation import StoppingCriteria
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
+# For a child process whose peak RSS is measured: glibc moves its mmap threshold with the sizes freed
+# so far, so the same generate() call's peak varied by up to 55 MiB from one fresh process to the next
+# (stock, SmolLM2, a 1,000-token prompt: 131-183 MiB). With both thresholds fixed, large blocks go back
+# to the system when freed, and the peak repeats to about 1 MiB (127-129 MiB). Other C libraries
+# ignore these variables.
+STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+
 
 def rss_bytes() -> int:
     """This process's resident set now, in bytes (Linux `/proc/self/statm`; the peak elsewhere)."""

@@ -68,14 +68,10 @@ def run_case(case: dict, prompt_tokens: int, new_tokens: int) -> dict:
             "loaded_mib": round(loaded, 1), "growth_mib": round(peak_mib() - loaded, 1)}
 
 
-# glibc moves its mmap threshold with the sizes freed so far, so the same call's peak varied by up to
-# 55 MiB from one fresh process to the next (stock generate: 131-183 MiB); with fixed thresholds, large
-# blocks go back to the system when freed and the peak repeats to about 1 MiB (127-129 MiB).
-STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
-
-
 def measure(case: dict, prompt_tokens: int, new_tokens: int) -> dict:
-    """`run_case` in a fresh process (a peak never goes down), with `STEADY_MALLOC`."""
+    """`run_case` in a fresh process (a peak never goes down), with `_common.STEADY_MALLOC`."""
+    from _common import STEADY_MALLOC
+
     done = subprocess.run(
         [sys.executable, __file__, "--case", json.dumps(case), "--prompt-tokens", str(prompt_tokens),
          "--new-tokens", str(new_tokens)],

@@ -113,11 +113,23 @@ STEPS, CHECKPOINT, BATCH, SHARD_MIB = 512, 128, 4, 16
 STEP_MIB = BATCH * 49152 * 4 * 2 / 2**20  # raw logits and processed scores, float32
 
 
+def _bench(name: str):
+    """A module of bench/ (its scripts import each other by name)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+
 def _peak_rss(store: str, *, steps: int = STEPS, checkpoint: int = CHECKPOINT, streams: str = "logits,scores") -> dict:
+    # With glibc's malloc thresholds fixed: the peak repeats from one process to the next (it moved by
+    # tens of MiB otherwise, enough to break the bounds below now and then).
     done = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "peak_rss.py"), "--store", store, "--steps", str(steps),
          "--checkpoint", str(checkpoint), "--batch", str(BATCH), "--shard-mib", str(SHARD_MIB), "--streams", streams],
-        capture_output=True, text=True, timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True, text=True, timeout=900,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **_bench("_common").STEADY_MALLOC},
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -159,12 +171,7 @@ def test_spilling_every_layers_attentions_keeps_peak_memory_flat(real_model):
 def _layer_peak(case: dict, prompt_tokens: int = 1000) -> float:
     """Peak RSS growth of one generate() call over a `prompt_tokens` prompt, in a fresh process with
     glibc's malloc thresholds fixed (bench/layer_peak.py: repeatable to about 1 MiB)."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        from layer_peak import measure
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    return measure(case, prompt_tokens, 4)["growth_mib"]
+    return _bench("layer_peak").measure(case, prompt_tokens, 4)["growth_mib"]
 
 
 @pytest.fixture(scope="module")
