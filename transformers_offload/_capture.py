@@ -4,7 +4,9 @@
 carries a recorder: the processor list (raw logits before the first processor, processed scores after
 the last one), the stopping-criteria list (the token appended at the end of each step and which rows
 are done), and the model's forward: in beam search for the raw logits (the processor list there
-receives `log_softmax(logits)`), and for attentions and hidden states (`_layers`).
+receives `log_softmax(logits)`), and for attentions and hidden states (`_layers`), which, where the
+model declares the modules that compute them, come instead from hooks the capture puts on the selected
+layers' modules for the call (`_module_taps`).
 """
 
 from __future__ import annotations
