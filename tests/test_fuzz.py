@@ -282,3 +282,33 @@ def test_step_shapes_whose_product_wraps_around_64_bits_are_refused(scratch, ope
     target.write_bytes(raw[:offset] + shapes.numpy().tobytes() + raw[offset + stop - start :])
     with pytest.raises(RecordingError, match="do not add up"):
         read_everything(root)
+
+
+@pytest.mark.parametrize("key", ["shard", "sequences", "files"])
+def test_a_file_name_too_long_for_the_file_system_is_refused(scratch, opened, key):
+    root = _copy(GOLDEN / "tiny-recording", scratch)
+    manifest = json.loads((root / "manifest.json").read_text())
+    long = "x" * 300 + ".safetensors"
+    if key == "shard":
+        manifest["generations"][0]["shards"][0]["file"] = long
+    elif key == "sequences":
+        manifest["generations"][0]["sequences"] = long
+    else:
+        manifest["files"][long] = {"bytes": 1, "checksum": "crc32c:00000000"}
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(RecordingError, match="not a plain file name"):
+        read_everything(root)
+
+
+@pytest.mark.parametrize("sequences", [None, "absent"])
+def test_a_complete_generation_without_sequences_is_refused(scratch, opened, sequences):
+    root = _copy(GOLDEN / "tiny-recording", scratch)
+    manifest = json.loads((root / "manifest.json").read_text())
+    if sequences is None:
+        manifest["generations"][0]["sequences"] = None
+    else:
+        del manifest["generations"][0]["sequences"]
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(RecordingError, match="complete but names no `sequences`"):
+        open_recording(root)
+

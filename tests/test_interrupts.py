@@ -257,19 +257,35 @@ def test_a_second_ctrl_c_gets_out_at_once():
                 pytest.fail("the second SIGINT was held")
 
 
-def test_a_wait_lets_ctrl_c_through_except_while_the_call_ends():
+def test_after_a_ctrl_c_that_went_through_the_next_one_is_not_held():
+    """The first Ctrl-C ended the step at once (in the forward, say); a second one while the call
+    writes what it has gets out at once too."""
     with _interrupts.call():
+        with pytest.raises(KeyboardInterrupt):
+            sigint()
+            time.sleep(1)
+        with pytest.raises(KeyboardInterrupt):
+            with _interrupts.ending():
+                sigint()
+                time.sleep(1)
+                pytest.fail("the second SIGINT of the call was held")
+
+
+def test_a_wait_lets_ctrl_c_through_except_while_the_call_ends():
+    with _interrupts.call():  # each case is the first SIGINT of a call
         with _interrupts.held():
             sigint()
             time.sleep(0.01)
             with pytest.raises(KeyboardInterrupt), _interrupts.waiting("ring slot"):
                 pytest.fail("a held SIGINT was not raised when the wait began")
+    with _interrupts.call():
         with pytest.raises(KeyboardInterrupt):
             with _interrupts.held(), _interrupts.waiting("ring slot"):
                 threading.Event().wait(0.01)
                 sigint()
                 threading.Event().wait(5)
                 pytest.fail("a SIGINT during a wait was not raised at once")
+    with _interrupts.call():
         with pytest.raises(KeyboardInterrupt):
             with _interrupts.ending(), _interrupts.waiting("writer"):
                 sigint()

@@ -304,7 +304,7 @@ DAMAGE = {
     "huge number": (_huge_number, "not valid JSON"),
     "manifest symlinked from outside": (_manifest_symlinked_from_outside, "leads outside the recording"),
     "sequences of the wrong width": (_wrong_sequences, "disagree with the manifest"),
-    "directory posing as a shard": (_directory_as_shard, "file is not there"),
+    "directory posing as a shard": (_directory_as_shard, "is not a regular file"),
     "eos_token_id not a list": (_set(eos_token_id=5), "`eos_token_id` must be a list"),
     "prompt_lengths not a list": (_set(prompt_lengths="ab"), "`prompt_lengths` must be list or null"),
     "prompt_lengths of strings": (_set(prompt_lengths=["a"]), "must list non-negative integers"),

@@ -434,6 +434,8 @@ def check_generation(entry: Any, index: int, root: Path, path: Path, files: set[
         )
     if entry.get("sequences") is not None:
         _claim(root, entry["sequences"], path, files)
+    elif entry["status"] == "complete":
+        raise RecordingError(path, f"{where} is complete but names no `sequences` file; the manifest is damaged.")
     _check_layers(entry, root, path, where, files)
 
 
@@ -565,7 +567,7 @@ def _claim(root: Path, name: str, path: Path, files: set[str]) -> None:
 
 def inside(root: Path, name: str, path: Path) -> Path:
     """`root / name`, refused unless `name` is a plain file name that stays inside `root`."""
-    bad = not name or name in (".", "..") or "\x00" in name
+    bad = not name or name in (".", "..") or "\x00" in name or len(name.encode("utf-8", "surrogateescape")) > 255
     if bad or Path(name).name != name or "\\" in name or "/" in name:
         raise RecordingError(path, f"names file {name!r}, which is not a plain file name inside the recording.")
     target = root / name

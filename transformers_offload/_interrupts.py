@@ -17,7 +17,8 @@ SIGINT handler in place (Python's own raises `KeyboardInterrupt`; a user's is ca
   in a consistent state at those points, and the step being handed over stays in its slot;
 - while the call ends (`ending()`), waits hold it too: what the ring and the store have is written
   first (seconds at most: three shard buffers), then `KeyboardInterrupt` is raised;
-- a second SIGINT while one is held is let through at once: the way out of a wait that never ends.
+- only the call's first SIGINT is ever held: a second one (whether the first was held or raised) is
+  let through at once, wherever it lands: the way out of a wait that never ends.
 
 Elsewhere (a call in another thread, a handler that is not a Python function: `SIG_IGN`, `SIG_DFL`)
 nothing is installed and every section is a no-op.
@@ -40,9 +41,11 @@ class _Guard:
         self.waiting = 0  # waits, inside held sections, that let the signal through
         self.ending = 0  # > 0 while the call ends: waits hold the signal too
         self.pending: tuple[int, Any] | None = None  # a held signal
+        self.received = 0  # SIGINTs during the call
 
     def handle(self, signum: int, frame: Any) -> None:
-        if self.depth and self.pending is None and not self.waiting:
+        self.received += 1
+        if self.depth and self.received == 1 and not self.waiting:
             self.pending = (signum, frame)
             return
         self.pending = None

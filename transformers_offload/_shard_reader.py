@@ -208,8 +208,13 @@ def _expect(path: Path, header: dict[str, tuple[list[int], str]], name: str, sha
 def open_file(path: Path, what: str) -> tuple[Any, dict[str, str] | None, dict[str, tuple[list[int], str]]]:
     """A safetensors file opened (nothing read but its header): the handle, its metadata, and each
     tensor's shape and dtype name; or `RecordingError`."""
-    if not path.is_file():
-        raise RecordingError(path, f"missing: the manifest names this {what} but the file is not there.")
+    try:
+        found, regular = path.exists(), path.is_file()
+    except OSError as error:
+        raise RecordingError(path, f"cannot be looked up ({error.strerror}).") from None
+    if not regular:
+        state = "is not a regular file" if found else "is not there"
+        raise RecordingError(path, f"missing: the manifest names this {what} but the file {state}.")
     try:
         handle = safe_open(str(path), framework="pt")
         header = {}
