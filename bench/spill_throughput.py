@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import torch  # noqa: E402
 
 from _common import RESULTS, machine, plot_bars, print_table, write_json  # noqa: E402
-from transformers_offload import _format  # noqa: E402
+from transformers_offload import _files  # noqa: E402
 from transformers_offload._shard_store import Spill  # noqa: E402
 
 
@@ -76,12 +76,12 @@ def spill(root: Path, steps: list[dict[str, torch.Tensor]], shard_bytes: int) ->
 
 
 def spill_without_checksums(root: Path, steps: list[dict[str, torch.Tensor]], shard_bytes: int) -> dict[str, float]:
-    real = _format.file_checksum
-    _format.file_checksum = lambda file: "crc32c:00000000"  # the A/B case: no checksum
+    real = _files.file_checksum
+    _files.file_checksum = lambda file: "crc32c:00000000"  # the A/B case: no checksum
     try:
         return spill(root, steps, shard_bytes)
     finally:
-        _format.file_checksum = real
+        _files.file_checksum = real
 
 
 def checksum_only(root: Path) -> dict[str, float]:
@@ -89,7 +89,7 @@ def checksum_only(root: Path) -> dict[str, float]:
     total, started = 0, time.perf_counter()
     for path in sorted(root.glob("*-s*.safetensors")):
         with open(path, "rb") as file:
-            _format.file_checksum(file)
+            _files.file_checksum(file)
         total += path.stat().st_size
     return {"bytes": total, "seconds": time.perf_counter() - started}
 

@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from transformers_offload import Recorder, RecordingError, _format, open_recording
+from transformers_offload import Recorder, RecordingError, _files, open_recording
 from transformers_offload.cli import main as cli
 
 from .conftest import FUZZ_SCALE, left_padded_batch, make_tiny
@@ -86,7 +86,7 @@ def test_a_truncated_file_and_an_unknown_algorithm(recording):
         open_recording(recording, verify=True)  # safetensors itself sees that the data is short
     assert caught.value.path == path
     with pytest.raises(RecordingError, match=f"holds {record['bytes'] - 1} bytes, the manifest says {record['bytes']}"):
-        _format.verify_file(path, record)
+        _files.verify_file(path, record)
 
 
 def test_a_recording_from_before_checksums_reads_the_same_and_says_it_carries_none():
@@ -124,8 +124,8 @@ def test_both_algorithms_check_the_same_bytes(recording):
     """CRC-32C where google-crc32c is compiled (everywhere it has a wheel), zlib's CRC-32 elsewhere."""
     path = recording / "g0000-sequences.safetensors"
     with open(path, "rb") as file:
-        crc32c, crc32 = _format.file_checksum(file, "crc32c"), _format.file_checksum(file, "crc32")
+        crc32c, crc32 = _files.file_checksum(file, "crc32c"), _files.file_checksum(file, "crc32")
     data = path.read_bytes()
     assert crc32c == f"crc32c:{google_crc32c.value(data):08x}" and crc32 == f"crc32:{zlib.crc32(data):08x}"
-    _format.verify_file(path, {"bytes": len(data), "checksum": crc32})
-    assert _format.CHECKSUM_ALGORITHM == "crc32c"  # this machine has the compiled extension
+    _files.verify_file(path, {"bytes": len(data), "checksum": crc32})
+    assert _files.CHECKSUM_ALGORITHM == "crc32c"  # this machine has the compiled extension

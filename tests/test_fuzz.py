@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis.control import currently_in_test_context
 from hypothesis import strategies as st
 
-from transformers_offload import Recorder, RecordingError, _format, _shard_reader, open_recording
+from transformers_offload import Recorder, RecordingError, _files, _format, _shard_reader, open_recording
 from transformers_offload import _layers
 
 from .conftest import FUZZ_SCALE, left_padded_batch, make_tiny
@@ -70,7 +70,7 @@ def opened(monkeypatch) -> list[Path]:
         return open(path, *args, **kwargs)
 
     monkeypatch.setattr(_shard_reader, "safe_open", safe_open)
-    monkeypatch.setattr(_format, "open", tracked_open, raising=False)
+    monkeypatch.setattr(_files, "open", tracked_open, raising=False)
     return paths
 
 

@@ -20,7 +20,7 @@ import torch
 from transformers import LogitsProcessor, StoppingCriteria
 
 from transformers_offload import Recorder, open_recording
-from transformers_offload import _format, _interrupts, _memory_store, _shard_store
+from transformers_offload import _files, _interrupts, _memory_store, _shard_store
 from transformers_offload import recorder as recorder_module
 
 from .conftest import left_padded_batch
@@ -122,7 +122,7 @@ def _interrupt_at_wait(monkeypatch, where: str, release: threading.Event | None 
 
 def _interrupt_at_manifest_write(monkeypatch, which: str) -> None:
     """Send SIGINT inside the main thread's first ("start") or last ("end") manifest write of a call."""
-    real = _format.write_manifest
+    real = _files.write_manifest
     calls, sent = [0], []
 
     def write_manifest(root, manifest):
@@ -134,7 +134,7 @@ def _interrupt_at_manifest_write(monkeypatch, which: str) -> None:
                 sigint()
         real(root, manifest)
 
-    monkeypatch.setattr(_format, "write_manifest", write_manifest)
+    monkeypatch.setattr(_files, "write_manifest", write_manifest)
 
 
 def _forward_interrupt(model, step: int):

@@ -337,16 +337,16 @@ def test_a_reader_beside_the_writer_sees_the_committed_steps_and_they_never_chan
 
 @pytest.mark.parametrize("hard_links", [True, False], ids=["link", "no-hard-links"])
 def test_the_first_manifest_appears_whole_and_claims_the_directory_once(tmp_path, monkeypatch, hard_links):
-    from transformers_offload import _format
+    from transformers_offload import _files
 
     if not hard_links:
         def no_link(source, target):
             raise OSError(errno.EPERM, "hard links not supported")
 
         monkeypatch.setattr(os, "link", no_link)
-    _format.create_manifest(tmp_path, {"format": "x", "generations": []})
+    _files.create_manifest(tmp_path, {"format": "x", "generations": []})
     assert json.loads((tmp_path / "manifest.json").read_text()) == {"format": "x", "generations": []}
     with pytest.raises(FileExistsError):
-        _format.create_manifest(tmp_path, {"format": "y"})
+        _files.create_manifest(tmp_path, {"format": "y"})
     assert json.loads((tmp_path / "manifest.json").read_text())["format"] == "x"
     assert [p.name for p in tmp_path.iterdir()] == ["manifest.json"]  # no temporary file left

@@ -1,4 +1,5 @@
-"""The recording format on disk: names, the manifest's schema and its checks, and atomic writes.
+"""The recording format on disk: names, and the manifest's schema and its checks (`_files` writes
+the files durably and checksums them).
 
 A recording is one directory: a JSON manifest (`manifest.json`) and safetensors files beside it. The
 README's "Recording format" section is the specification; this module is its single implementation,
@@ -11,14 +12,9 @@ import json
 import math
 import os
 import re
-import tempfile
-import threading
-import zlib
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-import google_crc32c
-import numpy
 import torch
 
 FORMAT = "transformers-offload"
@@ -135,160 +131,6 @@ def read_shard_metadata(metadata: dict[str, str] | None) -> dict[str, Any]:
     except json.JSONDecodeError:
         return {}
     return fields if isinstance(fields, dict) else {}
-
-
-# -- writing -----------------------------------------------------------------------------------------
-def write_atomically(path: Path, write: Callable[[Path], None], *, checksum: bool = False) -> dict[str, Any]:
-    """Write `path` so that it is either absent/old or complete: `write(temporary)`, fsync, rename.
-
-    The temporary file is `path`'s name with a unique middle part and `.tmp`, next to it.
-
-    Returns the manifest's record of the file: `{"bytes": size}`, and with `checksum` also
-    `"checksum"`, computed from what the file holds before it is renamed (`file_checksum`), while
-    the fsync runs (both wait outside the GIL: the checksum costs about nothing where the disk is
-    the bottleneck). The temporary file is removed when `write` fails (a full disk...), and the
-    error is raised.
-    """
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    os.close(fd)
-    temporary = Path(name)
-    try:
-        write(temporary)
-        with open(temporary, "rb+") as file:
-            record = {"bytes": os.fstat(file.fileno()).st_size}
-            if checksum:
-                record["checksum"] = _while_fsync(file.fileno(), lambda: file_checksum(file))
-            else:
-                os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    _fsync_directory(path.parent)
-    return record
-
-
-def _while_fsync(fd: int, work: Callable[[], Any]) -> Any:
-    """`os.fsync(fd)` in a helper thread while `work()` runs in this one; `work`'s result, or the
-    first error of either."""
-    failure: list[BaseException] = []
-
-    def sync() -> None:
-        try:
-            os.fsync(fd)
-        except BaseException as error:  # noqa: BLE001 - raised in the calling thread
-            failure.append(error)
-
-    thread = threading.Thread(target=sync, name="transformers-offload-fsync", daemon=True)
-    thread.start()
-    try:
-        result = work()
-    finally:
-        thread.join()
-    if failure:
-        raise failure[0]
-    return result
-
-
-# -- checksums ---------------------------------------------------------------------------------------
-# Every file a recording names carries `"checksum": "ALGORITHM:HEX"` in the manifest's `files` map:
-# CRC-32C (Castagnoli, the checksum of ext4, Btrfs, iSCSI and Google Cloud Storage), computed by
-# `google-crc32c` with the CPU's CRC instruction (about 20 GB/s on one core of this project's machines,
-# so it costs the writer little beside the disk). It detects every error burst of up to 32 bits (so
-# any flipped byte) and other damage with probability 1 - 2**-32. Where google-crc32c has no compiled
-# extension (a platform without its wheel), zlib's CRC-32 ("crc32", 4 GB/s) is written instead; the
-# reader checks both and refuses other algorithms by name.
-CHECKSUM_ALGORITHM = "crc32c" if google_crc32c.implementation == "c" else "crc32"
-_CHECKSUMS: dict[str, Callable[[Any], int]] = {"crc32c": google_crc32c.value, "crc32": zlib.crc32}
-_EXTEND: dict[str, Callable[[int, Any], int]] = {"crc32c": google_crc32c.extend, "crc32": lambda crc, data: zlib.crc32(data, crc)}
-_CHECKSUM_BLOCK = 8 * 2**20  # bytes read at a time
-
-
-def file_checksum(file: Any, algorithm: str = CHECKSUM_ALGORITHM) -> str:
-    """`"ALGORITHM:XXXXXXXX"` of every byte of `file` (an open binary file), read from its start in
-    blocks of at most 8 MiB (a map of the whole file would count the file in the process's resident
-    set: a shard's size more at the writer's peak)."""
-    size = os.fstat(file.fileno()).st_size
-    block = bytearray(min(size, _CHECKSUM_BLOCK) or 1)
-    view = numpy.frombuffer(block, dtype=numpy.uint8)  # google-crc32c takes arrays, not bytearrays
-    crc = _CHECKSUMS[algorithm](b"")
-    file.seek(0)
-    while count := file.readinto(block):
-        crc = _EXTEND[algorithm](crc, view[:count])
-    return f"{algorithm}:{crc:08x}"
-
-
-def verify_file(path: Path, record: dict[str, Any]) -> None:
-    """Read all of `path` and compare it with its manifest `record`; `RecordingError` naming the file
-    when its size or checksum differs (a damaged file) or its algorithm is unknown."""
-    algorithm = record["checksum"].partition(":")[0]
-    if algorithm not in _CHECKSUMS:
-        raise RecordingError(
-            path, f"its checksum uses {algorithm!r}, which this transformers-offload cannot check "
-            f"(it checks {sorted(_CHECKSUMS)}); upgrade transformers-offload.",
-        )
-    try:
-        with open(path, "rb") as file:
-            size = os.fstat(file.fileno()).st_size
-            found = file_checksum(file, algorithm) if size == record["bytes"] else None
-    except OSError as error:
-        raise RecordingError(path, f"cannot be read ({error.strerror}).") from None
-    if size != record["bytes"]:
-        raise RecordingError(path, f"holds {size} bytes, the manifest says {record['bytes']}: the file is damaged.")
-    if found != record["checksum"]:
-        raise RecordingError(
-            path, f"its checksum is {found}, the manifest says {record['checksum']}: the file is damaged."
-        )
-
-
-def write_manifest(root: Path, manifest: dict[str, Any]) -> None:
-    text = _manifest_text(manifest)
-    write_atomically(root / MANIFEST, lambda temporary: temporary.write_text(text, encoding="utf-8"))
-
-
-def create_manifest(root: Path, manifest: dict[str, Any]) -> None:
-    """Write `root`'s first manifest, refused if one exists: of two writers racing for a directory,
-    one gets `FileExistsError`. The file is complete from the moment it exists (written aside, then
-    hard-linked into place), so a reader watching the directory never sees it empty or half written.
-    Where the file system has no hard links, it is created empty first and then replaced.
-    """
-    path = root / MANIFEST
-    text = _manifest_text(manifest)
-    fd, name = tempfile.mkstemp(dir=root, prefix=MANIFEST + ".", suffix=".tmp")
-    temporary = Path(name)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
-        try:
-            os.link(temporary, path)
-        except FileExistsError:
-            raise
-        except OSError:  # no hard links here (some network and FAT file systems)
-            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
-    _fsync_directory(root)
-
-
-def _manifest_text(manifest: dict[str, Any]) -> str:
-    return json.dumps(manifest, indent=1, sort_keys=False) + "\n"
-
-
-def _fsync_directory(directory: Path) -> None:
-    # Makes the rename itself durable. Not every platform can open a directory (Windows): skip there.
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # -- reading -----------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 from safetensors.torch import save_file
 
-from . import _compat, _format, _interrupts
+from . import _compat, _files, _format, _interrupts
 from ._shard_buffer import ShardBuffer
 from .reader import generation_from_entry
 from .recording import Generation, TransferStats
@@ -77,7 +77,7 @@ class Spill:
             "files": {},  # every file's size and checksum, by name
         }
         try:  # claim the directory: of two recorders racing for it, one gets FileExistsError
-            _format.create_manifest(root, self.manifest)
+            _files.create_manifest(root, self.manifest)
         except FileExistsError:
             raise FileExistsError(
                 f"`spill_dir` {str(root)!r} already holds a recording (another Recorder got there "
@@ -111,7 +111,7 @@ class Spill:
             "sequences": None,
         }
         try:
-            _format.write_manifest(self.root, {**self.manifest, "generations": [*self.manifest["generations"], entry]})
+            _files.write_manifest(self.root, {**self.manifest, "generations": [*self.manifest["generations"], entry]})
         except OSError as error:
             raise SpillError(
                 error.errno or errno.EIO,
@@ -238,7 +238,7 @@ class ShardStore:
             entry["status"] = "complete" if problem is None else "failed"
             entry["error"] = None if problem is None else repr(problem)
             try:
-                _format.write_manifest(self._spill.root, self._spill.manifest)
+                _files.write_manifest(self._spill.root, self._spill.manifest)
             except OSError as write_error:
                 if problem is None:
                     self.failure = self._as_spill_error(write_error)
@@ -364,7 +364,7 @@ class ShardStore:
                 }
         entry["shards"].append({"file": name, "first_step": buffer.first_step, "num_steps": count})
         entry["num_steps"] = buffer.first_step + count
-        _format.write_manifest(self._spill.root, self._spill.manifest)
+        _files.write_manifest(self._spill.root, self._spill.manifest)
         self.counters.write_seconds += time.perf_counter() - started
         self.counters.bytes_written += size
 
@@ -380,7 +380,7 @@ class ShardStore:
                 for key, tensor in sorted(tensors.items(), key=lambda item: _format.split_layer_stream(item[0]))
             },
         }
-        _format.write_manifest(self._spill.root, self._spill.manifest)
+        _files.write_manifest(self._spill.root, self._spill.manifest)
 
     def _write_sequences(self, sequences: torch.Tensor) -> None:
         entry = self._entry
@@ -391,7 +391,7 @@ class ShardStore:
     def _commit(self, name: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> int:
         """Write one safetensors file of the recording durably, and note its size and checksum in the
         manifest's `files` (the manifest written next names it). Returns its size in bytes."""
-        record = _format.write_atomically(
+        record = _files.write_atomically(
             self._spill.root / name, lambda temporary: save_file(tensors, temporary, metadata=metadata), checksum=True
         )
         self._spill.manifest["files"][name] = record

@@ -9,7 +9,7 @@ from typing import Any, Iterator
 
 import torch
 
-from . import _format
+from . import _files, _format
 from ._format import RecordingError
 from ._shard_reader import ShardSource, open_file
 from .recording import Generation, Readable, TransferStats, pick
@@ -172,7 +172,7 @@ class Recording(Readable):
                 "as before without `verify`.",
             )
         for name in names:
-            _format.verify_file(self.path / name, records[name])
+            _files.verify_file(self.path / name, records[name])
         return {"files": len(names), "bytes": sum(records[name]["bytes"] for name in names)}
 
     def close(self) -> None:
