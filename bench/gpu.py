@@ -56,7 +56,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from _common import RESULTS, MemoryProbe, machine, plot_traces, print_table, rss_bytes, write_json  # noqa: E402
 from transformers_offload import Recorder  # noqa: E402
-from transformers_offload._transfer import HostRing  # noqa: E402
+from transformers_offload.capture.transfer import HostRing  # noqa: E402
 
 SHAPES = {
     # SmolLM2-135M-Instruct's config.json (the real model of the CPU benchmarks), weights random.

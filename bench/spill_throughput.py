@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import torch  # noqa: E402
 
 from _common import RESULTS, machine, plot_bars, print_table, write_json  # noqa: E402
-from transformers_offload import _files  # noqa: E402
-from transformers_offload._shard_store import Spill  # noqa: E402
+from transformers_offload.store import files as _files  # noqa: E402
+from transformers_offload.store.shards import Spill  # noqa: E402
 
 
 def add_recording_arguments(parser: argparse.ArgumentParser) -> None:

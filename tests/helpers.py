@@ -120,9 +120,9 @@ def made_up_layers(step: int, rows: int, prompt: int = 2) -> dict[str, torch.Ten
 
 def write_made_up_recording(root, *, steps: int, rows: int, vocab: int, shard_bytes: int, complete: bool = True,
                             layers: bool = False):
-    """Drive the shard store directly (no model): the layer below `generate()`. Returns the Generation.
+    """Drive the shard store directly (no model): the layer below `generate()`. Returns what the store hands back.
     With `layers`, the steps also carry `made_up_layers`."""
-    from transformers_offload._shard_store import Spill
+    from transformers_offload.store.shards import Spill
 
     spill = Spill(root, shard_bytes=shard_bytes, model_info=FIXED_MODEL, created_by=FIXED_CREATED_BY)
     header = {

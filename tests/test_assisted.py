@@ -12,7 +12,7 @@ import torch
 from transformers import RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper
 
 from transformers_offload import Recorder, UnsupportedModeError, open_recording
-from transformers_offload import _capture
+from transformers_offload.capture import capture as _capture
 
 from .conftest import make_tiny
 from .helpers import HAS_OUTPUT_LOGITS, TRANSFORMERS, assert_steps_equal, missing_options

@@ -16,7 +16,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from transformers_offload import Recorder, RecordingError, _files, open_recording
+from transformers_offload import Recorder, RecordingError, open_recording
+from transformers_offload.store import files as _files
 from transformers_offload.cli import main as cli
 
 from .conftest import FUZZ_SCALE, left_padded_batch, make_tiny

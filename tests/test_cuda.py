@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from transformers_offload import Recorder, open_recording
-from transformers_offload import _capture, _transfer
-from transformers_offload._transfer import HostRing
+from transformers_offload.capture import capture as _capture
+from transformers_offload.capture import transfer as _transfer
+from transformers_offload.capture.transfer import HostRing
 
 from .conftest import left_padded_batch, make_tiny
 from .helpers import assert_steps_equal

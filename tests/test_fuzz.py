@@ -24,8 +24,11 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis.control import currently_in_test_context
 from hypothesis import strategies as st
 
-from transformers_offload import Recorder, RecordingError, _files, _format, _shard_reader, open_recording
-from transformers_offload import _layers
+from transformers_offload import Recorder, RecordingError, open_recording
+from transformers_offload.capture import layers as _layers
+from transformers_offload.store import files as _files
+from transformers_offload.store import format as _format
+from transformers_offload.store import shard_reader as _shard_reader
 
 from .conftest import FUZZ_SCALE, left_padded_batch, make_tiny
 from .helpers import write_made_up_recording

@@ -10,7 +10,7 @@ import torch
 from transformers import GenerationMixin, LogitsProcessor, StoppingCriteria, StoppingCriteriaList
 
 from transformers_offload import Recorder, _compat
-from transformers_offload._hooks import is_hooked
+from transformers_offload.capture.hooks import is_hooked
 
 from .conftest import left_padded_batch, make_tiny
 from .helpers import hf_reference

@@ -20,7 +20,10 @@ import torch
 from transformers import LogitsProcessor, StoppingCriteria
 
 from transformers_offload import Recorder, open_recording
-from transformers_offload import _files, _interrupts, _memory_store, _shard_store
+from transformers_offload import _interrupts
+from transformers_offload.store import files as _files
+from transformers_offload.store import memory as _memory_store
+from transformers_offload.store import shards as _shard_store
 from transformers_offload import recorder as recorder_module
 
 from .conftest import left_padded_batch

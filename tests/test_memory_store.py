@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from transformers_offload import _memory_store
-from transformers_offload._memory_store import MemoryStore
+from transformers_offload.store import memory as _memory_store
+from transformers_offload.store.memory import MemoryStore
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,7 +29,7 @@ HEADER = {
 
 def _finish(store: MemoryStore, steps: int):
     """What the store kept, per stream (the Generation's source: the layer below its accessors)."""
-    return store.finish(steps, HEADER, None, None, ring_waits=0)._source
+    return store.finish(steps, HEADER, None, None, ring_waits=0).source
 
 
 def _chunks_spanned(steps) -> int:

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from transformers_offload import Recorder, SpillError, open_recording
-from transformers_offload import _shard_buffer, _shard_store
+from transformers_offload.store import shard_buffer as _shard_buffer
+from transformers_offload.store import shards as _shard_store
 
 from .conftest import left_padded_batch, make_tiny
 from .helpers import Boom, FailAtStep, assert_steps_equal, hf_reference
@@ -337,7 +338,7 @@ def test_a_reader_beside_the_writer_sees_the_committed_steps_and_they_never_chan
 
 @pytest.mark.parametrize("hard_links", [True, False], ids=["link", "no-hard-links"])
 def test_the_first_manifest_appears_whole_and_claims_the_directory_once(tmp_path, monkeypatch, hard_links):
-    from transformers_offload import _files
+    from transformers_offload.store import files as _files
 
     if not hard_links:
         def no_link(source, target):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from transformers_offload._transfer import HostRing
+from transformers_offload.capture.transfer import HostRing
 
 
 class MemoryStore:

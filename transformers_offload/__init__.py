@@ -1,11 +1,12 @@
 """Record what Hugging Face `generate()` computes at every step, moved off the device at once."""
 
-from ._capture import UnsupportedModeError
-from ._format import RecordingError
-from ._shard_store import SpillError
-from .reader import Recording, open_recording
+from .capture.modes import UnsupportedModeError
+from .read.generation import Generation
+from .read.reader import Recording, open_recording
 from .recorder import DeviceAccumulationWarning, Recorder
-from .recording import Generation, TransferStats
+from .store.format import RecordingError
+from .store.shards import SpillError
+from .store.stored import TransferStats
 
 __version__ = "0.1.0"
 

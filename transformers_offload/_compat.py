@@ -17,7 +17,6 @@ import transformers
 from packaging.version import Version
 from transformers import GenerationMixin
 
-from . import _format
 
 # Where the list classes live, re-exported so that no other module imports transformers' internals.
 from transformers.generation import LogitsProcessorList, StoppingCriteriaList  # noqa: F401
@@ -34,7 +33,7 @@ LIST_BUILDERS = ("_get_logits_processor", "_get_stopping_criteria") + (
 )
 
 # Generation modes this release of the recorder records exactly. Other modes are refused before the
-# decoding loop starts (see `_capture.check_mode`).
+# decoding loop starts (see `capture.modes.check_mode`).
 # Contrastive search and DoLa run inside the library up to 4.56; 4.57 moved them to the Hub
 # (`custom_generate`), whose decoding loop the recorder cannot see.
 CONTRASTIVE_IN_LIBRARY = hasattr(GenerationMixin, "_contrastive_search") or hasattr(GenerationMixin, "contrastive_search")
@@ -61,7 +60,6 @@ UNSUPPORTED_BECAUSE = {
 ACCEPTS_CUSTOM_GENERATE = "custom_generate" in inspect.signature(GenerationMixin.generate).parameters
 # Assisted decoding (an assistant model) and prompt lookup share this mode on every release.
 ASSISTED_MODE = "assisted_generation"
-BEAM_MODES = _format.BEAM_MODES
 
 
 def generation_mode(generation_config: Any, assistant_model: Any) -> str:

@@ -8,8 +8,8 @@ import os
 import sys
 from typing import Any
 
-from ._format import RecordingError
-from .reader import open_recording
+from .read.reader import open_recording
+from .store.format import RecordingError
 
 
 def main(argv: list[str] | None = None) -> int:

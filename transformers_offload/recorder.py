@@ -15,11 +15,15 @@ import transformers
 from transformers import GenerationMixin
 from transformers.generation import LogitsProcessor, StoppingCriteria
 
-from . import _compat, _hooks, _layers
-from ._capture import Capture, UnsupportedModeError
-from ._memory_store import MemoryStore
-from ._shard_store import DEFAULT_SHARD_BYTES, Spill
-from .recording import Generation, Readable, pick
+from . import _compat
+from .capture import hooks as _hooks
+from .capture import layers as _layers
+from .capture.capture import Capture
+from .capture.hooks import CallRecorder
+from .capture.modes import UnsupportedModeError
+from .read.generation import Generation, Readable, generation_of, pick
+from .store.memory import MemoryStore
+from .store.shards import DEFAULT_SHARD_BYTES, Spill
 
 DEFAULT_STREAMS = ("logits", "scores")
 STREAMS = (*DEFAULT_STREAMS, *_layers.STREAMS)
@@ -30,7 +34,7 @@ class DeviceAccumulationWarning(UserWarning):
     states), which it keeps on the device until it returns."""
 
 
-class Recorder(Readable, LogitsProcessor, StoppingCriteria):
+class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
     """Records every step of `model.generate()` and moves it off the device within the step.
 
     Hand it to a stock call, anywhere in the list: `model.generate(**enc, logits_processor=[rec])`.
@@ -274,7 +278,7 @@ class Recorder(Readable, LogitsProcessor, StoppingCriteria):
                         DeviceAccumulationWarning,
                         stacklevel=3,
                     )
-                generation = capture.finish(output, error)
+                generation = generation_of(capture.finish(output, error))
                 with self._lock:
                     self._generations.append(generation)
                 if error is None and capture.failure is not None:

@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from transformers_offload._memory_store import MemoryStore
+from transformers_offload.store.memory import MemoryStore
 
 
 def resident_bytes() -> int:

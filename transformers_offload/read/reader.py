@@ -7,12 +7,13 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-import torch
 
-from . import _files, _format
-from ._format import RecordingError
-from ._shard_reader import ShardSource, open_file
-from .recording import Generation, Readable, TransferStats, pick
+from ..store import files as _files
+from ..store import format as _format
+from ..store import manifest as _manifest
+from ..store.format import RecordingError
+from ..store.shard_reader import ShardSource, stored_generation
+from .generation import Generation, Readable, generation_of, pick
 
 
 def open_recording(path: str | os.PathLike, *, verify: bool = False) -> Recording:
@@ -66,13 +67,13 @@ class Recording(Readable):
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        manifest = _format.read_manifest(path)
+        manifest = _manifest.read_manifest(path)
         self.format_version: int = manifest["format_version"]
         self.created_by: dict[str, Any] = manifest["created_by"]
         self.model: dict[str, Any] = manifest["model"]
         self._entries: list[dict[str, Any]] = manifest["generations"]
         self._file_records: dict[str, dict[str, Any]] | None = manifest.get("files")
-        self._generations = tuple(generation_from_entry(path, entry) for entry in self._entries)
+        self._generations = tuple(generation_of(stored_generation(path, entry)) for entry in self._entries)
 
     @property
     def generations(self) -> tuple[Generation, ...]:
@@ -118,7 +119,7 @@ class Recording(Readable):
                     "shape": stream["shape"],
                     "bytes": elements * itemsize,
                 }
-            files = _format.files_of(entry)
+            files = _manifest.files_of(entry)
             generations.append(
                 {
                     "index": generation.index,
@@ -160,7 +161,7 @@ class Recording(Readable):
             >>> open_recording("run/").verify()  # doctest: +SKIP
             {'files': 3, 'bytes': 1210816}
         """
-        names = [name for entry in self._entries for name in _format.files_of(entry)]
+        names = [name for entry in self._entries for name in _manifest.files_of(entry)]
         records = self._file_records or {}
         missing = [name for name in names if name not in records]
         if missing:
@@ -192,61 +193,8 @@ class Recording(Readable):
         return f"Recording({str(self.path)!r}, {len(self._generations)} generation(s))"
 
 
-def generation_from_entry(root: Path, entry: dict[str, Any], *, stats: TransferStats | None = None) -> Generation:
-    """A `Generation` reading the shards that one manifest entry names (checked here, read lazily)."""
-    manifest_path = root / _format.MANIFEST
-    source = ShardSource(root, entry)
-    sequences = None
-    if entry.get("sequences"):
-        sequences = _read_sequences(_format.inside(root, entry["sequences"], manifest_path), entry)
-    status = entry["status"]
-    error = entry.get("error")
-    if status == "recording":
-        error = (
-            "the recording process stopped before this generation ended (killed, or still running): "
-            f"{entry['num_steps']} step(s) were committed"
-        )
-    lengths = entry.get("prompt_lengths")
-    return Generation(
-        index=entry["index"],
-        mode=entry["mode"],
-        prompt_length=entry["prompt_length"],
-        prompt_lengths=None if lengths is None else tuple(lengths),
-        num_rows=entry["num_rows"],
-        num_beams=entry["num_beams"],
-        num_steps=entry["num_steps"],
-        complete=status == "complete",
-        error=None if status == "complete" else str(error),
-        sequences=sequences,
-        pad_token_id=entry.get("pad_token_id"),
-        eos_token_id=tuple(entry["eos_token_id"]),
-        generation_config=dict(entry["generation_config"]),
-        stats=stats,
-        layers=entry.get("layers"),
-        _source=source,
-    )
-
-
 def _size_of(path: Path) -> int:
     try:
         return path.stat().st_size
     except OSError as error:
         raise RecordingError(path, f"cannot be read any more ({error.strerror}): was it deleted?") from None
-
-
-def _read_sequences(path: Path, entry: dict[str, Any]) -> torch.Tensor:
-    handle, _, header = open_file(path, "sequences file")
-    if "sequences" not in header:
-        raise RecordingError(path, "holds no `sequences` tensor.")
-    sequences = handle.get_tensor("sequences")
-    if sequences.dim() != 2 or sequences.dtype != torch.int64:
-        raise RecordingError(path, f"`sequences` must be a 2-D int64 tensor, got {list(sequences.shape)} {sequences.dtype}.")
-    returned, length = sequences.shape
-    prompts = entry["num_rows"] // entry["num_beams"]
-    if length < entry["prompt_length"] or returned < 1 or (prompts and returned % prompts):
-        raise RecordingError(
-            path,
-            f"`sequences` {list(sequences.shape)} disagree with the manifest (prompt length "
-            f"{entry['prompt_length']}, {prompts} prompt(s)).",
-        )
-    return sequences

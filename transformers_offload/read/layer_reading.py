@@ -2,7 +2,7 @@
 
 `LayerReading` gives `Generation` its per-layer accessors, `ReadableLayers` the same on `Recorder` and
 `Recording` (one generation, default the latest). Each recorded layer is its own stream
-(`attentions.3`, see `_format.layer_stream`), stored without padding; these accessors put the layers
+(`attentions.3`, see `store.format.layer_stream`), stored without padding; these accessors put the layers
 back in `generate()`'s layout, or join one layer's steps into one zero-padded array with lengths.
 """
 
@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import torch
 
-from . import _format, _layers
-from ._indexing import Rows, Steps, as_framework, check_framework, step_range
+from ..store import format as _format
+from .indexing import Rows, Steps, as_framework, check_framework, step_range
 
 if TYPE_CHECKING:
-    from .recording import Generation
+    from .generation import Generation
 
 
 class LayerArray(NamedTuple):
@@ -181,7 +181,7 @@ class LayerReading:
                          framework: str) -> tuple[tuple[Any, ...], ...]:
         if self.num_steps == 0:  # a call that failed before its first step
             self._get("tokens", steps, rows, framework)  # checks the arguments
-            _layers.indices(layers, "layers")
+            _format.indices(layers, "layers")
             return ()
         per_layer = [self._get(name, steps, rows, framework) for name in self._layer_names(kind, layers)]
         return tuple(zip(*per_layer))
@@ -189,7 +189,7 @@ class LayerReading:
     def _encoder_layers(self, kind: str, rows: Rows, layers: Sequence[int] | None, framework: str) -> tuple[Any, ...]:
         if self.num_steps == 0 and kind not in self.layer_indices:
             check_framework(framework)
-            _layers.indices(layers, "layers")
+            _format.indices(layers, "layers")
             return ()  # a call that failed before the encoder's outputs were kept
         return tuple(self._read_once(name, rows, framework) for name in self._layer_names(kind, layers))
 
@@ -201,11 +201,11 @@ class LayerReading:
                 " Create the Recorder with `streams=(..., \"attentions\", \"hidden_states\")` to record them."
             )
             raise KeyError(f"this recording has no {kind!r}.{hint}")
-        layers = _layers.indices(layers, "layers")
+        layers = _format.indices(layers, "layers")
         if layers is None:
             return [_format.layer_stream(kind, layer) for layer in recorded]
         count = (self.layers or {}).get("counts", {}).get(kind, max(recorded) + 1)
-        chosen = _layers.resolve(layers, count, f"`layers` for {kind}")
+        chosen = _format.resolve(layers, count, f"`layers` for {kind}")
         missing = [layer for layer in chosen if layer not in recorded]
         if missing:
             raise KeyError(f"layers {missing} of {kind!r} were not recorded; recorded: {list(recorded)}.")

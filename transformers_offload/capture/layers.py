@@ -16,14 +16,15 @@ nothing. Each forward of the decoding loop is one step; its output carries one t
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from . import _compat, _format
-from ._module_taps import ModuleTaps
+from .. import _compat
+from ..store import format as _format
+from ..store.format import indices, resolve
+from .module_taps import ModuleTaps
 
 _NO_WEIGHTS = (
     "the model computed no `{kind}` in its forward; attention weights need eager attention: load the "
@@ -42,22 +43,8 @@ _FLAGS = {"attentions": "output_attentions", "hidden_states": "output_hidden_sta
 
 
 def kinds(streams: Sequence[str], is_encoder_decoder: bool) -> tuple[str, ...]:
-    """The outputs (`_format.LAYER_KINDS`) that `streams` record for this kind of model."""
+    """The outputs (`store.format.LAYER_KINDS`) that `streams` record for this kind of model."""
     return tuple(kind for stream in streams if stream in STREAMS for kind in _KINDS[(is_encoder_decoder, stream)])
-
-
-def resolve(chosen: Sequence[int] | None, count: int, what: str) -> tuple[int, ...]:
-    """`chosen` (negative indices count from the end) as sorted, distinct indices into `count` entries.
-
-    Raises:
-        IndexError: an index is out of range, naming `what` and the count.
-    """
-    if chosen is None:
-        return tuple(range(count))
-    wrong = [i for i in chosen if not -count <= i < count]
-    if wrong:
-        raise IndexError(f"{what} {wrong} out of range: this model has {count} (valid: {-count} to {count - 1}).")
-    return tuple(sorted({i % count for i in chosen}))
 
 
 @dataclass
@@ -80,7 +67,7 @@ class Selection:
 
 class LayerTap:
     """The selected per-layer tensors of one `generate()` call: taken from hooks on the modules that
-    compute them where the model declares those (`_module_taps`, installed by `install`), else picked
+    compute them where the model declares those (`module_taps`, installed by `install`), else picked
     out of each forward's output, which the forward is then asked for (`ask`, `names`, `pick`)."""
 
     def __init__(self, kinds: tuple[str, ...], selection: Selection, streams: Sequence[str], model: Any = None) -> None:
@@ -253,30 +240,6 @@ def selection(model: Any, streams: tuple[str, ...], layers: Any, heads: Any, new
     return Selection(layers=layers, heads=heads, newest_position_only=newest)
 
 
-def indices(value: Any, name: str) -> tuple[int, ...] | None:
-    """`value` (None, or a sequence of integers: Python or NumPy ints, negative ones allowed) as a tuple.
-
-    Raises:
-        TypeError: not a sequence of integers (a string, a float, a bool...).
-        ValueError: an empty sequence.
-    """
-    if value is None:
-        return None
-    wrong = TypeError(f"`{name}` must be a sequence of int indices (e.g. `[-1]`), got {value!r}.")
-    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
-        raise wrong
-    items = list(value)
-    if any(isinstance(i, bool) for i in items):
-        raise wrong
-    try:
-        found = tuple(operator.index(i) for i in items)
-    except TypeError:
-        raise wrong from None
-    if not found:
-        raise ValueError(f"`{name}` is empty; pass None to keep them all.")
-    return found
-
-
 def require_eager(model: Any) -> None:
     """Attention weights come from eager attention only: refuse anything else before generation."""
     found = _compat.attention_implementations(model)
@@ -287,4 +250,3 @@ def require_eager(model: Any) -> None:
             "Load it with `attn_implementation=\"eager\"` (e.g. `AutoModelForCausalLM.from_pretrained(..., "
             "attn_implementation=\"eager\")`), or drop \"attentions\" from `streams`."
         )
-

@@ -1,73 +1,23 @@
 """What one `generate()` call recorded: per-step tensors in Hugging Face's layout.
 
-A `Generation` reads its per-step tensors from a source: host memory (the in-memory store) or the
-shards of a recording directory (`reader`). `Readable` gives the recorder and the reader the same
-accessors.
+A `Generation` reads its per-step tensors from a source a store hands over (`store.stored`): host
+memory (the in-memory store) or the shards of a recording directory. `Readable` gives the recorder and
+the reader the same accessors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Sequence
 
 import torch
 
-from ._format import BEAM_MODES
-from ._indexing import Rows, Steps, as_framework, check_framework, row_index, step_range
-from ._layer_reading import LayerReading, ReadableLayers
+from ..store.format import BEAM_MODES
+from ..store.stored import StepSource, StoredGeneration, TransferStats
+from .indexing import Rows, Steps, as_framework, check_framework, row_index, step_range
+from .layer_reading import LayerReading, ReadableLayers
 
 _STEP_STREAMS = ("logits", "scores", "tokens", "finished", "beam_parents")
-
-
-class StepSource(Protocol):
-    """Where a generation's per-step tensors are read from."""
-
-    streams: tuple[str, ...]
-    once_streams: tuple[str, ...]  # recorded once per generation (an encoder's outputs)
-
-    def read(self, name: str, steps: range, rows: Any) -> tuple[torch.Tensor, ...]:
-        """Steps `steps` of stream `name`, each indexed by `rows` (None: every row)."""
-        ...
-
-    def read_once(self, name: str) -> torch.Tensor:
-        """Once-per-generation stream `name` (mapped from disk: indexing it reads only what it picks)."""
-        ...
-
-
-class MemorySource:
-    """Per-step CPU tensors held in memory."""
-
-    def __init__(self, streams: dict[str, tuple[torch.Tensor, ...]], once: dict[str, torch.Tensor] | None = None) -> None:
-        self._streams = streams
-        self._once = once or {}
-        self.streams = tuple(streams)
-        self.once_streams = tuple(self._once)
-
-    def read_once(self, name: str) -> torch.Tensor:
-        return self._once[name]
-
-    def read(self, name: str, steps: range, rows: Any) -> tuple[torch.Tensor, ...]:
-        stored = self._streams[name]
-        if rows is None:
-            return tuple(stored[t] for t in steps)
-        return tuple(stored[t][rows] for t in steps)
-
-
-@dataclass(frozen=True)
-class TransferStats:
-    """How one recorded call moved its data, measured in this process.
-
-    Attributes:
-        waits (`int`): times the transfer had to wait: `generate()` for a ring slot still being
-            copied or drained, or (with `spill_dir`) the drain for a shard buffer the writer still held.
-        bytes_written (`int`): bytes of shard files written (0 without `spill_dir`).
-        write_seconds (`float`): seconds the writer thread spent writing, fsyncing and renaming shards
-            and rewriting the manifest.
-    """
-
-    waits: int
-    bytes_written: int
-    write_seconds: float
 
 
 @dataclass(frozen=True, eq=False)
@@ -257,6 +207,11 @@ class Generation(LayerReading):
             )
         values = self._source.read(name, step_range(steps, self.num_steps), row_index(rows, self.num_rows))
         return tuple(as_framework(value, name, framework) for value in values)
+
+
+def generation_of(stored: StoredGeneration) -> Generation:
+    """The `Generation` over what a store handed back (in memory, or a manifest entry's shards)."""
+    return Generation(**stored.fields, _source=stored.source)
 
 
 class Readable(ReadableLayers):

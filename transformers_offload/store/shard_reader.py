@@ -17,8 +17,11 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from . import _compat, _format
-from ._format import RecordingError
+from .. import _compat
+from . import format as _format
+from . import manifest as _manifest
+from .format import RecordingError
+from .stored import StoredGeneration, TransferStats
 
 _OPEN_SHARDS = 64  # shard files kept open per generation (least recently used are dropped)
 
@@ -91,7 +94,7 @@ class ShardSource:
         if opened is not None:
             self._open.move_to_end(name)
             return opened
-        opened = self._open[name] = opener(_format.inside(self._root, name, self._root / _format.MANIFEST))
+        opened = self._open[name] = opener(_manifest.inside(self._root, name, self._root / _format.MANIFEST))
         if len(self._open) > _OPEN_SHARDS:
             self._open.popitem(last=False)
         return opened
@@ -224,3 +227,56 @@ def open_file(path: Path, what: str) -> tuple[Any, dict[str, str] | None, dict[s
         return handle, handle.metadata(), header
     except (SafetensorError, OSError, RuntimeError) as error:
         raise RecordingError(path, f"not a readable safetensors {what} ({error}); the file is damaged.") from None
+
+
+def stored_generation(root: Path, entry: dict[str, Any], *, stats: TransferStats | None = None) -> StoredGeneration:
+    """One manifest entry's generation: its fields, and its shards (checked here, read lazily)."""
+    manifest_path = root / _format.MANIFEST
+    source = ShardSource(root, entry)
+    sequences = None
+    if entry.get("sequences"):
+        sequences = _read_sequences(_manifest.inside(root, entry["sequences"], manifest_path), entry)
+    status = entry["status"]
+    error = entry.get("error")
+    if status == "recording":
+        error = (
+            "the recording process stopped before this generation ended (killed, or still running): "
+            f"{entry['num_steps']} step(s) were committed"
+        )
+    lengths = entry.get("prompt_lengths")
+    fields = dict(
+        index=entry["index"],
+        mode=entry["mode"],
+        prompt_length=entry["prompt_length"],
+        prompt_lengths=None if lengths is None else tuple(lengths),
+        num_rows=entry["num_rows"],
+        num_beams=entry["num_beams"],
+        num_steps=entry["num_steps"],
+        complete=status == "complete",
+        error=None if status == "complete" else str(error),
+        sequences=sequences,
+        pad_token_id=entry.get("pad_token_id"),
+        eos_token_id=tuple(entry["eos_token_id"]),
+        generation_config=dict(entry["generation_config"]),
+        stats=stats,
+        layers=entry.get("layers"),
+    )
+    return StoredGeneration(fields, source)
+
+
+def _read_sequences(path: Path, entry: dict[str, Any]) -> torch.Tensor:
+    handle, _, header = open_file(path, "sequences file")
+    if "sequences" not in header:
+        raise RecordingError(path, "holds no `sequences` tensor.")
+    sequences = handle.get_tensor("sequences")
+    if sequences.dim() != 2 or sequences.dtype != torch.int64:
+        raise RecordingError(path, f"`sequences` must be a 2-D int64 tensor, got {list(sequences.shape)} {sequences.dtype}.")
+    returned, length = sequences.shape
+    prompts = entry["num_rows"] // entry["num_beams"]
+    if length < entry["prompt_length"] or returned < 1 or (prompts and returned % prompts):
+        raise RecordingError(
+            path,
+            f"`sequences` {list(sequences.shape)} disagree with the manifest (prompt length "
+            f"{entry['prompt_length']}, {prompts} prompt(s)).",
+        )
+    return sequences

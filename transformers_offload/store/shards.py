@@ -28,10 +28,12 @@ from typing import Any, Callable
 import torch
 from safetensors.torch import save_file
 
-from . import _compat, _files, _format, _interrupts
-from ._shard_buffer import ShardBuffer
-from .reader import generation_from_entry
-from .recording import Generation, TransferStats
+from .. import _compat, _interrupts
+from . import files as _files
+from . import format as _format
+from .shard_buffer import ShardBuffer
+from .shard_reader import stored_generation
+from .stored import StoredGeneration, TransferStats
 
 DEFAULT_SHARD_BYTES = 64 * 2**20
 MAX_SHARD_BUFFERS = 3
@@ -214,7 +216,7 @@ class ShardStore:
         return buffer is not None and step in buffer.filled.get(name, ())
 
     def finish(self, num_steps: int, header: dict[str, Any], sequences: torch.Tensor | None,
-               error: BaseException | None, *, ring_waits: int) -> Generation:
+               error: BaseException | None, *, ring_waits: int) -> StoredGeneration:
         """Write what is left of the first `num_steps` steps, wait for the writer, close the manifest entry."""
         for index in sorted(self._open):
             buffer = self._open.pop(index)
@@ -248,7 +250,7 @@ class ShardStore:
                 break  # else a Ctrl-C came during the write: the call fails, and says so
         stats = TransferStats(waits=ring_waits + self.counters.waits, bytes_written=self.counters.bytes_written,
                               write_seconds=self.counters.write_seconds)
-        return generation_from_entry(self._spill.root, dict(entry), stats=stats)
+        return stored_generation(self._spill.root, dict(entry), stats=stats)
 
     def _steps_per_shard(self, tensors: dict[str, torch.Tensor]) -> int:
         """Steps per shard, from the first drained step (step 0): about `shard_bytes` a shard.

@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from . import _interrupts
+from .. import _interrupts
 
 Drain = Callable[[int, dict[str, torch.Tensor]], None]
 

@@ -13,7 +13,7 @@ recorder, and frees them. The values are the very tensors transformers would hav
 
 A model whose class declares no capture point for an output (releases before 4.57, most classes before
 5.x), an encoder-decoder model, or one nesting another model inside its base model is recorded the
-older way (`_layers.LayerTap` asks its forward for every layer and keeps the selected ones).
+older way (`layers.LayerTap` asks its forward for every layer and keeps the selected ones).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from typing import Any, Callable
 
 import torch
 
-from . import _compat, _format
+from .. import _compat
+from ..store import format as _format
 
 # The Recorder's kinds that module taps can record, and the declared output each comes from.
 _DECLARED = {"attentions": "attentions", "hidden_states": "hidden_states"}

@@ -1,139 +1,33 @@
-"""The recording format on disk: names, and the manifest's schema and its checks (`_files` writes
-the files durably and checksums them).
+"""A recording's manifest, read and checked: every field a reader relies on has the type and range
+the format (`format`) gives it, and every file it names lies inside the recording directory.
 
-A recording is one directory: a JSON manifest (`manifest.json`) and safetensors files beside it. The
-README's "Recording format" section is the specification; this module is its single implementation,
-shared by the writer (`_shard_store`) and the reader (`reader`). Nothing here unpickles anything.
+A damaged or hostile manifest raises `RecordingError` naming what is wrong, never another error.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from pathlib import Path
 from typing import Any
 
-import torch
+from .format import (
+    ATTENTION_KINDS,
+    BEAM_MODES,
+    ENCODER_KINDS,
+    ENCODINGS,
+    FORMAT,
+    FORMAT_VERSION,
+    LAYER_KINDS,
+    MANIFEST,
+    STATUSES,
+    STEP_LAYER_KINDS,
+    RecordingError,
+    dtype_of,
+    split_layer_stream,
+)
 
-FORMAT = "transformers-offload"
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-# How a stream's values are laid out in a shard: "dense", one `(steps, *shape)` tensor; "ragged", for
-# per-layer streams whose shape changes from step to step, the steps' values concatenated flat in step
-# order (`name`) and their shapes (`name.shapes`, int64 `(steps, ndim)`), with no padding.
-ENCODINGS = ("dense", "ragged")
-STATUSES = ("recording", "complete", "failed")
-BEAM_MODES = ("beam_search", "beam_sample", "group_beam_search")  # whose generations carry `beam_parents`
-
-# Per-layer streams, one per recorded layer, named `KIND.LAYER` (`attentions.3`): KIND is the name of
-# the `generate()` output they mirror, LAYER the index into that output's per-step tuple (hidden states
-# count the embeddings as entry 0). Encoder kinds are recorded once per generation, the others per step.
-STEP_LAYER_KINDS = ("attentions", "hidden_states", "decoder_attentions", "cross_attentions", "decoder_hidden_states")
-ENCODER_KINDS = ("encoder_attentions", "encoder_hidden_states")
-LAYER_KINDS = STEP_LAYER_KINDS + ENCODER_KINDS
-ATTENTION_KINDS = ("attentions", "decoder_attentions", "cross_attentions", "encoder_attentions")
-GROWING_KINDS = ("attentions", "decoder_attentions")  # self-attention: one more key per step
-
-
-def layer_stream(kind: str, layer: int) -> str:
-    """The stream name of one layer of `kind`: `layer_stream("attentions", 3) == "attentions.3"`."""
-    return f"{kind}.{layer}"
-
-
-def split_layer_stream(name: str) -> tuple[str, int] | None:
-    """`"attentions.3"` -> `("attentions", 3)`; None for a name that is not a per-layer stream."""
-    kind, _, layer = name.rpartition(".")
-    if kind in LAYER_KINDS and layer.isdigit() and layer == str(int(layer)):
-        return kind, int(layer)
-    return None
-
-
-def ragged_shape(name: str, shape: tuple[int, ...]) -> list[int | None]:
-    """The manifest's per-step `shape` of ragged stream `name`, given one step's shape: None where it
-    changes from step to step (attentions `(rows, heads, queries, keys)`, hidden states
-    `(rows, positions, hidden_size)`)."""
-    kind, _ = split_layer_stream(name)
-    if kind in ATTENTION_KINDS:
-        return [shape[0], shape[1], None, None]
-    return [shape[0], None, shape[2]]
-
-
-def shapes_key(name: str) -> str:
-    """The shard tensor that holds ragged stream `name`'s per-step shapes."""
-    return name + ".shapes"
-
-
-# safetensors dtype names for the dtypes a recording holds.
-_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "bool": torch.bool,
-}
-
-
-class RecordingError(ValueError):
-    """A recording directory cannot be read: missing, damaged, hostile, or of an unknown format.
-
-    Attributes:
-        path (`pathlib.Path`): the file (or directory) that is wrong.
-    """
-
-    def __init__(self, path: Path | str, problem: str) -> None:
-        self.path = Path(path)
-        super().__init__(f"{self.path}: {problem}")
-
-# The same dtypes as safetensors names them in a file's header (`get_slice(name).get_dtype()`).
-SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64",
-                      "I64": "int64", "I32": "int32", "BOOL": "bool"}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """`torch.float32` -> `"float32"`, the name the manifest uses."""
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_of(name: str) -> torch.dtype | None:
-    return _DTYPES.get(name)
-
-
-def shard_name(generation: int, shard: int) -> str:
-    return f"g{generation:04d}-s{shard:05d}.safetensors"
-
-
-def sequences_name(generation: int) -> str:
-    return f"g{generation:04d}-sequences.safetensors"
-
-
-def encoder_name(generation: int) -> str:
-    return f"g{generation:04d}-encoder.safetensors"
-
-
-def shard_metadata(generation: int, first_step: int) -> dict[str, str]:
-    """The safetensors `__metadata__` of a shard: lets the reader check that a file is the one named.
-
-    One key holding sorted JSON: safetensors stores `__metadata__` as a hash map, so several keys would
-    come out in a different order in each process, and shards would not be reproducible byte for byte.
-    """
-    fields = {"format": FORMAT, "format_version": FORMAT_VERSION, "generation": generation, "first_step": first_step}
-    return {FORMAT: json.dumps(fields, sort_keys=True)}
-
-
-def read_shard_metadata(metadata: dict[str, str] | None) -> dict[str, Any]:
-    """The fields `shard_metadata` wrote, or {} when they are missing or unreadable."""
-    try:
-        fields = json.loads((metadata or {}).get(FORMAT, "{}"))
-    except json.JSONDecodeError:
-        return {}
-    return fields if isinstance(fields, dict) else {}
-
-
-# -- reading -----------------------------------------------------------------------------------------
 PER_ROW_STREAMS = ("tokens", "finished", "beam_parents")  # shape (rows,)
 REQUIRED_STREAMS = ("tokens", "finished")
 

@@ -1,6 +1,6 @@
 """A recording's files on disk: written durably (under a temporary name, fsynced, renamed), the
 manifest created whole, and every file's checksum computed when it is written and checked on demand.
-The names and the manifest's schema are `_format`'s."""
+The names are `format`'s, the manifest's checks `manifest`'s."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any, Callable
 import google_crc32c
 import numpy
 
-from ._format import MANIFEST, RecordingError
+from .format import MANIFEST, RecordingError
 
 
 def write_atomically(path: Path, write: Callable[[Path], None], *, checksum: bool = False) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .recording import Generation, MemorySource, TransferStats
+from .stored import StoredGeneration, TransferStats
 
 CHUNK_BYTES_MIN = 64 * 2**10
 CHUNK_BYTES_MAX = 64 * 2**20
@@ -105,8 +105,8 @@ class MemoryStore:
         return step in self._steps.get(name, {})
 
     def finish(self, num_steps: int, header: dict[str, Any], sequences: torch.Tensor | None,
-               error: BaseException | None, *, ring_waits: int) -> Generation:
-        """The first `num_steps` steps as a `Generation` (later steps are dropped)."""
+               error: BaseException | None, *, ring_waits: int) -> StoredGeneration:
+        """The first `num_steps` steps, for a `Generation` (later steps are dropped)."""
         def own(name: str, step: int) -> torch.Tensor:
             return self._chunks[name].own_storage(self._steps[name][step])
 
@@ -114,12 +114,31 @@ class MemoryStore:
         once = {name: own(name, 0) for name in self._once if 0 in self._steps.get(name, {})}
         self._steps.clear()
         self._chunks.clear()
-        return Generation(
-            **header,
+        fields = dict(
+            header,
             num_steps=num_steps,
             complete=error is None,
             error=None if error is None else repr(error),
             sequences=sequences,
             stats=TransferStats(waits=ring_waits, bytes_written=0, write_seconds=0.0),
-            _source=MemorySource(streams, once),
         )
+        return StoredGeneration(fields, MemorySource(streams, once))
+
+
+class MemorySource:
+    """Per-step CPU tensors held in memory."""
+
+    def __init__(self, streams: dict[str, tuple[torch.Tensor, ...]], once: dict[str, torch.Tensor] | None = None) -> None:
+        self._streams = streams
+        self._once = once or {}
+        self.streams = tuple(streams)
+        self.once_streams = tuple(self._once)
+
+    def read_once(self, name: str) -> torch.Tensor:
+        return self._once[name]
+
+    def read(self, name: str, steps: range, rows: Any) -> tuple[torch.Tensor, ...]:
+        stored = self._streams[name]
+        if rows is None:
+            return tuple(stored[t] for t in steps)
+        return tuple(stored[t][rows] for t in steps)

@@ -22,8 +22,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import _compat, _interrupts
-from ._capture import Capture, check_mode
+from .. import _compat, _interrupts
+from .capture import Capture
+from .modes import check_mode
 
 _ABSENT = object()
 _LOCK = threading.Lock()
@@ -103,6 +104,30 @@ class _TappedCriteriaList(_compat.StoppingCriteriaList):
         with _interrupts.held():
             self._capture.on_stopping(input_ids, is_done)
         return is_done
+
+
+class CallRecorder:
+    """What the hooks ask of a recorder (the `Recorder` is one): they find an instance in a call's
+    `logits_processor`, check it, and hand it the call's start and end. They never import the recorder.
+
+    Attributes:
+        closed (`bool`): True once the recorder was closed (its calls are refused).
+        _streams (`tuple[str, ...]`): what it records (the mode check needs it).
+        _model_name (`str`): the model it is attached to, for error messages.
+    """
+
+    closed: bool
+    _streams: tuple[str, ...]
+    _model_name: str
+
+    def _begin_generation(self, *, assistant_model: Any, custom_generate: Any,
+                          attention_mask: torch.Tensor | None) -> Capture:
+        """Start recording one call (before its decoding loop); returns the call's capture."""
+        raise NotImplementedError
+
+    def _end_generation(self, capture: Capture, output: Any, error: BaseException | None) -> None:
+        """End the call's recording: `output` is what generate() returned (None when `error` ended it)."""
+        raise NotImplementedError
 
 
 class ModelHooks:
@@ -309,12 +334,10 @@ def _tensor_or_none(value: Any) -> torch.Tensor | None:
 
 
 def _is_recorder(obj: Any) -> bool:
-    from .recorder import Recorder
-
-    return isinstance(obj, Recorder)
+    return isinstance(obj, CallRecorder)
 
 
-def attach(model: torch.nn.Module, recorder: Any) -> None:
+def attach(model: torch.nn.Module, recorder: CallRecorder) -> None:
     """Install the hooks on `model` (once per model) and register `recorder` with them."""
     with _LOCK:
         hooks = _ATTACHED.get(model)
@@ -325,7 +348,7 @@ def attach(model: torch.nn.Module, recorder: Any) -> None:
         hooks.recorders.append(recorder)
 
 
-def detach(model: torch.nn.Module, recorder: Any) -> None:
+def detach(model: torch.nn.Module, recorder: CallRecorder) -> None:
     """Unregister `recorder`; the last one to leave removes the hooks from `model`."""
     with _LOCK:
         hooks = _ATTACHED.get(model)

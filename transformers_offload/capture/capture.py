@@ -1,12 +1,13 @@
 """The capture of one `generate()` call: what each tap sees, turned into per-step records.
 
-`generate()` reaches the capture through three taps that `_hooks` puts in place for a call that
+`generate()` reaches the capture through three taps that `hooks` puts in place for a call that
 carries a recorder: the processor list (raw logits before the first processor, processed scores after
 the last one), the stopping-criteria list (the token appended at the end of each step and which rows
 are done), and the model's forward: in beam search for the raw logits (the processor list there
-receives `log_softmax(logits)`), and for attentions and hidden states (`_layers`), which, where the
+receives `log_softmax(logits)`), and for attentions and hidden states (`layers`), which, where the
 model declares the modules that compute them, come instead from hooks the capture puts on the selected
-layers' modules for the call (`_module_taps`).
+layers' modules for the call (`module_taps`). The records go through the ring (`transfer`) to the
+store the recorder opened; the store hands back plain data (`store.stored`) when the call ends.
 """
 
 from __future__ import annotations
@@ -17,67 +18,21 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import _compat, _interrupts, _layers
-from ._transfer import HostRing
-from .recording import Generation
+from .. import _compat, _interrupts
+from ..store import format as _format
+from ..store.stored import StoredGeneration
+from . import layers as _layers
+from .modes import check_mode
+from .transfer import HostRing
 
 # Opens the store of one call: given the stream names, the call's header and the most steps it can
-# run, returns an object with `drain(step, tensors)`, `has(name, step)`, `finish(...) -> Generation`
+# run, returns an object with `drain(step, tensors)`, `has(name, step)`, `finish(...) -> StoredGeneration`
 # and `failure`.
 OpenStore = Callable[[list[str], dict[str, Any], int], Any]
 
 
-class UnsupportedModeError(ValueError):
-    """`generate()` was asked for a decoding mode the recorder cannot record exactly (yet)."""
-
-
-# Modes whose every step is one forward of the recorded model over the running rows: attentions and
-# hidden states are recorded there.
-LAYER_MODES = ("greedy_search", "sample", "beam_search", "beam_sample")
-
-
-def check_mode(generation_config: Any, assistant_model: Any, streams: tuple[str, ...] = ()) -> str:
-    """The decoding mode `generation_config` asks for, or `UnsupportedModeError` naming it (`streams`:
-    what the recorder records; attentions and hidden states are recorded in `LAYER_MODES` only)."""
-    mode = _compat.generation_mode(generation_config, assistant_model)
-    if mode == _compat.ASSISTED_MODE and getattr(generation_config, "assistant_early_exit", None):
-        raise UnsupportedModeError(
-            f"transformers-offload does not record assisted decoding with `assistant_early_exit` "
-            f"(transformers {_compat.TRANSFORMERS_VERSION}): its drafts run the recorded model itself. "
-            "Use an `assistant_model` or `prompt_lookup_num_tokens`, or remove the Recorder for this call."
-        )
-    if mode not in _compat.SUPPORTED_MODES:
-        because = _compat.UNSUPPORTED_BECAUSE.get(mode)
-        raise UnsupportedModeError(
-            f"transformers-offload cannot record {mode!r} exactly with transformers "
-            f"{_compat.TRANSFORMERS_VERSION}{': ' + because if because else ''}. It records "
-            f"{', '.join(_compat.SUPPORTED_MODES)} there. Remove the Recorder from `logits_processor` "
-            "for this call, or use one of those modes."
-        )
-    if mode in _compat.BEAM_MODES and _compat.refuses_low_memory_beam_search(generation_config):
-        raise UnsupportedModeError(
-            f"transformers {_compat.TRANSFORMERS_VERSION} does not run `low_memory=True` beam search "
-            "(it was removed in 4.50); pass `low_memory=False`."
-        )
-    layer_streams = [s for s in streams if s in _layers.STREAMS]
-    if layer_streams:
-        why = None
-        if mode not in LAYER_MODES:
-            why = f"{mode!r} does not run one forward per step over the running rows"
-        elif getattr(generation_config, "low_memory", False) and mode in _compat.BEAM_MODES:
-            why = "`low_memory=True` beam search splits each step's forward in sub-batches"
-        elif getattr(generation_config, "prefill_chunk_size", None):
-            why = "`prefill_chunk_size` splits the prefill in several forwards"
-        if why:
-            raise UnsupportedModeError(
-                f"transformers-offload records {layer_streams} in {', '.join(LAYER_MODES)} only: {why}. "
-                f"Use one of those modes, or a Recorder without {layer_streams} in `streams` for this call."
-            )
-    return mode
-
-
 class Capture:
-    """Records one `generate()` call into a ring and a store; becomes a `Generation` when it ends."""
+    """Records one `generate()` call into a ring and a store, which hands back its recording when it ends."""
 
     def __init__(self, *, streams: tuple[str, ...], ring_slots: int, assistant_model: Any,
                  open_store: OpenStore, index: int, attention_mask: Any = None, threaded: bool = False,
@@ -123,7 +78,7 @@ class Capture:
         self.mode = mode
         self.do_sample = bool(generation_config.do_sample)
         self.prompt_length = int(prompt_length)
-        self.num_beams = int(generation_config.num_beams or 1) if mode in _compat.BEAM_MODES else 1
+        self.num_beams = int(generation_config.num_beams or 1) if mode in _format.BEAM_MODES else 1
         self.num_beam_groups = int(generation_config.num_beam_groups or 1) if self.is_group else 1
         # Raw logits come from the forward where the processors get something else (beam search gets
         # log-probs, DoLa a contrast of layers); group beam search also sizes its scores from them.
@@ -181,7 +136,7 @@ class Capture:
 
     @property
     def is_beam(self) -> bool:
-        return self.mode in _compat.BEAM_MODES
+        return self.mode in _format.BEAM_MODES
 
     @property
     def is_assisted(self) -> bool:
@@ -381,7 +336,7 @@ class Capture:
         self.ring.put(step - 1, "tokens", input_ids[:, -1])
 
     # -- the end ---------------------------------------------------------------------------------------
-    def finish(self, output: Any, error: BaseException | None) -> Generation:
+    def finish(self, output: Any, error: BaseException | None) -> StoredGeneration:
         self.close_taps()
         steps = self._step + 1
         if self.is_beam and steps > 0:

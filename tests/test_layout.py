@@ -1,0 +1,69 @@
+"""The package's layout: imports between its folders run one way, along the data's path.
+
+`capture/` (inside `generate()`) and `read/` (reading a recording) both use `store/`; `store/` uses
+neither, nor the recorder; `_compat` and `_interrupts` use nothing of the package. Checked from the
+source's import statements, including those inside functions.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "transformers_offload"
+
+# Folder (or top-level module) -> what it must never import.
+FORBIDDEN = {
+    "capture": ("read", "answers", "recorder", "record", "cli"),
+    "store": ("capture", "read", "answers", "recorder", "record", "cli"),
+    "read": ("capture", "answers", "recorder", "record", "cli"),
+    "answers": ("capture", "recorder", "record", "cli"),
+    "_compat": ("capture", "store", "read", "answers", "recorder", "record", "cli", "_interrupts"),
+    "_interrupts": ("capture", "store", "read", "answers", "recorder", "record", "cli", "_compat"),
+}
+
+
+def _modules() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def _imported(path: Path) -> set[str]:
+    """Dotted names inside the package that `path` imports (`capture.hooks`, `store.format`, `_compat`...)."""
+    folder = list(path.relative_to(PACKAGE).parts[:-1])
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom):
+            module = (node.module or "").split(".") if node.module else []
+            if node.level:
+                base = folder[: len(folder) - (node.level - 1)]
+            elif module[:1] == ["transformers_offload"]:
+                base, module = [], module[1:]
+            else:
+                continue
+            found.update(".".join(base + module + [alias.name]) for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name.split(".", 1)[1] for alias in node.names
+                         if alias.name.startswith("transformers_offload."))
+    return found
+
+
+def _owner(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return parts[0]
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_run_one_way(path: Path) -> None:
+    rules = FORBIDDEN.get(_owner(path), ())
+    wrong = sorted(name for name in _imported(path) if name.split(".")[0] in rules)
+    assert not wrong, f"{path.relative_to(PACKAGE)} imports {wrong}, against the layout's direction"
+
+
+def test_the_checker_sees_relative_imports() -> None:
+    # The checker itself, on real modules: the recorder uses all three folders; a reader module
+    # reaches `store` with `..`, a capture module its sibling with `.` and `_compat` with `..`.
+    assert {"capture.hooks", "store.memory.MemoryStore", "read.generation.Generation"} <= _imported(PACKAGE / "recorder.py")
+    assert "store.format.RecordingError" in _imported(PACKAGE / "read" / "reader.py")
+    assert {"capture.layers", "_compat"} <= _imported(PACKAGE / "capture" / "capture.py")

@@ -1,0 +1,62 @@
+"""Which decoding modes the recorder records, checked before `generate()`'s decoding loop starts.
+
+What a transformers release runs in its own loop (and so can be recorded) is in `_compat`; this module
+says what the recorder makes of it, with an error that names the mode and what to do instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import _compat
+from ..store import format as _format
+from . import layers as _layers
+
+
+class UnsupportedModeError(ValueError):
+    """`generate()` was asked for a decoding mode the recorder cannot record exactly (yet)."""
+
+
+# Modes whose every step is one forward of the recorded model over the running rows: attentions and
+# hidden states are recorded there.
+LAYER_MODES = ("greedy_search", "sample", "beam_search", "beam_sample")
+
+
+def check_mode(generation_config: Any, assistant_model: Any, streams: tuple[str, ...] = ()) -> str:
+    """The decoding mode `generation_config` asks for, or `UnsupportedModeError` naming it (`streams`:
+    what the recorder records; attentions and hidden states are recorded in `LAYER_MODES` only)."""
+    mode = _compat.generation_mode(generation_config, assistant_model)
+    if mode == _compat.ASSISTED_MODE and getattr(generation_config, "assistant_early_exit", None):
+        raise UnsupportedModeError(
+            f"transformers-offload does not record assisted decoding with `assistant_early_exit` "
+            f"(transformers {_compat.TRANSFORMERS_VERSION}): its drafts run the recorded model itself. "
+            "Use an `assistant_model` or `prompt_lookup_num_tokens`, or remove the Recorder for this call."
+        )
+    if mode not in _compat.SUPPORTED_MODES:
+        because = _compat.UNSUPPORTED_BECAUSE.get(mode)
+        raise UnsupportedModeError(
+            f"transformers-offload cannot record {mode!r} exactly with transformers "
+            f"{_compat.TRANSFORMERS_VERSION}{': ' + because if because else ''}. It records "
+            f"{', '.join(_compat.SUPPORTED_MODES)} there. Remove the Recorder from `logits_processor` "
+            "for this call, or use one of those modes."
+        )
+    if mode in _format.BEAM_MODES and _compat.refuses_low_memory_beam_search(generation_config):
+        raise UnsupportedModeError(
+            f"transformers {_compat.TRANSFORMERS_VERSION} does not run `low_memory=True` beam search "
+            "(it was removed in 4.50); pass `low_memory=False`."
+        )
+    layer_streams = [s for s in streams if s in _layers.STREAMS]
+    if layer_streams:
+        why = None
+        if mode not in LAYER_MODES:
+            why = f"{mode!r} does not run one forward per step over the running rows"
+        elif getattr(generation_config, "low_memory", False) and mode in _format.BEAM_MODES:
+            why = "`low_memory=True` beam search splits each step's forward in sub-batches"
+        elif getattr(generation_config, "prefill_chunk_size", None):
+            why = "`prefill_chunk_size` splits the prefill in several forwards"
+        if why:
+            raise UnsupportedModeError(
+                f"transformers-offload records {layer_streams} in {', '.join(LAYER_MODES)} only: {why}. "
+                f"Use one of those modes, or a Recorder without {layer_streams} in `streams` for this call."
+            )
+    return mode
