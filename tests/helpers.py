@@ -118,10 +118,27 @@ def made_up_layers(step: int, rows: int, prompt: int = 2) -> dict[str, torch.Ten
     return tensors
 
 
+def made_up_stats(step: int, rows: int, vocab: int) -> torch.Tensor:
+    """One step's `(rows, 9)` float64 stats record (columns in `STATS_COLUMNS` order), without RNG."""
+    row = torch.arange(rows, dtype=torch.float64)
+    return torch.stack([
+        (row + step) % vocab,  # token
+        -0.25 * (row + 1) - step,  # logprob_raw
+        -0.125 * (row + 1),  # logprob_processed
+        row % 3,  # rank_raw
+        torch.zeros(rows, dtype=torch.float64),  # rank_processed
+        0.5 + row + step,  # entropy_raw
+        0.0625 * row,  # entropy_processed
+        3.0 + step - row,  # logsumexp_raw
+        torch.full((rows,), float(vocab), dtype=torch.float64) - row,  # support_processed
+    ], dim=-1)
+
+
 def write_made_up_recording(root, *, steps: int, rows: int, vocab: int, shard_bytes: int, complete: bool = True,
-                            layers: bool = False):
-    """Drive the shard store directly (no model): the layer below `generate()`. Returns what the store hands back.
-    With `layers`, the steps also carry `made_up_layers`."""
+                            layers: bool = False, stats: bool = False):
+    """Drive the shard store directly (no model): the layer below `generate()`. Returns what the store
+    hands back (`StoredGeneration`). With `layers`, the steps also carry `made_up_layers`; with `stats`,
+    a `made_up_stats` record."""
     from transformers_offload.store.shards import Spill
 
     spill = Spill(root, shard_bytes=shard_bytes, model_info=FIXED_MODEL, created_by=FIXED_CREATED_BY)
@@ -129,11 +146,15 @@ def write_made_up_recording(root, *, steps: int, rows: int, vocab: int, shard_by
         "index": 0, "mode": "sample", "prompt_length": 2, "prompt_lengths": tuple([2] * rows), "num_beams": 1,
         "pad_token_id": 0, "eos_token_id": (1,), "generation_config": {"do_sample": True},
     }
-    store = spill.open_store(["logits", "scores", "tokens", "finished"], header, max_steps=steps)
+    names = ["logits", "scores", "tokens", "finished"] + ["stats"] * stats
+    store = spill.open_store(names, header, max_steps=steps)
     if layers:
         store.add_streams(["attentions.1", "hidden_states.2"], ["encoder_hidden_states.0"], MADE_UP_LAYERS)
     for step in range(steps):
-        store.drain(step, {**made_up_step(step, rows, vocab), **(made_up_layers(step, rows) if layers else {})})
+        tensors = {**made_up_step(step, rows, vocab), **(made_up_layers(step, rows) if layers else {})}
+        if stats:
+            tensors["stats"] = made_up_stats(step, rows, vocab)
+        store.drain(step, tensors)
     sequences = torch.arange(rows * (2 + steps)).reshape(rows, 2 + steps) % vocab if complete else None
     error = None if complete else KeyboardInterrupt()
     return store.finish(steps, {**header, "num_rows": rows}, sequences, error, ring_waits=0)

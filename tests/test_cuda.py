@@ -257,3 +257,48 @@ def test_one_selected_layer_over_a_long_prompt_costs_the_device_at_most_twice_it
         recorded = peak([rec])
     assert rec.generation().attentions()[0][0].shape[-2:] == ((1, 1000) if selection.get("newest_position_only") else (1000, 1000))
     assert recorded - stock <= 2 * layer_bytes + 32 * 2**20, (stock, recorded)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("store", ["memory", "spill"])
+@pytest.mark.parametrize("kwargs", [dict(), dict(do_sample=True, top_k=20), dict(num_beams=3)])
+def test_stats_on_cuda_equal_their_expressions_on_the_device(kwargs, store, dtype, tmp_path):
+    from .test_stats import assert_stats_equal
+
+    model = make_tiny("llama").to("cuda", dtype)
+    batch = {k: v.to("cuda") for k, v in left_padded_batch().items()}
+    torch.manual_seed(0)
+    reference = model.generate(
+        **batch, max_new_tokens=16, return_dict_in_generate=True, output_scores=True, output_logits=True, **kwargs
+    )
+    options = {"spill_dir": tmp_path / "run", "shard_bytes": 20_000} if store == "spill" else {}
+    with Recorder(model, streams=("stats",), **options) as rec:
+        torch.manual_seed(0)
+        sequences = model.generate(**batch, logits_processor=[rec], max_new_tokens=16, **kwargs)
+    if store == "spill":
+        rec = open_recording(tmp_path / "run")
+    assert torch.equal(sequences, reference.sequences)
+    generation = rec.generation()
+    prompt = batch["input_ids"].shape[1]
+    if generation.is_beam:
+        tokens, parents = generation.tokens(), generation.beam_parents()
+    else:
+        tokens, parents = tuple(sequences[:, prompt + t] for t in range(generation.num_steps)), None
+    # The expressions run on the GPU, on Hugging Face's own out.logits / out.scores there.
+    assert_stats_equal(rec.stats(), reference, tokens, parents)
+
+
+@pytest.mark.parametrize("store", ["memory", "spill"])
+@pytest.mark.parametrize("kwargs", [dict(), dict(do_sample=True, top_k=20), dict(num_beams=3)])
+def test_recording_stats_makes_no_synchronising_call_in_the_step_path(kwargs, store, tmp_path, monkeypatch):
+    for name in ("on_forward", "on_raw", "on_processed", "on_stopping"):
+        monkeypatch.setattr(_capture.Capture, name, _strict(getattr(_capture.Capture, name)))
+    monkeypatch.setattr(_transfer.HostRing, "put", _strict(_transfer.HostRing.put))
+    model = make_tiny("llama").to("cuda")
+    batch = {k: v.to("cuda") for k, v in left_padded_batch().items()}
+    options = {"spill_dir": tmp_path / "run", "shard_bytes": 20_000} if store == "spill" else {}
+    with Recorder(model, streams=("logits", "stats"), **options) as rec:
+        model.generate(**batch, logits_processor=[rec], max_new_tokens=24, min_new_tokens=24, **kwargs)
+    assert rec.generation().num_steps == 24
+    assert rec.generation().complete and len(rec.stats()) == 24
+

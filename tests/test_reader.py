@@ -15,12 +15,14 @@ import pytest
 import torch
 
 from transformers_offload import Recorder, RecordingError, open_recording
+from transformers_offload.store.format import STATS_COLUMNS
 
 from .conftest import left_padded_batch
-from .helpers import made_up_layers, made_up_step, write_made_up_recording
+from .helpers import made_up_layers, made_up_stats, made_up_step, write_made_up_recording
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "tiny-recording"
 GOLDEN_LAYERS = Path(__file__).resolve().parent / "golden" / "tiny-layers-recording"
+GOLDEN_STATS = Path(__file__).resolve().parent / "golden" / "tiny-stats-recording"
 ROOT = Path(__file__).resolve().parent.parent
 ROWS, VOCAB, STEPS = 5, 16, 9
 
@@ -53,6 +55,26 @@ def test_the_ragged_layout_is_pinned_byte_for_byte(tmp_path):
     """Attentions, hidden states and encoder outputs (`"ragged"` streams, the encoder file)."""
     write_made_up_recording(tmp_path / "run", steps=3, rows=2, vocab=4, shard_bytes=164, layers=True)
     assert _golden_files(tmp_path / "run") == _golden_files(GOLDEN_LAYERS)
+
+
+def test_the_stats_stream_is_pinned_byte_for_byte(tmp_path):
+    """Per-token statistics: one `(rows, 9)` float64 record per step, a dense stream named `stats`."""
+    write_made_up_recording(tmp_path / "run", steps=3, rows=2, vocab=4, shard_bytes=164, stats=True)
+    assert _golden_files(tmp_path / "run") == _golden_files(GOLDEN_STATS)
+
+
+def test_the_golden_stats_recording_reads_back():
+    generation = open_recording(GOLDEN_STATS).generation()
+    stats = generation.step_stats()
+    assert len(stats) == 3
+    for step, columns in enumerate(stats):
+        record = made_up_stats(step, 2, 4)
+        assert list(columns) == list(STATS_COLUMNS)
+        for i, name in enumerate(STATS_COLUMNS):
+            integer = name in ("token", "rank_raw", "rank_processed", "support_processed")
+            assert columns[name].dtype == (torch.int64 if integer else torch.float32)
+            assert torch.equal(columns[name], record[:, i].to(columns[name].dtype))
+    assert torch.equal(stats[1]["token"], generation.tokens()[1])
 
 
 def test_the_golden_layers_recording_reads_back():

@@ -26,7 +26,7 @@ from .store.memory import MemoryStore
 from .store.shards import DEFAULT_SHARD_BYTES, Spill
 
 DEFAULT_STREAMS = ("logits", "scores")
-STREAMS = (*DEFAULT_STREAMS, *_layers.STREAMS)
+STREAMS = (*DEFAULT_STREAMS, *_layers.STREAMS, "stats")
 
 
 class DeviceAccumulationWarning(UserWarning):
@@ -76,7 +76,10 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
         streams (`tuple[str, ...]`, *optional*, defaults to `("logits", "scores")`): what to record
             besides the tokens and the finished mask (always recorded): `"logits"`, `"scores"` (both
             `(rows, vocab_size)` per step), `"attentions"` (needs a model loaded with
-            `attn_implementation="eager"`) and `"hidden_states"`.
+            `attn_implementation="eager"`), `"hidden_states"`, and `"stats"`: per row and step the chosen
+            token, its logprob and rank under the raw logits and the processed scores, both
+            distributions' entropy, the raw logsumexp and the processed support, computed on the device
+            from the full tensors (72 bytes per row and step; read with `stats()`).
         layers (`Sequence[int]`, *optional*): with attentions or hidden states, the layers to keep, as
             indices into each output's tuple of layers (negative from the end; hidden states count the
             embeddings as entry 0, so `[-1]` is the last layer of both); default all. Kept in layer

@@ -1,7 +1,8 @@
-"""Rewrite the golden recordings (tests/golden/tiny-recording, tiny-layers-recording) after a deliberate
-format change. Decide first whether a reader of the current FORMAT_VERSION would misread the new layout:
-if so, bump FORMAT_VERSION; if it reads it right (a key it ignores, like the `files` checksums), the
-version stays. Either way the README's format section says what changed.
+"""Rewrite the golden recordings (tests/golden/tiny-recording, tiny-layers-recording,
+tiny-stats-recording) after a deliberate format change. Decide first whether a reader of the current
+FORMAT_VERSION would misread the new layout: if so, bump FORMAT_VERSION; if it reads it right (a key it
+ignores, like the `files` checksums, or a stream it need not know, like `stats`), the version stays.
+Either way the README's format section says what changed.
 
 tests/golden/tiny-recording-before-checksums is a frozen copy from before checksums (what older
 recordings look like): never rewritten.
@@ -15,8 +16,12 @@ from pathlib import Path
 from tests.helpers import write_made_up_recording
 
 if __name__ == "__main__":
-    for name, layers in (("tiny-recording", False), ("tiny-layers-recording", True)):
+    for name, options in (
+        ("tiny-recording", {}),
+        ("tiny-layers-recording", {"layers": True}),
+        ("tiny-stats-recording", {"stats": True}),
+    ):
         target = Path(__file__).resolve().parent / name
         shutil.rmtree(target, ignore_errors=True)
-        write_made_up_recording(target, steps=3, rows=2, vocab=4, shard_bytes=164, layers=layers)
+        write_made_up_recording(target, steps=3, rows=2, vocab=4, shard_bytes=164, **options)
         print(f"wrote {target}: {sorted(p.name for p in target.iterdir())}")

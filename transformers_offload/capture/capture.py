@@ -23,6 +23,7 @@ from ..store import format as _format
 from ..store.stored import StoredGeneration
 from . import layers as _layers
 from .modes import check_mode
+from .stats import StepStats
 from .transfer import HostRing
 
 # Opens the store of one call: given the stream names, the call's header and the most steps it can
@@ -71,6 +72,8 @@ class Capture:
         self._group_scores: torch.Tensor | None = None
         self._previous_ids: torch.Tensor | None = None
         self._late_error: BaseException | None = None
+        # Per-token statistics: each step's full tensors, kept on the device until its tokens are known.
+        self._stats = StepStats() if _format.STATS_STREAM in streams else None
 
     # -- set-up, from the processor-list hook, before the decoding loop ------------------------------
     def start(self, generation_config: Any, prompt_length: int) -> None:
@@ -83,7 +86,7 @@ class Capture:
         # Raw logits come from the forward where the processors get something else (beam search gets
         # log-probs, DoLa a contrast of layers); group beam search also sizes its scores from them.
         from_forward = self.is_beam or mode == _compat.DOLA_MODE
-        self._keeps_forward_logits = self.is_group or (from_forward and "logits" in self.streams)
+        self._keeps_forward_logits = self.is_group or (from_forward and ("logits" in self.streams or bool(self._stats)))
         eos = generation_config.eos_token_id
         eos_list = [] if eos is None else [int(e) for e in torch.as_tensor(eos).flatten().tolist()]
         if eos_list:
@@ -124,7 +127,8 @@ class Capture:
     def names(self) -> list[str]:
         """Every stream this call records, in the order they are stored."""
         names = [*(s for s in ("logits", "scores") if s in self.streams), "tokens", "finished"]
-        return names + ["beam_parents"] * self.is_beam + self._layer_names
+        names += ["beam_parents"] * self.is_beam + [_format.STATS_STREAM] * bool(self._stats)
+        return names + self._layer_names
 
     @property
     def failure(self) -> BaseException | None:
@@ -226,6 +230,8 @@ class Capture:
                 self.num_rows = raw.shape[0]
                 if "logits" in self.streams:
                     self.ring.put(self._step, "logits", raw)
+                if self._stats is not None:
+                    self._stats.raw(self._step, raw)
                 # out.scores of a step: every group's processed scores, in the model's dtype.
                 self._group_scores = torch.zeros_like(raw)
                 self._put_running_beams_finished(self._step, self.num_rows)
@@ -235,8 +241,12 @@ class Capture:
             step = self._step
             # The previous step's token first: this step's first put may wait for a slot.
             self._record_ancestry(step, input_ids)
-            if "logits" in self.streams:
-                self.ring.put(step, "logits", self._take_forward_logits())
+            if "logits" in self.streams or self._stats is not None:
+                raw = self._take_forward_logits()
+                if "logits" in self.streams:
+                    self.ring.put(step, "logits", raw)
+                if self._stats is not None:
+                    self._stats.raw(step, raw)
             self._put_running_beams_finished(step, input_ids.shape[0])
             return
         if self.is_assisted and not self._target_forward:
@@ -247,11 +257,14 @@ class Capture:
         self.num_rows = input_ids.shape[0]
         if self._finished is None:
             self._finished = torch.zeros(self.num_rows, dtype=torch.bool, device=input_ids.device)
-        if "logits" in self.streams:
+        if "logits" in self.streams or self._stats is not None:
             if self.mode == _compat.DOLA_MODE:
                 # DoLa hands the processors its contrast of layers; `out.logits` is the final layer's.
                 scores = self._take_forward_logits()
-            self.ring.put(self._step, "logits", scores)
+            if "logits" in self.streams:
+                self.ring.put(self._step, "logits", scores)
+            if self._stats is not None:
+                self._stats.raw(self._step, scores)
         self.ring.put(self._step, "finished", self._finished)
 
     def _put_running_beams_finished(self, step: int, rows: int) -> None:
@@ -279,13 +292,17 @@ class Capture:
             beams[:, start:end] = scores.view(beams.shape[0], end - start, -1)
             if end == self.num_beams and "scores" in self.streams:
                 self.ring.put(self._step, "scores", self._group_scores)
+            if end == self.num_beams and self._stats is not None:
+                self._stats.processed(self._step, self._group_scores)
             return
         if self.is_assisted and not self._target_forward:
             return
+        # 4.36-4.44 assisted decoding runs the warpers after all positions went through the processors.
+        step = self._step if self.is_beam else input_ids.shape[-1] - self.prompt_length
         if "scores" in self.streams:
-            # 4.36-4.44 assisted decoding runs the warpers after all positions went through the processors.
-            step = self._step if self.is_beam else input_ids.shape[-1] - self.prompt_length
             self.ring.put(step, "scores", scores)
+        if self._stats is not None:
+            self._stats.processed(step, scores)
 
     def on_stopping(self, input_ids: torch.Tensor, is_done: Any) -> None:
         """Called after the step's token was appended, with the stopping criteria's verdict (None when
@@ -312,6 +329,8 @@ class Capture:
         last = input_ids.shape[-1] - self.prompt_length
         for step in range(self._tokens_until, last):  # assisted decoding accepts several tokens at once
             self.ring.put(step, "tokens", input_ids[:, self.prompt_length + step])
+            if self._stats is not None and self._stats.has(step):
+                self.ring.put(step, _format.STATS_STREAM, self._stats.record(step, input_ids[:, self.prompt_length + step]))
         self._tokens_until = last
         if is_done is not None:
             self._finished = self._finished | _compat.rows_done(is_done, token, self.eos_ids)
@@ -332,8 +351,11 @@ class Capture:
         first = same.to(torch.int8).argmax(dim=-1)  # first matching old beam
         offset = torch.arange(batch, device=input_ids.device).unsqueeze(1) * self.num_beams
         # The ancestry of step t's rows is known at step t + 1: it is stored under step t.
-        self.ring.put(step - 1, "beam_parents", (first + offset).reshape(rows))
+        parents = (first + offset).reshape(rows)
+        self.ring.put(step - 1, "beam_parents", parents)
         self.ring.put(step - 1, "tokens", input_ids[:, -1])
+        if self._stats is not None and self._stats.has(step - 1):
+            self.ring.put(step - 1, _format.STATS_STREAM, self._stats.record(step - 1, input_ids[:, -1], parents))
 
     # -- the end ---------------------------------------------------------------------------------------
     def finish(self, output: Any, error: BaseException | None) -> StoredGeneration:
@@ -344,6 +366,8 @@ class Capture:
             last = torch.full((self.num_rows,), -1, dtype=torch.long)
             self.ring.put(steps - 1, "beam_parents", last)
             self.ring.put(steps - 1, "tokens", last)
+            if self._stats is not None and self._stats.has(steps - 1):
+                self.ring.put(steps - 1, _format.STATS_STREAM, self._stats.record(steps - 1, last, last))
         try:
             self.ring.flush()
         except Exception as late:  # noqa: BLE001 - kept, and raised once the recording is closed
@@ -355,6 +379,8 @@ class Capture:
         self._group_scores = None
         self._forward_logits = []
         self._finished = None
+        if self._stats is not None:
+            self._stats.clear()
         num_steps = _complete_steps(self.store, self.names, steps)
         sequences = _compat.output_sequences(output)
         if sequences is not None and not self.is_beam:

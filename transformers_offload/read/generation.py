@@ -12,12 +12,12 @@ from typing import Any, Sequence
 
 import torch
 
-from ..store.format import BEAM_MODES
+from ..store.format import BEAM_MODES, STATS_STREAM, stats_columns
 from ..store.stored import StepSource, StoredGeneration, TransferStats
 from .indexing import Rows, Steps, as_framework, check_framework, row_index, step_range
 from .layer_reading import LayerReading, ReadableLayers
 
-_STEP_STREAMS = ("logits", "scores", "tokens", "finished", "beam_parents")
+_STEP_STREAMS = ("logits", "scores", "tokens", "finished", "beam_parents", STATS_STREAM)
 
 
 @dataclass(frozen=True, eq=False)
@@ -131,6 +131,30 @@ class Generation(LayerReading):
         """
         return self._get("tokens", steps, rows, framework)
 
+    def step_stats(self, *, steps: Steps = None, rows: Rows = None,
+                   framework: str = "pt") -> tuple[dict[str, Any], ...]:
+        """Per-token statistics of each step (recorded with `"stats"` in the Recorder's `streams`).
+
+        A tuple with one dict per selected step, of `(num_rows,)` tensors (fewer rows with `rows=`), on
+        CPU, keyed `token`, `logprob_raw`, `logprob_processed`, `rank_raw`, `rank_processed`,
+        `entropy_raw`, `entropy_processed`, `logsumexp_raw`, `support_processed`. Tokens, ranks
+        (0 = the most likely) and support (finite processed entries) are int64; logprobs, entropies
+        (nats) and logsumexp are float32. Each equals, `torch.equal` on the device it was recorded on,
+        a torch expression of this step's `out.logits[t]` and `out.scores[t]` (the README's "Per-token
+        statistics" gives them). In beam search row `r` describes the token that running beam `r`
+        continues with (`tokens()[t][r]`) under its parent's row (`beam_parents()[t][r]`); after the last
+        step no beam continues: token and ranks are -1, logprobs NaN. A finished row keeps its pad
+        token's values (see `finished()`).
+
+        Raises:
+            KeyError: the recording has no stats (record with `streams=(..., "stats")`).
+        """
+        records = self._get(STATS_STREAM, steps, rows, "pt")
+        return tuple(
+            {name: as_framework(value, name, framework) for name, value in stats_columns(record).items()}
+            for record in records
+        )
+
     def finished(self, *, steps: Steps = None, rows: Rows = None, framework: str = "pt") -> tuple[Any, ...]:
         """Rows that had already finished before each step: a tuple of bool tensors `(num_rows,)`.
 
@@ -234,6 +258,12 @@ class Readable(ReadableLayers):
                framework: str = "pt") -> tuple[Any, ...]:
         """Chosen token per row and step; see `Generation.tokens`."""
         return self.generation(generation).tokens(steps=steps, rows=rows, framework=framework)
+
+    def stats(self, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
+              framework: str = "pt") -> tuple[dict[str, Any], ...]:
+        """Per-token statistics per step of one generation: a dict of `(rows,)` tensors per step; see
+        `Generation.step_stats`."""
+        return self.generation(generation).step_stats(steps=steps, rows=rows, framework=framework)
 
     def finished(self, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
                  framework: str = "pt") -> tuple[Any, ...]:

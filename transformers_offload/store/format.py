@@ -132,6 +132,31 @@ def read_shard_metadata(metadata: dict[str, str] | None) -> dict[str, Any]:
     return fields if isinstance(fields, dict) else {}
 
 
+# -- per-token statistics (`streams=("stats",)`): one `(rows, 9)` float64 record per step ------------
+STATS_STREAM = "stats"
+STATS_COLUMNS = (
+    "token",
+    "logprob_raw",
+    "logprob_processed",
+    "rank_raw",
+    "rank_processed",
+    "entropy_raw",
+    "entropy_processed",
+    "logsumexp_raw",
+    "support_processed",
+)
+STATS_INTEGER_COLUMNS = ("token", "rank_raw", "rank_processed", "support_processed")
+
+
+def stats_columns(record: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A stored `(rows, 9)` float64 stats record as `(rows,)` tensors per column, int64 or float32: exact,
+    since float64 holds every float32 value and every integer below 2**53."""
+    return {
+        name: record[..., i].to(torch.int64 if name in STATS_INTEGER_COLUMNS else torch.float32)
+        for i, name in enumerate(STATS_COLUMNS)
+    }
+
+
 # -- layer and head indices, as `layers` and `heads` name them ------------------------------------
 def indices(value: Any, name: str) -> tuple[int, ...] | None:
     """`value` (None, or a sequence of integers: Python or NumPy ints, negative ones allowed) as a tuple.

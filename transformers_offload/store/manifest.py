@@ -21,6 +21,8 @@ from .format import (
     FORMAT_VERSION,
     LAYER_KINDS,
     MANIFEST,
+    STATS_COLUMNS,
+    STATS_STREAM,
     STATUSES,
     STEP_LAYER_KINDS,
     RecordingError,
@@ -252,6 +254,11 @@ def _check_stream_set(entry: dict[str, Any], path: Path, where: str) -> None:
                     path, f"{where}: stream {name!r} has {shape[0]} rows, which disagrees with `num_rows` {rows}."
                 )
             continue
+        if name == STATS_STREAM and (shape != [rows, len(STATS_COLUMNS)] or stream["dtype"] != "float64"):
+            raise RecordingError(
+                path, f"{where}: stream {name!r} must be float64 of per-step shape [{rows}, {len(STATS_COLUMNS)}], "
+                f"got {stream['dtype']} {shape}.",
+            )
         per_row = name in PER_ROW_STREAMS
         if (per_row and shape != [rows]) or (not per_row and (len(shape) != 2 or shape[0] != rows)):
             raise RecordingError(

@@ -1,0 +1,112 @@
+"""What per-token statistics cost, against stock generate() and against recording the full tensors.
+
+    .venv/bin/python bench/stats_cost.py [--batch 4] [--new-tokens 64] [--repeats 3] [--out bench/results]
+
+SmolLM2-135M-Instruct (CPU, float32; vocabulary 49,152), `--batch` chat prompts, sampling with
+temperature 0.7 and top_p 0.9, `--new-tokens` steps (`min_new_tokens` too, so every case runs the same
+number of steps). Cases, interleaved, `--repeats` times, each the median wall time of one generate()
+call, in memory:
+
+- stock generate() (the baseline);
+- the Recorder with `streams=("logits", "scores")` (the default: the full tensors);
+- the Recorder with `streams=("stats",)` (72 bytes per row and step);
+- the Recorder with `streams=("logits", "scores", "stats")`.
+
+Reports each case's time over the baseline and the bytes it recorded, and writes `stats_cost.json`
+under `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from _common import RESULTS, machine, print_table, write_json  # noqa: E402
+from transformers_offload import Recorder  # noqa: E402
+from transformers_offload.demo_model import load  # noqa: E402
+
+CASES = {
+    "stock generate": None,
+    "Recorder: logits, scores": ("logits", "scores"),
+    "Recorder: stats": ("stats",),
+    "Recorder: logits, scores, stats": ("logits", "scores", "stats"),
+}
+PROMPTS = [
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "Give three tips for learning to cook.",
+    "What is the capital of Australia, and why is it not Sydney?",
+]
+
+
+def recorded_bytes(rec: Recorder) -> int:
+    generation = rec.generation()
+    total = 0
+    for name in generation.streams:
+        for step in generation._get(name, None, None, "pt"):  # noqa: SLF001 - the bench counts what is kept
+            total += step.numel() * step.element_size()
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+
+    model, tokenizer = load()
+    tokenizer.padding_side = "left"
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+             for p in (PROMPTS * args.batch)[: args.batch]]
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    options = dict(do_sample=True, temperature=0.7, top_p=0.9, max_new_tokens=args.new_tokens,
+                   min_new_tokens=args.new_tokens, pad_token_id=tokenizer.pad_token_id)
+
+    def run(streams):
+        torch.manual_seed(0)
+        if streams is None:
+            start = time.perf_counter()
+            model.generate(**batch, **options)
+            return time.perf_counter() - start, 0
+        with Recorder(model, streams=streams) as rec:
+            start = time.perf_counter()
+            model.generate(**batch, logits_processor=[rec], **options)
+            seconds = time.perf_counter() - start
+            return seconds, recorded_bytes(rec)
+
+    run(None)  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in CASES}
+    sizes: dict[str, int] = {}
+    for _ in range(args.repeats):
+        for name, streams in CASES.items():
+            seconds, size = run(streams)
+            times[name].append(seconds)
+            sizes[name] = size
+    base = statistics.median(times["stock generate"])
+    rows = []
+    record = {"machine": machine(), "batch": args.batch, "new_tokens": args.new_tokens, "repeats": args.repeats,
+              "cases": {}}
+    for name in CASES:
+        median = statistics.median(times[name])
+        per_row_step = sizes[name] / (args.batch * args.new_tokens)
+        rows.append([name, f"{median:.2f}", f"{median / base:.3f}x", f"{sizes[name]:,}", f"{per_row_step:,.0f}"])
+        record["cases"][name] = {"seconds": times[name], "median_s": median, "ratio": median / base,
+                                 "bytes": sizes[name], "bytes_per_row_and_step": per_row_step}
+    print_table(["case", "s (median)", "/ stock", "bytes recorded", "per row and step"], rows)
+    write_json(args.out / "stats_cost.json", record)
+
+
+if __name__ == "__main__":
+    main()

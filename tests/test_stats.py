@@ -1,0 +1,190 @@
+"""Per-token statistics (`streams=(..., "stats")`): each value equals, `torch.equal`, its documented
+torch expression applied to Hugging Face's own `out.logits[t]` and `out.scores[t]` (before 4.40, where
+`out.logits` is absent or not what the processors receive, to the model's forward logits that
+`hf_reference` captures and the recorder's logits equal)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from transformers_offload import Recorder, open_recording
+
+from .conftest import left_padded_batch
+from .helpers import TRANSFORMERS
+from .test_exactness import CASES, NEW_TOKENS, READERS, SEED, SMALL_SHARD_BYTES, _resolve_eos, hf_reference, missing_options
+
+KEYS = ("token", "logprob_raw", "logprob_processed", "rank_raw", "rank_processed", "entropy_raw",
+        "entropy_processed", "logsumexp_raw", "support_processed")
+
+
+def expected_stats(x: torch.Tensor, s: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor | None) -> dict:
+    """The README's expressions, on one step's raw logits `x` and processed scores `s`."""
+    tokens = tokens.to(x.device)
+    rows = torch.arange(tokens.shape[0], device=x.device)
+    continues = tokens >= 0
+    if parents is not None:
+        parents = parents.to(x.device)
+        continues = continues & (parents >= 0)
+        rows = torch.where(parents >= 0, parents, rows)
+    y = torch.where(continues, tokens, 0)
+    values = {
+        "token": torch.where(continues, tokens, -1),
+        "logprob_raw": torch.log_softmax(x, -1)[rows, y].float(),
+        "logprob_processed": torch.log_softmax(s, -1)[rows, y].float(),
+        "rank_raw": (x[rows] > x[rows, y][:, None]).sum(-1),
+        "rank_processed": (s[rows] > s[rows, y][:, None]).sum(-1),
+        "entropy_raw": torch.special.entr(torch.softmax(x, -1)).sum(-1)[rows].float(),
+        "entropy_processed": torch.special.entr(torch.softmax(s, -1)).sum(-1)[rows].float(),
+        "logsumexp_raw": torch.logsumexp(x, -1)[rows].float(),
+        "support_processed": torch.isfinite(s).sum(-1)[rows],
+    }
+    for name in ("logprob_raw", "logprob_processed"):
+        values[name] = torch.where(continues, values[name], float("nan"))
+    for name in ("rank_raw", "rank_processed"):
+        values[name] = torch.where(continues, values[name], -1)
+    return values
+
+
+def assert_stats_equal(recorded: tuple, reference, tokens: tuple, parents: tuple | None) -> None:
+    assert len(recorded) == len(reference.scores) > 0
+    for t, step in enumerate(recorded):
+        assert tuple(step) == KEYS
+        expected = expected_stats(reference.logits[t], reference.scores[t], tokens[t], None if parents is None else parents[t])
+        for name in KEYS:
+            mine, theirs = step[name], expected[name].cpu()
+            assert mine.dtype == theirs.dtype and mine.shape == theirs.shape, (t, name, mine.dtype, theirs.dtype)
+            assert torch.equal(mine.isnan(), theirs.isnan()), (t, name)
+            assert torch.equal(mine.nan_to_num(0.0), theirs.nan_to_num(0.0)), f"step {t}: {name} differs"
+
+
+def _run(model, case, streams, spill_dir=None):
+    batch = left_padded_batch()
+    kwargs, _ = _resolve_eos(model, batch, CASES[case])
+    if missing_options(kwargs):
+        pytest.skip(f"transformers {TRANSFORMERS} has no {missing_options(kwargs)}")
+    torch.manual_seed(SEED)
+    reference = hf_reference(model, **batch, max_new_tokens=NEW_TOKENS, **kwargs)
+    options = {} if spill_dir is None else {"spill_dir": spill_dir, "shard_bytes": SMALL_SHARD_BYTES}
+    with Recorder(model, streams=streams, **options) as rec:
+        torch.manual_seed(SEED)
+        sequences = model.generate(**batch, logits_processor=[rec], max_new_tokens=NEW_TOKENS, **kwargs)
+    assert torch.equal(sequences, reference.sequences), "the recorder changed the generated tokens"
+    return batch, kwargs, reference, rec
+
+
+def _tokens_and_parents(rec, reference, batch, kwargs):
+    if "num_beams" in kwargs:
+        return rec.tokens(), rec.beam_parents()
+    prompt = batch["input_ids"].shape[1]
+    return tuple(reference.sequences[:, prompt + t] for t in range(len(reference.scores))), None
+
+
+@pytest.mark.parametrize("reader", READERS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_stats_equal_their_expressions_on_hugging_face_outputs(gpt2, case, reader, tmp_path):
+    spill_dir = None if reader == "memory" else tmp_path / "run"
+    batch, kwargs, reference, rec = _run(gpt2, case, ("logits", "scores", "stats"), spill_dir)
+    if reader == "open_recording":
+        rec = open_recording(spill_dir)
+    tokens, parents = _tokens_and_parents(rec, reference, batch, kwargs)
+    assert_stats_equal(rec.stats(), reference, tokens, parents)
+
+
+@pytest.mark.parametrize("case", ["greedy", "sample_everything", "beam_return_sequences"])
+def test_stats_alone_on_every_tiny_model(tiny_model, case, tmp_path):
+    batch, kwargs, reference, rec = _run(tiny_model, case, ("stats",), tmp_path / "run")
+    tokens, parents = _tokens_and_parents(rec, reference, batch, kwargs)
+    assert_stats_equal(rec.stats(), reference, tokens, parents)
+    generation = open_recording(tmp_path / "run").generation()
+    assert set(generation.streams) == {"tokens", "finished", "stats"} | ({"beam_parents"} if parents else set())
+    with pytest.raises(KeyError, match="logits"):
+        generation.logits()
+
+
+def test_stats_alone_are_72_bytes_per_row_and_step(gpt2, tmp_path):
+    _, _, reference, rec = _run(gpt2, "sample_top_k_top_p", ("stats",), tmp_path / "run")
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    stream = manifest["generations"][0]["streams"]["stats"]
+    rows = reference.sequences.shape[0]
+    assert stream == {"dtype": "float64", "shape": [rows, 9], "encoding": "dense"}
+    described = open_recording(tmp_path / "run").describe()["generations"][0]["streams"]["stats"]
+    assert described["bytes"] == 72 * rows * len(reference.scores)
+
+
+def test_stats_rows_steps_and_numpy(gpt2):
+    _, _, _, rec = _run(gpt2, "sample_temperature", ("stats",))
+    whole = rec.stats()
+    part = rec.stats(steps=slice(2, 5), rows=[2, 0])
+    assert len(part) == 3
+    for mine, theirs in zip(part, whole[2:5]):
+        for name in KEYS:
+            assert torch.equal(mine[name], theirs[name][[2, 0]])
+    arrays = rec.stats(framework="np", steps=range(1))[0]
+    assert arrays["token"].dtype.name == "int64" and arrays["logprob_raw"].dtype.name == "float32"
+
+
+def test_no_stats_recorded_says_how_to_get_them(gpt2):
+    _, _, _, rec = _run(gpt2, "greedy", ("logits",))
+    with pytest.raises(KeyError, match="stats"):
+        rec.stats()
+
+
+# Every other mode: the stats equal the expressions on the recording's own logits and scores, which
+# the mode's own tests show equal to Hugging Face's.
+def _other_modes() -> dict:
+    from .test_assisted import CONFIGS, PROMPT, SOURCES
+    from .test_modes import GROUP_BEAM, IN_LIBRARY, MODES
+
+    cases = {}
+    for source in SOURCES:
+        for config in ("greedy", "sampling"):
+            cases[f"assisted_{source}_{config}"] = ("llama", PROMPT, dict(CONFIGS[config][0], max_new_tokens=16), source)
+    for name, kwargs in {**IN_LIBRARY, **GROUP_BEAM}.items():
+        cases[name] = ("llama", None, dict(kwargs, max_new_tokens=8), None)
+    for model in ("t5", "bart"):
+        for mode, kwargs in MODES.items():
+            cases[f"{model}_{mode}"] = (model, None, dict(kwargs, max_new_tokens=8), None)
+    cases["low_memory_beam_search"] = ("gpt2", None, dict(num_beams=3, low_memory=True, max_new_tokens=6), None)
+    cases["static_cache_sample"] = ("llama", None, dict(do_sample=True, top_k=20, cache_implementation="static", max_new_tokens=8), None)
+    return cases
+
+
+OTHER_MODES = _other_modes()
+
+
+@pytest.mark.filterwarnings("ignore:`num_hidden_layers` is deprecated:FutureWarning")
+@pytest.mark.parametrize("reader", ["memory", "spill"])
+@pytest.mark.parametrize("case", sorted(OTHER_MODES))
+def test_stats_in_every_other_mode(case, reader, tmp_path):
+    from transformers_offload import UnsupportedModeError
+
+    from .conftest import make_tiny
+    from .test_assisted import _source
+
+    name, prompt, kwargs, source = OTHER_MODES[case]
+    if missing_options(kwargs):
+        pytest.skip(f"transformers {TRANSFORMERS} has no {missing_options(kwargs)}")
+    model = make_tiny(name)
+    if source is not None:
+        extra = _source(source)
+        if missing_options(extra):
+            pytest.skip(f"transformers {TRANSFORMERS} has no {missing_options(extra)}")
+        kwargs = dict(kwargs, **extra)
+    batch = prompt if prompt is not None else left_padded_batch()
+    options = {"spill_dir": tmp_path / "run", "shard_bytes": 3_000} if reader == "spill" else {}
+    with Recorder(model, streams=("logits", "scores", "stats"), **options) as rec:
+        torch.manual_seed(0)
+        try:
+            model.generate(**batch, logits_processor=[rec], **kwargs)
+        except UnsupportedModeError:
+            pytest.skip(f"transformers {TRANSFORMERS} does not run {case} in the library")
+    if reader == "spill":
+        rec = open_recording(tmp_path / "run")
+    generation = rec.generation()
+    assert generation.complete and generation.num_steps > 0
+    parents = generation.beam_parents() if generation.is_beam else None
+    recorded = type("Recorded", (), {"logits": generation.logits(), "scores": generation.scores()})
+    assert_stats_equal(rec.stats(), recorded, generation.tokens(), parents)

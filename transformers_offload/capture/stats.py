@@ -1,0 +1,95 @@
+"""Per-token statistics, computed on the device from each step's full raw logits and processed scores.
+
+With `"stats"` in the Recorder's `streams`, each step records one small `(rows, 9)` float64 tensor
+instead of (or beside) the `(rows, vocab)` ones: 72 bytes per row and step. The columns, in
+`COLUMNS` order, are exactly these torch expressions of the step's raw logits `x` (`out.logits[t]`)
+and processed scores `s` (`out.scores[t]`), on the device they were computed on, for the rows `r` of
+the step (`r = arange(rows)`; in beam search, each running beam's parent, `beam_parents`) and the
+tokens `y` they continue with (`tokens`):
+
+    token               y
+    logprob_raw         torch.log_softmax(x, -1)[r, y].float()
+    logprob_processed   torch.log_softmax(s, -1)[r, y].float()
+    rank_raw            (x[r] > x[r, y][:, None]).sum(-1)           # 0 = the most likely
+    rank_processed      (s[r] > s[r, y][:, None]).sum(-1)
+    entropy_raw         torch.special.entr(torch.softmax(x, -1)).sum(-1)[r].float()   # nats
+    entropy_processed   torch.special.entr(torch.softmax(s, -1)).sum(-1)[r].float()
+    logsumexp_raw       torch.logsumexp(x, -1)[r].float()
+    support_processed   torch.isfinite(s).sum(-1)[r]
+
+Float64 holds each of them exactly (float32 values, and integers below 2**53), so the reader gives
+back float32 and int64 tensors equal to the expressions. In beam search a running beam of the last
+step continues with no token: its `token` and ranks are -1 and its logprobs NaN, and its entropies,
+logsumexp and support are its own row's.
+
+The capture hands this module each step's tensors as it sees them (raw logits before the first
+processor, a copy, since processors may edit them in place; processed scores after the last one) and,
+once the step's tokens are known, asks for the step's record. Nothing here waits for the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..store.format import STATS_COLUMNS as COLUMNS
+
+
+class StepStats:
+    """Each pending step's raw logits and processed scores, until its tokens are known."""
+
+    def __init__(self) -> None:
+        self._raw: dict[int, torch.Tensor] = {}
+        self._processed: dict[int, torch.Tensor] = {}
+
+    def raw(self, step: int, logits: torch.Tensor) -> None:
+        """The step's raw logits `(rows, vocab)`, copied (a later write of the same step replaces it)."""
+        self._raw[step] = logits.detach().clone()
+
+    def processed(self, step: int, scores: torch.Tensor) -> None:
+        """The step's processed scores `(rows, vocab)`, as the decoding loop uses them."""
+        self._processed[step] = scores.detach()
+
+    def has(self, step: int) -> bool:
+        return step in self._raw and step in self._processed
+
+    def record(self, step: int, tokens: torch.Tensor, parents: torch.Tensor | None = None) -> torch.Tensor:
+        """The step's `(rows, 9)` float64 record; earlier steps are forgotten (this one is kept: beam
+        search records its last step again when the call ends, with no beam continuing).
+
+        Args:
+            tokens (`torch.LongTensor` of shape `(rows,)`): the token each row continues with (-1: none).
+            parents (`torch.LongTensor` of shape `(rows,)`, *optional*): in beam search, the row of the
+                step each running beam extends (-1: none); None means row r extends row r.
+        """
+        x, s = self._raw[step], self._processed[step]
+        for pending in (self._raw, self._processed):
+            for old in [t for t in pending if t < step]:
+                del pending[old]
+        rows = torch.arange(tokens.shape[0], device=x.device)
+        tokens = tokens.to(x.device)
+        continues = tokens >= 0
+        if parents is not None:
+            parents = parents.to(x.device)
+            continues = continues & (parents >= 0)
+            rows = torch.where(parents >= 0, parents, rows)
+        y = torch.where(continues, tokens, torch.zeros_like(tokens))
+        columns = {
+            "token": torch.where(continues, tokens, torch.full_like(tokens, -1)),
+            "logprob_raw": torch.log_softmax(x, -1)[rows, y].float(),
+            "logprob_processed": torch.log_softmax(s, -1)[rows, y].float(),
+            "rank_raw": (x[rows] > x[rows, y][:, None]).sum(-1),
+            "rank_processed": (s[rows] > s[rows, y][:, None]).sum(-1),
+            "entropy_raw": torch.special.entr(torch.softmax(x, -1)).sum(-1)[rows].float(),
+            "entropy_processed": torch.special.entr(torch.softmax(s, -1)).sum(-1)[rows].float(),
+            "logsumexp_raw": torch.logsumexp(x, -1)[rows].float(),
+            "support_processed": torch.isfinite(s).sum(-1)[rows],
+        }
+        for name in ("logprob_raw", "logprob_processed"):
+            columns[name] = torch.where(continues, columns[name], torch.full_like(columns[name], float("nan")))
+        for name in ("rank_raw", "rank_processed"):
+            columns[name] = torch.where(continues, columns[name], torch.full_like(columns[name], -1))
+        return torch.stack([columns[name].to(torch.float64) for name in COLUMNS], dim=-1)
+
+    def clear(self) -> None:
+        self._raw.clear()
+        self._processed.clear()
