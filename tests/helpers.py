@@ -134,11 +134,20 @@ def made_up_stats(step: int, rows: int, vocab: int) -> torch.Tensor:
     ], dim=-1)
 
 
+def made_up_topk(step: int, rows: int, k: int = 2) -> torch.Tensor:
+    """One step's `(rows, 2K + 2)` float64 top-k record (values, indices, logsumexp, mass outside)."""
+    row = torch.arange(rows, dtype=torch.float64)[:, None]
+    rank = torch.arange(k, dtype=torch.float64)[None, :]
+    values = 2.0 - rank - 0.5 * row + step
+    indices = (row + rank + step) % (2 * k)
+    return torch.cat([values, indices, values[:, :1] + 0.25, torch.full((rows, 1), 0.125)], dim=-1)
+
+
 def write_made_up_recording(root, *, steps: int, rows: int, vocab: int, shard_bytes: int, complete: bool = True,
-                            layers: bool = False, stats: bool = False):
+                            layers: bool = False, stats: bool = False, topk: bool = False):
     """Drive the shard store directly (no model): the layer below `generate()`. Returns what the store
     hands back (`StoredGeneration`). With `layers`, the steps also carry `made_up_layers`; with `stats`,
-    a `made_up_stats` record."""
+    a `made_up_stats` record; with `topk`, the scores are a `made_up_topk` record (`"topk:2"`)."""
     from transformers_offload.store.shards import Spill
 
     spill = Spill(root, shard_bytes=shard_bytes, model_info=FIXED_MODEL, created_by=FIXED_CREATED_BY)
@@ -147,6 +156,8 @@ def write_made_up_recording(root, *, steps: int, rows: int, vocab: int, shard_by
         "pad_token_id": 0, "eos_token_id": (1,), "generation_config": {"do_sample": True},
     }
     names = ["logits", "scores", "tokens", "finished"] + ["stats"] * stats
+    if topk:
+        header["encodings"] = {"scores": "topk:2"}
     store = spill.open_store(names, header, max_steps=steps)
     if layers:
         store.add_streams(["attentions.1", "hidden_states.2"], ["encoder_hidden_states.0"], MADE_UP_LAYERS)
@@ -154,6 +165,8 @@ def write_made_up_recording(root, *, steps: int, rows: int, vocab: int, shard_by
         tensors = {**made_up_step(step, rows, vocab), **(made_up_layers(step, rows) if layers else {})}
         if stats:
             tensors["stats"] = made_up_stats(step, rows, vocab)
+        if topk:
+            tensors["scores"] = made_up_topk(step, rows)
         store.drain(step, tensors)
     sequences = torch.arange(rows * (2 + steps)).reshape(rows, 2 + steps) % vocab if complete else None
     error = None if complete else KeyboardInterrupt()

@@ -302,3 +302,40 @@ def test_recording_stats_makes_no_synchronising_call_in_the_step_path(kwargs, st
     assert rec.generation().num_steps == 24
     assert rec.generation().complete and len(rec.stats()) == 24
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("store", ["memory", "spill"])
+@pytest.mark.parametrize("kwargs", [dict(), dict(do_sample=True, top_k=20), dict(num_beams=3)])
+def test_topk_on_cuda_equals_its_expressions_on_the_device(kwargs, store, dtype, tmp_path):
+    from .test_encodings import assert_topk_equal
+
+    model = make_tiny("llama").to("cuda", dtype)
+    batch = {k: v.to("cuda") for k, v in left_padded_batch().items()}
+    torch.manual_seed(0)
+    reference = model.generate(
+        **batch, max_new_tokens=16, return_dict_in_generate=True, output_scores=True, output_logits=True, **kwargs
+    )
+    options = {"spill_dir": tmp_path / "run", "shard_bytes": 20_000} if store == "spill" else {}
+    with Recorder(model, encodings={"logits": "topk:5", "scores": "topk:7"}, **options) as rec:
+        torch.manual_seed(0)
+        sequences = model.generate(**batch, logits_processor=[rec], max_new_tokens=16, **kwargs)
+    if store == "spill":
+        rec = open_recording(tmp_path / "run")
+    assert torch.equal(sequences, reference.sequences)
+    # The expressions run on the GPU, on Hugging Face's own out.logits / out.scores there.
+    assert_topk_equal(rec.topk("logits"), reference.logits, 5)
+    assert_topk_equal(rec.topk("scores"), reference.scores, 7)
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(num_beams=3)])
+def test_topk_makes_no_synchronising_call_in_the_step_path(kwargs, tmp_path, monkeypatch):
+    for name in ("on_forward", "on_raw", "on_processed", "on_stopping"):
+        monkeypatch.setattr(_capture.Capture, name, _strict(getattr(_capture.Capture, name)))
+    monkeypatch.setattr(_transfer.HostRing, "put", _strict(_transfer.HostRing.put))
+    model = make_tiny("llama").to("cuda")
+    batch = {k: v.to("cuda") for k, v in left_padded_batch().items()}
+    with Recorder(model, encodings={"logits": "topk:5", "scores": "topk:7"}, spill_dir=tmp_path / "run",
+                  shard_bytes=20_000) as rec:
+        model.generate(**batch, logits_processor=[rec], max_new_tokens=24, min_new_tokens=24, **kwargs)
+    assert rec.generation().num_steps == 24 and len(rec.topk("scores")) == 24

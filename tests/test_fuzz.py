@@ -43,13 +43,13 @@ FUZZ = settings(max_examples=800 * FUZZ_SCALE, deadline=10_000, suppress_health_
 
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory) -> dict[str, Path]:
-    """Small recordings of every layout: dense, ragged with an encoder file, a beam search, and stats."""
+    """Small recordings of every layout: dense, ragged with an encoder file, a beam search, stats, top-k."""
     beam = tmp_path_factory.mktemp("beam") / "run"
     model = make_tiny("gpt2")
     with Recorder(model, spill_dir=beam, shard_bytes=3_000) as rec:
         model.generate(**left_padded_batch(), logits_processor=[rec], num_beams=2, max_new_tokens=4)
     return {"dense": GOLDEN / "tiny-recording", "layers": GOLDEN / "tiny-layers-recording", "beam": beam,
-            "stats": GOLDEN / "tiny-stats-recording"}
+            "stats": GOLDEN / "tiny-stats-recording", "topk": GOLDEN / "tiny-topk-recording"}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -94,6 +94,8 @@ def read_everything(path: Path) -> None:
             generation.beam_indices()
         if "stats" in generation.streams:
             generation.step_stats()
+        for stream in generation.encodings:
+            generation.topk(stream)
         if generation.num_rows and generation.num_steps and "tokens" in generation.streams:
             generation.tokens(steps=slice(generation.num_steps - 1, None), rows=[generation.num_rows - 1], framework="np")
     _note("every stream read")

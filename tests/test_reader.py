@@ -18,11 +18,12 @@ from transformers_offload import Recorder, RecordingError, open_recording
 from transformers_offload.store.format import STATS_COLUMNS
 
 from .conftest import left_padded_batch
-from .helpers import made_up_layers, made_up_stats, made_up_step, write_made_up_recording
+from .helpers import made_up_layers, made_up_stats, made_up_step, made_up_topk, write_made_up_recording
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "tiny-recording"
 GOLDEN_LAYERS = Path(__file__).resolve().parent / "golden" / "tiny-layers-recording"
 GOLDEN_STATS = Path(__file__).resolve().parent / "golden" / "tiny-stats-recording"
+GOLDEN_TOPK = Path(__file__).resolve().parent / "golden" / "tiny-topk-recording"
 ROOT = Path(__file__).resolve().parent.parent
 ROWS, VOCAB, STEPS = 5, 16, 9
 
@@ -75,6 +76,27 @@ def test_the_golden_stats_recording_reads_back():
             assert columns[name].dtype == (torch.int64 if integer else torch.float32)
             assert torch.equal(columns[name], record[:, i].to(columns[name].dtype))
     assert torch.equal(stats[1]["token"], generation.tokens()[1])
+
+
+def test_the_topk_encoding_is_pinned_byte_for_byte(tmp_path):
+    """`encodings={"scores": "topk:2"}`: one `(rows, 2K + 2)` float64 record per step, encoding `topk:2`."""
+    write_made_up_recording(tmp_path / "run", steps=3, rows=2, vocab=4, shard_bytes=164, topk=True)
+    assert _golden_files(tmp_path / "run") == _golden_files(GOLDEN_TOPK)
+
+
+def test_the_golden_topk_recording_reads_back():
+    generation = open_recording(GOLDEN_TOPK).generation()
+    assert generation.encodings == {"scores": "topk:2"}
+    for step, columns in enumerate(generation.topk("scores")):
+        record = made_up_topk(step, 2)
+        assert torch.equal(columns["values"], record[:, :2].float())
+        assert torch.equal(columns["indices"], record[:, 2:4].long())
+        assert torch.equal(columns["logsumexp"], record[:, 4].float())
+        assert torch.equal(columns["mass_outside"], record[:, 5].float())
+        assert torch.equal(columns["logprobs"], record[:, :2].float() - record[:, 4:5].float())
+    with pytest.raises(ValueError, match="topk"):
+        generation.scores()
+    assert torch.equal(generation.logits()[2], made_up_step(2, 2, 4)["logits"])
 
 
 def test_the_golden_layers_recording_reads_back():

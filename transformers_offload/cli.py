@@ -84,12 +84,20 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"{_size(generation['file_bytes'])} on disk",
         ]
         width = max([14, *(len(stream) + 2 for stream in generation["streams"])])
-        lines.append(f"  {'stream':<{width}}{'dtype':<10}{'encoding':<10}{'shape per step':<20}{'bytes':>12}")
+        encoding_width = max([10, *(len(info["encoding"]) + 2 for info in generation["streams"].values())])
+        encoded = any("dense_bytes" in info for info in generation["streams"].values())
+        lines.append(
+            f"  {'stream':<{width}}{'dtype':<10}{'encoding':<{encoding_width}}{'shape per step':<20}{'bytes':>12}"
+            + ("  of dense" if encoded else "")
+        )
         for stream, info in generation["streams"].items():
             # A ragged stream's varying dimensions (null in the manifest) show as "*".
             shape = "(" + ", ".join("*" if n is None else str(n) for n in info["shape"]) + ("," if len(info["shape"]) == 1 else "") + ")"
+            dense = info.get("dense_bytes")
+            ratio = f"  {info['bytes'] / dense:.2%}" if dense else ""
             lines.append(
-                f"  {stream:<{width}}{info['dtype']:<10}{info['encoding']:<10}{shape:<20}{_size(info['bytes']):>12}"
+                f"  {stream:<{width}}{info['dtype']:<10}{info['encoding']:<{encoding_width}}{shape:<20}"
+                f"{_size(info['bytes']):>12}{ratio}"
             )
     return "\n".join(lines)
 

@@ -16,6 +16,7 @@ from transformers import GenerationMixin
 from transformers.generation import LogitsProcessor, StoppingCriteria
 
 from . import _compat
+from .capture import encodings as _encodings
 from .capture import hooks as _hooks
 from .capture import layers as _layers
 from .capture.capture import Capture
@@ -101,6 +102,12 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
             shard in bytes; a shard holds at least one step. Host memory for shards is bounded by three
             shard buffers: `generate()` waits only when all three are taken (counted in
             `Generation.stats.waits`).
+        encodings (`dict[str, str]`, *optional*): how to store `"logits"` and `"scores"`, applied on the
+            device inside the step, before the copy: `"dense"` (the default, the whole `(rows,
+            vocab_size)` tensor) or `"topk:K"` (lossy, by your choice: per row the K largest values and
+            their token ids, the logsumexp over the whole vocabulary and the probability mass outside
+            the K, `(2K + 2) x 8` bytes per row and step; read with `topk()`, which `logits()` and
+            `scores()` then point to). E.g. `{"scores": "topk:20"}`.
 
     Raises:
         TypeError: `model` has no `generate()` from transformers' `GenerationMixin`, or an option has
@@ -130,6 +137,7 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
         layers: Sequence[int] | None = None,
         heads: Sequence[int] | None = None,
         newest_position_only: bool = False,
+        encodings: dict[str, str] | None = None,
     ) -> None:
         if not isinstance(model, GenerationMixin) or not callable(getattr(model, "generate", None)):
             raise TypeError(
@@ -155,6 +163,7 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
             if shard_bytes < 1:
                 raise ValueError(f"`shard_bytes` must be at least 1 (byte), got {shard_bytes}.")
         self._selection = _layers.selection(model, tuple(streams), layers, heads, newest_position_only)
+        self._encodings = _encodings.check(encodings, tuple(streams), _model_info(model)["vocab_size"])
         if "attentions" in streams:
             _layers.require_eager(model)
         self._spill: Spill | None = None
@@ -264,6 +273,7 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
                 attention_mask=attention_mask,
                 threaded=_on_cuda(self._model),
                 layer_tap=_layers.LayerTap(kinds, self._selection, self._streams, self._model) if kinds else None,
+                encodings=self._encodings,
             )
             return self._active
 

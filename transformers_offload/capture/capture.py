@@ -21,6 +21,7 @@ import torch
 from .. import _compat, _interrupts
 from ..store import format as _format
 from ..store.stored import StoredGeneration
+from . import encodings as _encodings
 from . import layers as _layers
 from .modes import check_mode
 from .stats import StepStats
@@ -37,8 +38,9 @@ class Capture:
 
     def __init__(self, *, streams: tuple[str, ...], ring_slots: int, assistant_model: Any,
                  open_store: OpenStore, index: int, attention_mask: Any = None, threaded: bool = False,
-                 layer_tap: _layers.LayerTap | None = None) -> None:
+                 layer_tap: _layers.LayerTap | None = None, encodings: dict[str, str] | None = None) -> None:
         self.streams = streams
+        self.encodings = dict(encodings or {})  # logits/scores not recorded dense (`encodings`)
         self.layer_tap = layer_tap  # attentions and hidden states, when the recorder records them
         self._layer_names: list[str] = []  # per-step layer streams, known from the first forward
         self._layers_fired = 0  # selected layers the module hooks put in the current forward
@@ -96,6 +98,7 @@ class Capture:
         self.attention_mask = None
         self.header.update(
             layers=None,  # filled at the first forward, when attentions or hidden states are recorded
+            encodings=dict(self.encodings),
             mode=mode,
             prompt_length=self.prompt_length,
             prompt_lengths=None if mask is None else tuple(int(n) for n in mask.sum(-1).tolist()),
@@ -229,7 +232,7 @@ class Capture:
                 raw = self._take_forward_logits()
                 self.num_rows = raw.shape[0]
                 if "logits" in self.streams:
-                    self.ring.put(self._step, "logits", raw)
+                    self._put_full(self._step, "logits", raw)
                 if self._stats is not None:
                     self._stats.raw(self._step, raw)
                 # out.scores of a step: every group's processed scores, in the model's dtype.
@@ -244,7 +247,7 @@ class Capture:
             if "logits" in self.streams or self._stats is not None:
                 raw = self._take_forward_logits()
                 if "logits" in self.streams:
-                    self.ring.put(step, "logits", raw)
+                    self._put_full(step, "logits", raw)
                 if self._stats is not None:
                     self._stats.raw(step, raw)
             self._put_running_beams_finished(step, input_ids.shape[0])
@@ -262,7 +265,7 @@ class Capture:
                 # DoLa hands the processors its contrast of layers; `out.logits` is the final layer's.
                 scores = self._take_forward_logits()
             if "logits" in self.streams:
-                self.ring.put(self._step, "logits", scores)
+                self._put_full(self._step, "logits", scores)
             if self._stats is not None:
                 self._stats.raw(self._step, scores)
         self.ring.put(self._step, "finished", self._finished)
@@ -272,6 +275,12 @@ class Capture:
         if self._no_beam_finished is None:
             self._no_beam_finished = torch.zeros(rows, dtype=torch.bool)
         self.ring.put(step, "finished", self._no_beam_finished)
+
+    def _put_full(self, step: int, name: str, tensor: torch.Tensor) -> None:
+        """Put a `(rows, vocab)` stream (`logits`, `scores`) into the ring, encoded on its device first
+        where the Recorder's `encodings` say so."""
+        encoding = self.encodings.get(name)
+        self.ring.put(step, name, tensor if encoding is None else _encodings.encode(encoding, tensor))
 
     def _take_forward_logits(self) -> torch.Tensor:
         parts, self._forward_logits = self._forward_logits, []
@@ -291,7 +300,7 @@ class Capture:
             beams = self._group_scores.view(-1, self.num_beams, self._group_scores.shape[-1])
             beams[:, start:end] = scores.view(beams.shape[0], end - start, -1)
             if end == self.num_beams and "scores" in self.streams:
-                self.ring.put(self._step, "scores", self._group_scores)
+                self._put_full(self._step, "scores", self._group_scores)
             if end == self.num_beams and self._stats is not None:
                 self._stats.processed(self._step, self._group_scores)
             return
@@ -300,7 +309,7 @@ class Capture:
         # 4.36-4.44 assisted decoding runs the warpers after all positions went through the processors.
         step = self._step if self.is_beam else input_ids.shape[-1] - self.prompt_length
         if "scores" in self.streams:
-            self.ring.put(step, "scores", scores)
+            self._put_full(step, "scores", scores)
         if self._stats is not None:
             self._stats.processed(step, scores)
 

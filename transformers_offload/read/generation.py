@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..store.format import BEAM_MODES, STATS_STREAM, stats_columns
+from ..store.format import BEAM_MODES, ENCODED_STREAMS, STATS_STREAM, stats_columns, topk_columns, topk_width
 from ..store.stored import StepSource, StoredGeneration, TransferStats
 from .indexing import Rows, Steps, as_framework, check_framework, row_index, step_range
 from .layer_reading import LayerReading, ReadableLayers
@@ -58,6 +58,8 @@ class Generation(LayerReading):
             of each output in the model), `heads` (per attention output, the kept heads; None: all) and
             `newest_position_only`; else None.
             `layer_indices` lists the recorded layers.
+        encodings (`dict[str, str]`): the streams not recorded dense, with their encoding (`{"scores":
+            "topk:20"}`); empty when every stream is dense.
     """
 
     index: int
@@ -76,6 +78,7 @@ class Generation(LayerReading):
     stats: TransferStats | None = field(repr=False)
     layers: dict[str, Any] | None = field(repr=False)
     _source: StepSource = field(repr=False)
+    encodings: dict[str, str] = field(default_factory=dict, repr=False)
 
     @property
     def streams(self) -> tuple[str, ...]:
@@ -96,6 +99,8 @@ class Generation(LayerReading):
 
         Raises:
             KeyError: the recorder was created without the `"logits"` stream.
+            ValueError: the logits were recorded as top-k (`encodings={"logits": "topk:K"}`): read them
+                with `topk("logits")`.
             IndexError: `steps` or `rows` is out of range.
             ValueError: `framework` is not `"pt"` or `"np"`.
             TypeError: `framework="np"` for bfloat16 values (NumPy has no bfloat16).
@@ -104,7 +109,7 @@ class Generation(LayerReading):
             >>> gen.logits(steps=slice(0, 2), rows=[0])[0].shape  # doctest: +SKIP
             torch.Size([1, 49152])
         """
-        return self._get("logits", steps, rows, framework)
+        return self._get_full("logits", steps, rows, framework)
 
     def scores(self, *, steps: Steps = None, rows: Rows = None, framework: str = "pt") -> tuple[Any, ...]:
         """Processed scores per step, after every processor and warper (`LogitNormalization` included).
@@ -116,9 +121,39 @@ class Generation(LayerReading):
 
         Raises:
             KeyError: the recorder was created without the `"scores"` stream.
+            ValueError: the scores were recorded as top-k: read them with `topk("scores")`.
             IndexError, ValueError, TypeError: as in `logits()`.
         """
-        return self._get("scores", steps, rows, framework)
+        return self._get_full("scores", steps, rows, framework)
+
+    def topk(self, stream: str = "scores", *, steps: Steps = None, rows: Rows = None,
+             framework: str = "pt") -> tuple[dict[str, Any], ...]:
+        """The top-k record of `stream` (`"logits"` or `"scores"`) per step, where the Recorder's
+        `encodings` asked for `"topk:K"`.
+
+        A tuple with one dict per selected step (on CPU, fewer rows with `rows=`): `values` float32
+        `(num_rows, K)`, the K largest entries of `out.logits[t]` / `out.scores[t]` in decreasing order,
+        and `indices` int64 `(num_rows, K)`, their token ids (`torch.topk(x, K, dim=-1)`, ties as torch
+        breaks them); `logsumexp` float32 `(num_rows,)` over the whole vocabulary
+        (`torch.logsumexp(x, -1)`); `mass_outside` float32 `(num_rows,)`, the probability outside the K
+        (`exp(logsumexp of the rest - logsumexp)`); and `logprobs` float32 `(num_rows, K)`,
+        `values - logsumexp[:, None]`. Each equals its expression on the device the step ran on.
+
+        Raises:
+            ValueError: `stream` is not `"logits"` or `"scores"`, or was recorded dense (read it with
+                `logits()` / `scores()`).
+            KeyError: the recording has no such stream.
+        """
+        if stream not in ENCODED_STREAMS:
+            raise ValueError(f"`stream` must be one of {ENCODED_STREAMS}, got {stream!r}.")
+        k = topk_width(self.encodings.get(stream, ""))
+        if k is None and stream in self.streams:
+            raise ValueError(f"{stream!r} was recorded dense, not as top-k: read it with `{stream}()`.")
+        records = self._get(stream, steps, rows, "pt")
+        return tuple(
+            {name: as_framework(value, name, framework) for name, value in topk_columns(record, k).items()}
+            for record in records
+        )
 
     def tokens(self, *, steps: Steps = None, rows: Rows = None, framework: str = "pt") -> tuple[Any, ...]:
         """The token chosen at each step, per row: a tuple of int64 tensors `(num_rows,)`.
@@ -220,6 +255,15 @@ class Generation(LayerReading):
         index = row_index(rows, value.shape[0])
         return as_framework(value if index is None else value[index], name, framework)
 
+    def _get_full(self, name: str, steps: Steps, rows: Rows, framework: str) -> tuple[Any, ...]:
+        encoding = self.encodings.get(name)
+        if encoding is not None:
+            raise ValueError(
+                f"{name!r} was recorded as {encoding!r} (the Recorder's `encodings`), which keeps only part of "
+                f"each step: read it with `topk({name!r})`."
+            )
+        return self._get(name, steps, rows, framework)
+
     def _get(self, name: str, steps: Steps, rows: Rows, framework: str) -> tuple[Any, ...]:
         check_framework(framework)
         if name not in self.streams and self.num_steps == 0 and name in _STEP_STREAMS:
@@ -258,6 +302,11 @@ class Readable(ReadableLayers):
                framework: str = "pt") -> tuple[Any, ...]:
         """Chosen token per row and step; see `Generation.tokens`."""
         return self.generation(generation).tokens(steps=steps, rows=rows, framework=framework)
+
+    def topk(self, stream: str = "scores", generation: int = -1, *, steps: Steps = None, rows: Rows = None,
+             framework: str = "pt") -> tuple[dict[str, Any], ...]:
+        """The top-k record of `stream` per step of one generation; see `Generation.topk`."""
+        return self.generation(generation).topk(stream, steps=steps, rows=rows, framework=framework)
 
     def stats(self, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
               framework: str = "pt") -> tuple[dict[str, Any], ...]:

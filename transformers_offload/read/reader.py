@@ -99,7 +99,9 @@ class Recording(Readable):
         its state, sizes and streams.
 
         Each stream gives its `dtype`, `encoding`, per-step `shape` and `bytes` (of the readable
-        steps); each generation its `file_bytes` on disk (shards and sequences).
+        steps), and an encoded one (`"topk:K"`) also `dense_bytes`, what the same steps would take as
+        float32 `(rows, vocab_size)` tensors; each generation its `file_bytes` on disk (shards and
+        sequences).
         """
         generations = []
         for generation, entry in zip(self._generations, self._entries):
@@ -119,6 +121,10 @@ class Recording(Readable):
                     "shape": stream["shape"],
                     "bytes": elements * itemsize,
                 }
+                vocab = self.model.get("vocab_size")
+                if _format.topk_width(stream["encoding"]) is not None and isinstance(vocab, int):
+                    # What the same steps take dense, in float32 (`out.logits`' dtype from 4.45).
+                    streams[name]["dense_bytes"] = generation.num_steps * stream["shape"][0] * vocab * 4
             files = _manifest.files_of(entry)
             generations.append(
                 {

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import operator
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -154,6 +155,33 @@ def stats_columns(record: torch.Tensor) -> dict[str, torch.Tensor]:
     return {
         name: record[..., i].to(torch.int64 if name in STATS_INTEGER_COLUMNS else torch.float32)
         for i, name in enumerate(STATS_COLUMNS)
+    }
+
+
+# -- top-k encoding of logits or scores (`encodings={"scores": "topk:K"}`): one `(rows, 2K + 2)` --------
+# float64 record per step: K values, their K indices, the row's logsumexp, the mass outside the K.
+ENCODED_STREAMS = ("logits", "scores")
+TOPK_ENCODING = re.compile(r"topk:([1-9][0-9]{0,8})")
+
+
+def topk_width(encoding: str) -> int | None:
+    """K of a `"topk:K"` encoding name, else None."""
+    found = TOPK_ENCODING.fullmatch(encoding)
+    return int(found.group(1)) if found else None
+
+
+def topk_columns(record: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
+    """A stored `(rows, 2K + 2)` float64 top-k record as tensors: `values` float32 `(rows, K)`, `indices`
+    int64 `(rows, K)`, `logsumexp` and `mass_outside` float32 `(rows,)` (exact: float64 holds them), and
+    `logprobs`, float32 `(rows, K)`: `values - logsumexp[:, None]`."""
+    values = record[..., :k].to(torch.float32)
+    logsumexp = record[..., 2 * k].to(torch.float32)
+    return {
+        "values": values,
+        "indices": record[..., k : 2 * k].to(torch.int64),
+        "logsumexp": logsumexp,
+        "mass_outside": record[..., 2 * k + 1].to(torch.float32),
+        "logprobs": values - logsumexp[..., None],
     }
 
 

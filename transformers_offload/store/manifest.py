@@ -15,6 +15,7 @@ from typing import Any
 from .format import (
     ATTENTION_KINDS,
     BEAM_MODES,
+    ENCODED_STREAMS,
     ENCODER_KINDS,
     ENCODINGS,
     FORMAT,
@@ -28,6 +29,7 @@ from .format import (
     RecordingError,
     dtype_of,
     split_layer_stream,
+    topk_width,
 )
 
 PER_ROW_STREAMS = ("tokens", "finished", "beam_parents")  # shape (rows,)
@@ -274,11 +276,19 @@ def _check_stream(name: str, stream: Any, path: Path, where: str) -> None:
     _field(stream, "encoding", str, path, f"{where}, stream {name!r}")
     if dtype_of(stream["dtype"]) is None:
         raise RecordingError(path, f"{where}: stream {name!r} has unknown dtype {stream['dtype']!r}.")
-    if stream["encoding"] not in ENCODINGS:
+    k = topk_width(stream["encoding"])
+    if k is not None:
+        if name not in ENCODED_STREAMS or stream["dtype"] != "float64" or not (
+                isinstance(stream["shape"], list) and len(stream["shape"]) == 2 and stream["shape"][1] == 2 * k + 2):
+            raise RecordingError(
+                path, f"{where}: stream {name!r} uses {stream['encoding']!r}, which stores float64 of per-step shape "
+                f"[rows, {2 * k + 2}] for {ENCODED_STREAMS} only; got {stream['dtype']} {stream['shape']!r}.",
+            )
+    elif stream["encoding"] not in ENCODINGS:
         raise RecordingError(
             path,
             f"{where}: stream {name!r} uses encoding {stream['encoding']!r}, which this "
-            f"transformers-offload cannot read (it reads {ENCODINGS}); upgrade transformers-offload.",
+            f"transformers-offload cannot read (it reads {ENCODINGS} and \"topk:K\"); upgrade transformers-offload.",
         )
     ragged = stream["encoding"] == "ragged"
     shape = stream["shape"]

@@ -260,6 +260,8 @@ def stored_generation(root: Path, entry: dict[str, Any], *, stats: TransferStats
         generation_config=dict(entry["generation_config"]),
         stats=stats,
         layers=entry.get("layers"),
+        encodings={name: stream["encoding"] for name, stream in entry["streams"].items()
+                   if stream["encoding"] not in ("dense", "ragged")},
     )
     return StoredGeneration(fields, source)
 

@@ -121,7 +121,7 @@ class Spill:
                 "this generate() call was run. Check that the directory still exists and has space.",
             ) from error
         self.manifest["generations"].append(entry)
-        return ShardStore(self, entry, names, max_steps)
+        return ShardStore(self, entry, names, max_steps, encodings=header.get("encodings") or {})
 
 
 @dataclass
@@ -134,11 +134,13 @@ class _Counters:
 class ShardStore:
     """Packs one generation's drained steps into shards and writes them on a background thread."""
 
-    def __init__(self, spill: Spill, entry: dict[str, Any], names: list[str], max_steps: int) -> None:
+    def __init__(self, spill: Spill, entry: dict[str, Any], names: list[str], max_steps: int, *,
+                 encodings: dict[str, str]) -> None:
         self._spill = spill
         self._max_steps = max_steps
         self._entry = entry
         self._names = list(names)
+        self._encodings = dict(encodings)  # stream -> its encoding, where not dense
         self._ragged: set[str] = set()  # per-layer streams (attentions, hidden states)
         self._once: set[str] = set()  # the encoder's outputs, at step 0 only
         self._size_hints: dict[str, int] = {}  # ragged streams: elements per shard, estimated
@@ -353,7 +355,7 @@ class ShardStore:
                 stream: {
                     "dtype": _format.dtype_name(tensors[stream].dtype),
                     "shape": list(tensors[stream].shape[1:]),
-                    "encoding": "dense",
+                    "encoding": self._encodings.get(stream, "dense"),
                 }
                 for stream in self._names
                 if stream not in self._ragged

@@ -1,6 +1,7 @@
-"""What per-token statistics cost, against stock generate() and against recording the full tensors.
+"""What compact recordings cost (per-token statistics, top-k), against stock generate() and against
+recording the full tensors.
 
-    .venv/bin/python bench/stats_cost.py [--batch 4] [--new-tokens 64] [--repeats 3] [--out bench/results]
+    .venv/bin/python bench/compact_cost.py [--batch 4] [--new-tokens 64] [--repeats 3] [--out bench/results]
 
 SmolLM2-135M-Instruct (CPU, float32; vocabulary 49,152), `--batch` chat prompts, sampling with
 temperature 0.7 and top_p 0.9, `--new-tokens` steps (`min_new_tokens` too, so every case runs the same
@@ -10,9 +11,12 @@ call, in memory:
 - stock generate() (the baseline);
 - the Recorder with `streams=("logits", "scores")` (the default: the full tensors);
 - the Recorder with `streams=("stats",)` (72 bytes per row and step);
-- the Recorder with `streams=("logits", "scores", "stats")`.
+- the Recorder with `streams=("logits", "scores", "stats")`;
+- the Recorder with `encodings={"logits": "topk:20", "scores": "topk:20"}` (336 bytes per row, step
+  and stream);
+- the Recorder with `streams=("scores", "stats")` and `encodings={"scores": "topk:20"}`.
 
-Reports each case's time over the baseline and the bytes it recorded, and writes `stats_cost.json`
+Reports each case's time over the baseline and the bytes it recorded, and writes `compact_cost.json`
 under `--out`.
 """
 
@@ -35,11 +39,13 @@ from _common import RESULTS, machine, print_table, write_json  # noqa: E402
 from transformers_offload import Recorder  # noqa: E402
 from transformers_offload.demo_model import load  # noqa: E402
 
-CASES = {
+CASES = {  # name: (streams, encodings), or None for stock generate()
     "stock generate": None,
-    "Recorder: logits, scores": ("logits", "scores"),
-    "Recorder: stats": ("stats",),
-    "Recorder: logits, scores, stats": ("logits", "scores", "stats"),
+    "Recorder: logits, scores": (("logits", "scores"), None),
+    "Recorder: stats": (("stats",), None),
+    "Recorder: logits, scores, stats": (("logits", "scores", "stats"), None),
+    "Recorder: logits, scores as topk:20": (("logits", "scores"), {"logits": "topk:20", "scores": "topk:20"}),
+    "Recorder: scores as topk:20, stats": (("scores", "stats"), {"scores": "topk:20"}),
 }
 PROMPTS = [
     "Write a haiku about the sea.",
@@ -74,13 +80,14 @@ def main() -> None:
     options = dict(do_sample=True, temperature=0.7, top_p=0.9, max_new_tokens=args.new_tokens,
                    min_new_tokens=args.new_tokens, pad_token_id=tokenizer.pad_token_id)
 
-    def run(streams):
+    def run(case):
         torch.manual_seed(0)
-        if streams is None:
+        if case is None:
             start = time.perf_counter()
             model.generate(**batch, **options)
             return time.perf_counter() - start, 0
-        with Recorder(model, streams=streams) as rec:
+        streams, encodings = case
+        with Recorder(model, streams=streams, encodings=encodings) as rec:
             start = time.perf_counter()
             model.generate(**batch, logits_processor=[rec], **options)
             seconds = time.perf_counter() - start
@@ -90,8 +97,8 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in CASES}
     sizes: dict[str, int] = {}
     for _ in range(args.repeats):
-        for name, streams in CASES.items():
-            seconds, size = run(streams)
+        for name, case in CASES.items():
+            seconds, size = run(case)
             times[name].append(seconds)
             sizes[name] = size
     base = statistics.median(times["stock generate"])
@@ -105,7 +112,7 @@ def main() -> None:
         record["cases"][name] = {"seconds": times[name], "median_s": median, "ratio": median / base,
                                  "bytes": sizes[name], "bytes_per_row_and_step": per_row_step}
     print_table(["case", "s (median)", "/ stock", "bytes recorded", "per row and step"], rows)
-    write_json(args.out / "stats_cost.json", record)
+    write_json(args.out / "compact_cost.json", record)
 
 
 if __name__ == "__main__":

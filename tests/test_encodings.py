@@ -1,0 +1,154 @@
+"""Encodings of logits and scores (`Recorder(..., encodings=...)`): `"topk:K"` keeps per row the K
+largest values, their indices, the logsumexp and the mass outside them, each equal (`torch.equal`) to
+its documented expression of Hugging Face's `out.logits[t]` / `out.scores[t]`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from transformers_offload import Recorder, open_recording
+
+from .conftest import left_padded_batch, make_tiny
+from .helpers import TRANSFORMERS
+from .test_exactness import CASES, NEW_TOKENS, READERS, SEED, SMALL_SHARD_BYTES, _resolve_eos, hf_reference, missing_options
+from .test_stats import OTHER_MODES
+
+ENCODINGS = {"logits": "topk:5", "scores": "topk:7"}
+KEYS = ("values", "indices", "logsumexp", "mass_outside", "logprobs")
+
+
+def expected_topk(x: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
+    """The documented expressions, on one step's `(rows, vocab)` tensor."""
+    values, indices = torch.topk(x, k, dim=-1)
+    logsumexp = torch.logsumexp(x, -1)
+    mass_outside = torch.exp(torch.logsumexp(x.scatter(-1, indices, float("-inf")), -1) - logsumexp)
+    return {
+        "values": values.float(), "indices": indices, "logsumexp": logsumexp.float(),
+        "mass_outside": mass_outside.float(), "logprobs": values.float() - logsumexp.float()[:, None],
+    }
+
+
+def assert_topk_equal(recorded: tuple, reference: tuple, k: int) -> None:
+    assert len(recorded) == len(reference) > 0
+    for t, (step, dense) in enumerate(zip(recorded, reference)):
+        assert tuple(step) == KEYS
+        expected = expected_topk(dense, k)
+        for name in KEYS:
+            mine, theirs = step[name], expected[name].cpu()
+            assert mine.dtype == theirs.dtype and mine.shape == theirs.shape, (t, name)
+            assert torch.equal(mine.isnan(), theirs.isnan()), (t, name)
+            assert torch.equal(mine.nan_to_num(0.0, posinf=1e30, neginf=-1e30), theirs.nan_to_num(0.0, posinf=1e30, neginf=-1e30)), \
+                f"step {t}: {name} differs"
+
+
+@pytest.mark.parametrize("reader", READERS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_topk_equals_its_expressions_on_hugging_face_outputs(gpt2, case, reader, tmp_path):
+    batch = left_padded_batch()
+    kwargs, _ = _resolve_eos(gpt2, batch, CASES[case])
+    if missing_options(kwargs):
+        pytest.skip(f"transformers {TRANSFORMERS} has no {missing_options(kwargs)}")
+    torch.manual_seed(SEED)
+    reference = hf_reference(gpt2, **batch, max_new_tokens=NEW_TOKENS, **kwargs)
+    spill = reader != "memory"
+    options = {"spill_dir": tmp_path / "run", "shard_bytes": SMALL_SHARD_BYTES} if spill else {}
+    with Recorder(gpt2, encodings=ENCODINGS, **options) as rec:
+        torch.manual_seed(SEED)
+        sequences = gpt2.generate(**batch, logits_processor=[rec], max_new_tokens=NEW_TOKENS, **kwargs)
+    assert torch.equal(sequences, reference.sequences), "the recorder changed the generated tokens"
+    if reader == "open_recording":
+        rec = open_recording(tmp_path / "run")
+    assert rec.generation().encodings == ENCODINGS
+    assert_topk_equal(rec.topk("logits"), reference.logits, 5)
+    assert_topk_equal(rec.topk("scores"), reference.scores, 7)
+
+
+@pytest.mark.filterwarnings("ignore:`num_hidden_layers` is deprecated:FutureWarning")
+@pytest.mark.parametrize("case", sorted(OTHER_MODES))
+def test_topk_in_every_other_mode(case, tmp_path):
+    """Against a dense recording of the same call (whose equality with Hugging Face the modes' own
+    tests show)."""
+    from transformers_offload import UnsupportedModeError
+
+    from .test_assisted import _source
+
+    name, prompt, kwargs, source = OTHER_MODES[case]
+    if missing_options(kwargs):
+        pytest.skip(f"transformers {TRANSFORMERS} has no {missing_options(kwargs)}")
+    model = make_tiny(name)
+    if source is not None:
+        extra = _source(source)
+        if missing_options(extra):
+            pytest.skip(f"transformers {TRANSFORMERS} has no {missing_options(extra)}")
+        kwargs = dict(kwargs, **extra)
+    batch = prompt if prompt is not None else left_padded_batch()
+    recordings = []
+    for encodings in (None, ENCODINGS):
+        with Recorder(model, encodings=encodings, spill_dir=tmp_path / str(len(recordings)), shard_bytes=3_000) as rec:
+            torch.manual_seed(0)
+            try:
+                model.generate(**batch, logits_processor=[rec], **kwargs)
+            except UnsupportedModeError:
+                pytest.skip(f"transformers {TRANSFORMERS} does not run {case} in the library")
+        recordings.append(open_recording(tmp_path / str(len(recordings))).generation())
+    dense, top = recordings
+    assert torch.equal(top.sequences, dense.sequences)
+    assert_topk_equal(top.topk("logits"), dense.logits(), 5)
+    assert_topk_equal(top.topk("scores"), dense.scores(), 7)
+
+
+def test_a_topk_recording_is_small_and_says_its_encoding(gpt2, tmp_path):
+    with Recorder(gpt2, streams=("scores",), encodings={"scores": "topk:3"}, spill_dir=tmp_path / "run") as rec:
+        gpt2.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=6, min_new_tokens=6)
+    entry = json.loads((tmp_path / "run" / "manifest.json").read_text())["generations"][0]
+    assert entry["streams"]["scores"] == {"dtype": "float64", "shape": [3, 8], "encoding": "topk:3"}
+    described = open_recording(tmp_path / "run").describe()["generations"][0]["streams"]["scores"]
+    assert described["encoding"] == "topk:3" and described["bytes"] == 6 * 3 * 8 * 8
+
+
+def test_full_accessors_point_to_topk(gpt2, tmp_path):
+    with Recorder(gpt2, encodings={"scores": "topk:3"}, spill_dir=tmp_path / "run") as rec:
+        gpt2.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=4)
+    for source in (rec, open_recording(tmp_path / "run")):
+        with pytest.raises(ValueError, match=r"'scores' was recorded as 'topk:3'.*topk\('scores'\)"):
+            source.scores()
+        with pytest.raises(ValueError, match=r"recorded dense.*logits\(\)"):
+            source.topk("logits")
+        assert len(source.logits()) == 4 and len(source.topk()) == 4
+        part = source.topk(steps=slice(1, 3), rows=[2, 0], framework="np")
+        assert len(part) == 2 and part[0]["values"].shape == (2, 3) and part[0]["indices"].dtype.name == "int64"
+    with pytest.raises(ValueError, match="must be one of"):
+        rec.topk("tokens")
+
+
+@pytest.mark.parametrize(
+    "encodings, error, match",
+    [
+        ("topk:3", TypeError, "must be a dict"),
+        ({"scores": 3}, TypeError, "must be a dict"),
+        ({"tokens": "topk:3"}, ValueError, "only \\('logits', 'scores'\\) can be encoded"),
+        ({"attentions": "topk:3"}, ValueError, "only"),
+        ({"scores": "sparse"}, ValueError, "knows \"dense\" and \"topk:K\".*not available yet"),
+        ({"scores": "topk:0"}, ValueError, "topk:K"),
+        ({"scores": "topk:-2"}, ValueError, "topk:K"),
+        ({"scores": "top-k:3"}, ValueError, "topk:K"),
+        ({"scores": "topk:999999"}, ValueError, "vocabulary of 128"),
+    ],
+)
+def test_bad_encodings_are_refused_before_generation(gpt2, encodings, error, match):
+    with pytest.raises(error, match=match):
+        Recorder(gpt2, encodings=encodings)
+
+
+def test_an_encoding_of_a_stream_not_recorded_is_refused(gpt2):
+    with pytest.raises(ValueError, match="does not record: add it to `streams`"):
+        Recorder(gpt2, streams=("logits",), encodings={"scores": "topk:3"})
+
+
+def test_dense_is_the_default_and_can_be_named(gpt2):
+    with Recorder(gpt2, encodings={"scores": "dense"}) as rec:
+        gpt2.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=2)
+    assert rec.generation().encodings == {} and len(rec.scores()) == 2
