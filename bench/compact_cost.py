@@ -1,4 +1,4 @@
-"""What compact recordings cost (per-token statistics, top-k), against stock generate() and against
+"""What compact recordings cost (per-token statistics, sparse scores, top-k), against stock generate() and against
 recording the full tensors.
 
     .venv/bin/python bench/compact_cost.py [--batch 4] [--new-tokens 64] [--repeats 3] [--out bench/results]
@@ -12,6 +12,7 @@ call, in memory:
 - the Recorder with `streams=("logits", "scores")` (the default: the full tensors);
 - the Recorder with `streams=("stats",)` (72 bytes per row and step);
 - the Recorder with `streams=("logits", "scores", "stats")`;
+- the Recorder with `encodings={"scores": "sparse"}` (lossless), with and without the logits;
 - the Recorder with `encodings={"logits": "topk:20", "scores": "topk:20"}` (336 bytes per row, step
   and stream);
 - the Recorder with `streams=("scores", "stats")` and `encodings={"scores": "topk:20"}`.
@@ -44,6 +45,8 @@ CASES = {  # name: (streams, encodings), or None for stock generate()
     "Recorder: logits, scores": (("logits", "scores"), None),
     "Recorder: stats": (("stats",), None),
     "Recorder: logits, scores, stats": (("logits", "scores", "stats"), None),
+    "Recorder: logits, scores as sparse": (("logits", "scores"), {"scores": "sparse"}),
+    "Recorder: scores as sparse": (("scores",), {"scores": "sparse"}),
     "Recorder: logits, scores as topk:20": (("logits", "scores"), {"logits": "topk:20", "scores": "topk:20"}),
     "Recorder: scores as topk:20, stats": (("scores", "stats"), {"scores": "topk:20"}),
 }

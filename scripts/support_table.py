@@ -50,6 +50,7 @@ ROWS = [
     ("attentions, hidden states", "exact", r"test_decoder_only_attentions_and_hidden_states_equal_hugging_face"),
     ("encoder-decoder attentions, hidden states", "exact", r"test_encoder_decoder_outputs_equal_hugging_face"),
     ("per-token stats, in every mode recorded exactly", "exact", r"test_stats_(equal_their|in_every_other_mode)"),
+    ("sparse encoding (lossless), in every mode recorded exactly", "exact", r"test_sparse_(equals_hugging|in_every_other_mode)"),
     ("top-k encoding (`topk:K`), in every mode recorded exactly", "exact", r"test_topk_(equals_its|in_every_other_mode)"),
     ("layers taken from module hooks: Llama", "module hooks", r"test_selected_layers_come_from_their_modules\w*\[llama"),
     ("layers taken from module hooks: GPT-2", "module hooks", r"test_selected_layers_come_from_their_modules\w*\[gpt2"),

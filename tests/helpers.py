@@ -143,11 +143,31 @@ def made_up_topk(step: int, rows: int, k: int = 2) -> torch.Tensor:
     return torch.cat([values, indices, values[:, :1] + 0.25, torch.full((rows, 1), 0.125)], dim=-1)
 
 
+def made_up_sparse_scores(step: int, rows: int, vocab: int) -> torch.Tensor:
+    """`made_up_step`'s scores with row 0 cut to one entry (token `step % vocab`) and the others whole."""
+    scores = made_up_step(step, rows, vocab)["scores"].clone()
+    keep = scores[0, step % vocab].clone()
+    scores[0] = float("-inf")
+    scores[0, step % vocab] = keep
+    return scores
+
+
+def made_up_sparse_record(step: int, rows: int, vocab: int) -> torch.Tensor:
+    """`made_up_sparse_scores` as the `"sparse"` encoding stores it (one flat int32 record)."""
+    from transformers_offload.capture.encodings import Sparse
+
+    scores = made_up_sparse_scores(step, rows, vocab)
+    encoder = Sparse()
+    return encoder.on_host(encoder.on_device(scores), vocab=vocab, dtype=scores.dtype,
+                           fetch=lambda picked: scores.index_select(0, picked))
+
+
 def write_made_up_recording(root, *, steps: int, rows: int, vocab: int, shard_bytes: int, complete: bool = True,
-                            layers: bool = False, stats: bool = False, topk: bool = False):
+                            layers: bool = False, stats: bool = False, topk: bool = False, sparse: bool = False):
     """Drive the shard store directly (no model): the layer below `generate()`. Returns what the store
     hands back (`StoredGeneration`). With `layers`, the steps also carry `made_up_layers`; with `stats`,
-    a `made_up_stats` record; with `topk`, the scores are a `made_up_topk` record (`"topk:2"`)."""
+    a `made_up_stats` record; with `topk`, the scores are a `made_up_topk` record (`"topk:2"`); with
+    `sparse`, a `made_up_sparse_record` (`"sparse"`)."""
     from transformers_offload.store.shards import Spill
 
     spill = Spill(root, shard_bytes=shard_bytes, model_info=FIXED_MODEL, created_by=FIXED_CREATED_BY)
@@ -158,6 +178,8 @@ def write_made_up_recording(root, *, steps: int, rows: int, vocab: int, shard_by
     names = ["logits", "scores", "tokens", "finished"] + ["stats"] * stats
     if topk:
         header["encodings"] = {"scores": "topk:2"}
+    if sparse:
+        header["encodings"] = {"scores": "sparse"}
     store = spill.open_store(names, header, max_steps=steps)
     if layers:
         store.add_streams(["attentions.1", "hidden_states.2"], ["encoder_hidden_states.0"], MADE_UP_LAYERS)
@@ -167,6 +189,8 @@ def write_made_up_recording(root, *, steps: int, rows: int, vocab: int, shard_by
             tensors["stats"] = made_up_stats(step, rows, vocab)
         if topk:
             tensors["scores"] = made_up_topk(step, rows)
+        if sparse:
+            tensors["scores"] = made_up_sparse_record(step, rows, vocab)
         store.drain(step, tensors)
     sequences = torch.arange(rows * (2 + steps)).reshape(rows, 2 + steps) % vocab if complete else None
     error = None if complete else KeyboardInterrupt()

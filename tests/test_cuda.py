@@ -328,14 +328,44 @@ def test_topk_on_cuda_equals_its_expressions_on_the_device(kwargs, store, dtype,
     assert_topk_equal(rec.topk("scores"), reference.scores, 7)
 
 
-@pytest.mark.parametrize("kwargs", [dict(), dict(num_beams=3)])
-def test_topk_makes_no_synchronising_call_in_the_step_path(kwargs, tmp_path, monkeypatch):
+@pytest.mark.parametrize("capacity", [256, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("store", ["memory", "spill"])
+@pytest.mark.parametrize("kwargs", [dict(), dict(do_sample=True, top_k=20), dict(do_sample=True, top_p=0.5),
+                                    dict(num_beams=3)])
+def test_sparse_on_cuda_equals_hugging_face(kwargs, store, dtype, capacity, tmp_path, monkeypatch):
+    """The device part on the side stream, the host part in the drainer; with room for 3 entries per
+    row, rows over it are fetched whole from the staging copy."""
+    from transformers_offload.capture import encodings as _encodings
+
+    monkeypatch.setattr(_encodings, "SPARSE_CAPACITY", capacity)
+    model = make_tiny("llama").to("cuda", dtype)
+    batch = {k: v.to("cuda") for k, v in left_padded_batch().items()}
+    torch.manual_seed(0)
+    reference = model.generate(
+        **batch, max_new_tokens=16, return_dict_in_generate=True, output_scores=True, output_logits=True, **kwargs
+    )
+    options = {"spill_dir": tmp_path / "run", "shard_bytes": 20_000} if store == "spill" else {}
+    with Recorder(model, encodings={"logits": "sparse", "scores": "sparse"}, **options) as rec:
+        torch.manual_seed(0)
+        sequences = model.generate(**batch, logits_processor=[rec], max_new_tokens=16, **kwargs)
+    if store == "spill":
+        rec = open_recording(tmp_path / "run")
+    assert torch.equal(sequences, reference.sequences)
+    assert_steps_equal(rec.logits(), reference.logits, "logits")
+    assert_steps_equal(rec.scores(), reference.scores, "scores")
+
+
+@pytest.mark.parametrize("encoding", ["sparse", "topk:5"])
+@pytest.mark.parametrize("kwargs", [dict(do_sample=True, top_k=20), dict(num_beams=3)])
+def test_encodings_make_no_synchronising_call_in_the_step_path(kwargs, encoding, tmp_path, monkeypatch):
     for name in ("on_forward", "on_raw", "on_processed", "on_stopping"):
         monkeypatch.setattr(_capture.Capture, name, _strict(getattr(_capture.Capture, name)))
     monkeypatch.setattr(_transfer.HostRing, "put", _strict(_transfer.HostRing.put))
     model = make_tiny("llama").to("cuda")
     batch = {k: v.to("cuda") for k, v in left_padded_batch().items()}
-    with Recorder(model, encodings={"logits": "topk:5", "scores": "topk:7"}, spill_dir=tmp_path / "run",
+    with Recorder(model, encodings={"logits": encoding, "scores": encoding}, spill_dir=tmp_path / "run",
                   shard_bytes=20_000) as rec:
         model.generate(**batch, logits_processor=[rec], max_new_tokens=24, min_new_tokens=24, **kwargs)
-    assert rec.generation().num_steps == 24 and len(rec.topk("scores")) == 24
+    assert rec.generation().num_steps == 24
+    assert len(rec.scores() if encoding == "sparse" else rec.topk("scores")) == 24

@@ -11,10 +11,10 @@ import torch
 
 from transformers_offload import Recorder, open_recording
 
-from .conftest import left_padded_batch, make_tiny
+from .conftest import left_padded_batch
 from .helpers import TRANSFORMERS
 from .test_exactness import CASES, NEW_TOKENS, READERS, SEED, SMALL_SHARD_BYTES, _resolve_eos, hf_reference, missing_options
-from .test_stats import OTHER_MODES
+from .test_stats import OTHER_MODES, record_other_mode
 
 ENCODINGS = {"logits": "topk:5", "scores": "topk:7"}
 KEYS = ("values", "indices", "logsumexp", "mass_outside", "logprobs")
@@ -71,30 +71,7 @@ def test_topk_equals_its_expressions_on_hugging_face_outputs(gpt2, case, reader,
 def test_topk_in_every_other_mode(case, tmp_path):
     """Against a dense recording of the same call (whose equality with Hugging Face the modes' own
     tests show)."""
-    from transformers_offload import UnsupportedModeError
-
-    from .test_assisted import _source
-
-    name, prompt, kwargs, source = OTHER_MODES[case]
-    if missing_options(kwargs):
-        pytest.skip(f"transformers {TRANSFORMERS} has no {missing_options(kwargs)}")
-    model = make_tiny(name)
-    if source is not None:
-        extra = _source(source)
-        if missing_options(extra):
-            pytest.skip(f"transformers {TRANSFORMERS} has no {missing_options(extra)}")
-        kwargs = dict(kwargs, **extra)
-    batch = prompt if prompt is not None else left_padded_batch()
-    recordings = []
-    for encodings in (None, ENCODINGS):
-        with Recorder(model, encodings=encodings, spill_dir=tmp_path / str(len(recordings)), shard_bytes=3_000) as rec:
-            torch.manual_seed(0)
-            try:
-                model.generate(**batch, logits_processor=[rec], **kwargs)
-            except UnsupportedModeError:
-                pytest.skip(f"transformers {TRANSFORMERS} does not run {case} in the library")
-        recordings.append(open_recording(tmp_path / str(len(recordings))).generation())
-    dense, top = recordings
+    dense, top = record_other_mode(case, tmp_path, [{}, {"encodings": ENCODINGS}])
     assert torch.equal(top.sequences, dense.sequences)
     assert_topk_equal(top.topk("logits"), dense.logits(), 5)
     assert_topk_equal(top.topk("scores"), dense.scores(), 7)
@@ -131,7 +108,7 @@ def test_full_accessors_point_to_topk(gpt2, tmp_path):
         ({"scores": 3}, TypeError, "must be a dict"),
         ({"tokens": "topk:3"}, ValueError, "only \\('logits', 'scores'\\) can be encoded"),
         ({"attentions": "topk:3"}, ValueError, "only"),
-        ({"scores": "sparse"}, ValueError, "knows \"dense\" and \"topk:K\".*not available yet"),
+        ({"scores": "native"}, ValueError, "knows \"dense\", \"sparse\" and \"topk:K\".*not available yet"),
         ({"scores": "topk:0"}, ValueError, "topk:K"),
         ({"scores": "topk:-2"}, ValueError, "topk:K"),
         ({"scores": "top-k:3"}, ValueError, "topk:K"),

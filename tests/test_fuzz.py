@@ -43,13 +43,15 @@ FUZZ = settings(max_examples=800 * FUZZ_SCALE, deadline=10_000, suppress_health_
 
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory) -> dict[str, Path]:
-    """Small recordings of every layout: dense, ragged with an encoder file, a beam search, stats, top-k."""
+    """Small recordings of every layout: dense, ragged with an encoder file, a beam search, stats, top-k,
+    sparse."""
     beam = tmp_path_factory.mktemp("beam") / "run"
     model = make_tiny("gpt2")
     with Recorder(model, spill_dir=beam, shard_bytes=3_000) as rec:
         model.generate(**left_padded_batch(), logits_processor=[rec], num_beams=2, max_new_tokens=4)
     return {"dense": GOLDEN / "tiny-recording", "layers": GOLDEN / "tiny-layers-recording", "beam": beam,
-            "stats": GOLDEN / "tiny-stats-recording", "topk": GOLDEN / "tiny-topk-recording"}
+            "stats": GOLDEN / "tiny-stats-recording", "topk": GOLDEN / "tiny-topk-recording",
+            "sparse": GOLDEN / "tiny-sparse-recording"}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -94,8 +96,12 @@ def read_everything(path: Path) -> None:
             generation.beam_indices()
         if "stats" in generation.streams:
             generation.step_stats()
-        for stream in generation.encodings:
-            generation.topk(stream)
+        for stream, encoding in generation.encodings.items():
+            if encoding == "sparse":
+                generation.sparse(stream)
+                getattr(generation, stream)()
+            else:
+                generation.topk(stream)
         if generation.num_rows and generation.num_steps and "tokens" in generation.streams:
             generation.tokens(steps=slice(generation.num_steps - 1, None), rows=[generation.num_rows - 1], framework="np")
     _note("every stream read")

@@ -18,12 +18,20 @@ from transformers_offload import Recorder, RecordingError, open_recording
 from transformers_offload.store.format import STATS_COLUMNS
 
 from .conftest import left_padded_batch
-from .helpers import made_up_layers, made_up_stats, made_up_step, made_up_topk, write_made_up_recording
+from .helpers import (
+    made_up_layers,
+    made_up_sparse_scores,
+    made_up_stats,
+    made_up_step,
+    made_up_topk,
+    write_made_up_recording,
+)
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "tiny-recording"
 GOLDEN_LAYERS = Path(__file__).resolve().parent / "golden" / "tiny-layers-recording"
 GOLDEN_STATS = Path(__file__).resolve().parent / "golden" / "tiny-stats-recording"
 GOLDEN_TOPK = Path(__file__).resolve().parent / "golden" / "tiny-topk-recording"
+GOLDEN_SPARSE = Path(__file__).resolve().parent / "golden" / "tiny-sparse-recording"
 ROOT = Path(__file__).resolve().parent.parent
 ROWS, VOCAB, STEPS = 5, 16, 9
 
@@ -96,6 +104,24 @@ def test_the_golden_topk_recording_reads_back():
         assert torch.equal(columns["logprobs"], record[:, :2].float() - record[:, 4:5].float())
     with pytest.raises(ValueError, match="topk"):
         generation.scores()
+    assert torch.equal(generation.logits()[2], made_up_step(2, 2, 4)["logits"])
+
+
+def test_the_sparse_encoding_is_pinned_byte_for_byte(tmp_path):
+    """`encodings={"scores": "sparse"}`: one flat int32 record per step (header, row counts, entries),
+    stored like a ragged stream; row 0 sparse, row 1 whole."""
+    write_made_up_recording(tmp_path / "run", steps=3, rows=2, vocab=4, shard_bytes=164, sparse=True)
+    assert _golden_files(tmp_path / "run") == _golden_files(GOLDEN_SPARSE)
+
+
+def test_the_golden_sparse_recording_reads_back():
+    generation = open_recording(GOLDEN_SPARSE).generation()
+    assert generation.encodings == {"scores": "sparse"}
+    scores = generation.scores()
+    for step in range(3):
+        assert torch.equal(scores[step], made_up_sparse_scores(step, 2, 4))
+        entries = generation.sparse(steps=range(step, step + 1))[0]
+        assert entries["indices"].tolist() == [step % 4, 0, 1, 2, 3] and entries["offsets"].tolist() == [0, 1, 5]
     assert torch.equal(generation.logits()[2], made_up_step(2, 2, 4)["logits"])
 
 

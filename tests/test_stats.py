@@ -155,12 +155,8 @@ def _other_modes() -> dict:
 OTHER_MODES = _other_modes()
 
 
-@pytest.mark.filterwarnings("ignore:`num_hidden_layers` is deprecated:FutureWarning")
-@pytest.mark.parametrize("reader", ["memory", "spill"])
-@pytest.mark.parametrize("case", sorted(OTHER_MODES))
-def test_stats_in_every_other_mode(case, reader, tmp_path):
-    from transformers_offload import UnsupportedModeError
-
+def other_mode(case: str) -> tuple:
+    """OTHER_MODES[`case`]'s model, batch and generate() options; skips where the release lacks them."""
     from .conftest import make_tiny
     from .test_assisted import _source
 
@@ -173,7 +169,34 @@ def test_stats_in_every_other_mode(case, reader, tmp_path):
         if missing_options(extra):
             pytest.skip(f"transformers {TRANSFORMERS} has no {missing_options(extra)}")
         kwargs = dict(kwargs, **extra)
-    batch = prompt if prompt is not None else left_padded_batch()
+    return model, prompt if prompt is not None else left_padded_batch(), kwargs
+
+
+def record_other_mode(case: str, tmp_path, variants: list[dict]) -> list:
+    """Run OTHER_MODES[`case`] once per Recorder options in `variants` (each spilled, small shards) and
+    return the generations read back with `open_recording`; skips where the release lacks the mode."""
+    from transformers_offload import UnsupportedModeError
+
+    model, batch, kwargs = other_mode(case)
+    generations = []
+    for index, options in enumerate(variants):
+        with Recorder(model, spill_dir=tmp_path / str(index), shard_bytes=3_000, **options) as rec:
+            torch.manual_seed(0)
+            try:
+                model.generate(**batch, logits_processor=[rec], **kwargs)
+            except UnsupportedModeError:
+                pytest.skip(f"transformers {TRANSFORMERS} does not run {case} in the library")
+        generations.append(open_recording(tmp_path / str(index)).generation())
+    return generations
+
+
+@pytest.mark.filterwarnings("ignore:`num_hidden_layers` is deprecated:FutureWarning")
+@pytest.mark.parametrize("reader", ["memory", "spill"])
+@pytest.mark.parametrize("case", sorted(OTHER_MODES))
+def test_stats_in_every_other_mode(case, reader, tmp_path):
+    from transformers_offload import UnsupportedModeError
+
+    model, batch, kwargs = other_mode(case)
     options = {"spill_dir": tmp_path / "run", "shard_bytes": 3_000} if reader == "spill" else {}
     with Recorder(model, streams=("logits", "scores", "stats"), **options) as rec:
         torch.manual_seed(0)

@@ -104,10 +104,13 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
             `Generation.stats.waits`).
         encodings (`dict[str, str]`, *optional*): how to store `"logits"` and `"scores"`, applied on the
             device inside the step, before the copy: `"dense"` (the default, the whole `(rows,
-            vocab_size)` tensor) or `"topk:K"` (lossy, by your choice: per row the K largest values and
-            their token ids, the logsumexp over the whole vocabulary and the probability mass outside
-            the K, `(2K + 2) x 8` bytes per row and step; read with `topk()`, which `logits()` and
-            `scores()` then point to). E.g. `{"scores": "topk:20"}`.
+            vocab_size)` tensor), `"sparse"` (lossless: per row only the entries that are not -inf, 4
+            bytes a row plus 8 a kept entry, never more than dense plus `12 + 4 x rows` bytes a step;
+            `logits()`/`scores()` return the dense tensors, `sparse()` the entries) or `"topk:K"`
+            (lossy, by your choice: per row the K largest values and their token ids, the logsumexp
+            over the whole vocabulary and the probability mass outside the K, `(2K + 2) x 8` bytes per
+            row and step; read with `topk()`, which `logits()` and `scores()` then point to). E.g.
+            `{"scores": "sparse"}`.
 
     Raises:
         TypeError: `model` has no `generate()` from transformers' `GenerationMixin`, or an option has
@@ -163,7 +166,8 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
             if shard_bytes < 1:
                 raise ValueError(f"`shard_bytes` must be at least 1 (byte), got {shard_bytes}.")
         self._selection = _layers.selection(model, tuple(streams), layers, heads, newest_position_only)
-        self._encodings = _encodings.check(encodings, tuple(streams), _model_info(model)["vocab_size"])
+        self._encodings = _encodings.check(encodings, tuple(streams), _model_info(model)["vocab_size"],
+                                           getattr(model, "dtype", None))
         if "attentions" in streams:
             _layers.require_eager(model)
         self._spill: Spill | None = None

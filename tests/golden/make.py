@@ -1,8 +1,8 @@
 """Rewrite the golden recordings (tests/golden/tiny-recording, tiny-layers-recording,
-tiny-stats-recording, tiny-topk-recording) after a deliberate format change. Decide first whether a
+tiny-stats-recording, tiny-topk-recording, tiny-sparse-recording) after a deliberate format change. Decide first whether a
 reader of the current FORMAT_VERSION would misread the new layout: if so, bump FORMAT_VERSION; if it
 reads it right (a key it ignores, like the `files` checksums, or a stream it need not know, like
-`stats`) or refuses it by name (an encoding it does not know, like `topk:K`), the version stays.
+`stats`) or refuses it by name (an encoding it does not know, like `topk:K` or `sparse`), the version stays.
 Either way the README's format section says what changed.
 
 tests/golden/tiny-recording-before-checksums is a frozen copy from before checksums (what older
@@ -22,6 +22,7 @@ if __name__ == "__main__":
         ("tiny-layers-recording", {"layers": True}),
         ("tiny-stats-recording", {"stats": True}),
         ("tiny-topk-recording", {"topk": True}),
+        ("tiny-sparse-recording", {"sparse": True}),
     ):
         target = Path(__file__).resolve().parent / name
         shutil.rmtree(target, ignore_errors=True)

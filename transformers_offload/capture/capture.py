@@ -41,6 +41,7 @@ class Capture:
                  layer_tap: _layers.LayerTap | None = None, encodings: dict[str, str] | None = None) -> None:
         self.streams = streams
         self.encodings = dict(encodings or {})  # logits/scores not recorded dense (`encodings`)
+        self._sparse = _encodings.Sparse()
         self.layer_tap = layer_tap  # attentions and hidden states, when the recorder records them
         self._layer_names: list[str] = []  # per-step layer streams, known from the first forward
         self._layers_fired = 0  # selected layers the module hooks put in the current forward
@@ -280,7 +281,12 @@ class Capture:
         """Put a `(rows, vocab)` stream (`logits`, `scores`) into the ring, encoded on its device first
         where the Recorder's `encodings` say so."""
         encoding = self.encodings.get(name)
-        self.ring.put(step, name, tensor if encoding is None else _encodings.encode(encoding, tensor))
+        if encoding is None:
+            self.ring.put(step, name, tensor)
+        elif encoding == _format.SPARSE:
+            self.ring.put(step, name, tensor, encoder=self._sparse)
+        else:
+            self.ring.put(step, name, _encodings.encode(encoding, tensor))
 
     def _take_forward_logits(self) -> torch.Tensor:
         parts, self._forward_logits = self._forward_logits, []

@@ -30,13 +30,23 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
 from .. import _interrupts
 
 Drain = Callable[[int, dict[str, torch.Tensor]], None]
+
+
+class Encoder(Protocol):
+    """A stream encoded in two parts (`capture.encodings.Sparse`): one where the tensor is, one on the
+    host once that part's result has arrived (`fetch` gives rows of the step's tensor, whole)."""
+
+    def on_device(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def on_host(self, fixed: torch.Tensor, *, vocab: int, dtype: torch.dtype,
+                fetch: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor: ...
 
 
 @dataclass
@@ -47,6 +57,8 @@ class _Slot:
     written: list[str] = field(default_factory=list)
     step: int | None = None
     submitted: bool = False
+    # CUDA, per two-part encoded stream: (encoder, its device part's result, the staging view, vocab, dtype)
+    encoded: dict[str, tuple] = field(default_factory=dict)
     copied: dict[torch.device, torch.cuda.Event] = field(default_factory=dict)  # per device, on the side stream
     staged: dict[torch.device, torch.cuda.Event] = field(default_factory=dict)  # per device, on the compute stream
     free: threading.Event = field(default_factory=threading.Event)
@@ -82,20 +94,32 @@ class HostRing:
             self._thread.start()
         self.waits = 0  # times the caller had to wait for a slot (a device copy or a drain still running)
 
-    def put(self, step: int, stream: str, tensor: torch.Tensor) -> None:
-        """Copy `tensor` (any device) into the host slot of `step`, under the name `stream`.
+    def put(self, step: int, stream: str, tensor: torch.Tensor, *, encoder: Encoder | None = None) -> None:
+        """Copy `tensor` (any device) into the host slot of `step`, under the name `stream`; with
+        `encoder`, what reaches the store is its encoding of `tensor` (on CUDA: its device part runs
+        on the side stream over the staging copy, its host part before the drain).
 
         Raises:
             BaseException: what the drain raised for an earlier step (threaded ring).
         """
         self._raise_drain_error()
         slot = self._slot_for(step)
-        buffer = _view(slot.buffers, stream, tensor, torch.device("cpu"), pinned=tensor.device.type == "cuda")
-        slot.views[stream] = buffer
-        if tensor.device.type == "cuda":
-            self._copy_from_cuda(slot, stream, tensor, buffer)
+        if encoder is not None and tensor.device.type != "cuda":
+            # On the host both parts run now, before any later in-place edit of `tensor`.
+            fixed = encoder.on_device(tensor)
+            slot.views[stream] = encoder.on_host(fixed, vocab=tensor.shape[-1], dtype=tensor.dtype,
+                                                 fetch=lambda rows: tensor.index_select(0, rows))
+            slot.encoded.pop(stream, None)
+        elif encoder is not None:
+            self._copy_from_cuda(slot, stream, tensor, None, encoder=encoder)
         else:
-            buffer.copy_(tensor)
+            buffer = _view(slot.buffers, stream, tensor, torch.device("cpu"), pinned=tensor.device.type == "cuda")
+            slot.views[stream] = buffer
+            slot.encoded.pop(stream, None)
+            if tensor.device.type == "cuda":
+                self._copy_from_cuda(slot, stream, tensor, buffer)
+            else:
+                buffer.copy_(tensor)
         slot.written.append(stream)
 
     def flush(self) -> None:
@@ -156,12 +180,11 @@ class HostRing:
             self.waits += 1  # the copy is still in flight: the host waits for it
         self._release(slot)
 
-    def _copy_from_cuda(self, slot: _Slot, stream: str, tensor: torch.Tensor, buffer: torch.Tensor) -> None:
+    def _copy_from_cuda(self, slot: _Slot, stream: str, tensor: torch.Tensor, buffer: torch.Tensor | None, *,
+                        encoder: Encoder | None = None) -> None:
         device = tensor.device
         compute = torch.cuda.current_stream(device)
-        side = self._copy_streams.get(device)
-        if side is None:
-            side = self._copy_streams[device] = torch.cuda.Stream(device=device)
+        side = self._side_stream(device)
         staging = _view(slot.staging, stream, tensor, device, pinned=False)
         copied = slot.copied.get(device)
         if copied is not None and stream in slot.written:
@@ -175,10 +198,36 @@ class HostRing:
         staged.record(compute)
         side.wait_event(staged)
         with torch.cuda.stream(side):
-            buffer.copy_(staging, non_blocking=True)
+            if encoder is not None:
+                # The device part, on the side stream: the compute stream never waits for it. Its
+                # result stays referenced by the slot until the copy below has finished.
+                fixed = encoder.on_device(staging)
+                buffer = _view(slot.buffers, stream, fixed, torch.device("cpu"), pinned=True)
+                slot.views[stream] = buffer
+                slot.encoded[stream] = (encoder, fixed, staging, tensor.shape[-1], tensor.dtype)
+            buffer.copy_(fixed if encoder is not None else staging, non_blocking=True)
         if copied is None:
             copied = slot.copied[device] = torch.cuda.Event()
         copied.record(side)
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        side = self._copy_streams.get(device)
+        if side is None:
+            side = self._copy_streams[device] = torch.cuda.Stream(device=device)
+        return side
+
+    def _finish_encoded(self, slot: _Slot) -> None:
+        """The host part of each two-part encoded stream of a slot whose copies have finished (CUDA)."""
+        for name in list(slot.encoded):
+            encoder, _, staging, vocab, dtype = slot.encoded[name]
+            side = self._side_stream(staging.device)
+
+            def fetch(rows: torch.Tensor, staging: torch.Tensor = staging, side: torch.cuda.Stream = side) -> torch.Tensor:
+                with torch.cuda.stream(side):  # after the staging copy; waits in this thread only
+                    return staging.index_select(0, rows.to(staging.device)).cpu()
+
+            slot.views[name] = encoder.on_host(slot.views[name], vocab=vocab, dtype=dtype, fetch=fetch)
+            del slot.encoded[name]  # done: a slot handed over again (after a Ctrl-C) keeps the record
 
     def _raise_drain_error(self) -> None:
         if self._failure is not None and not self._failure_raised:
@@ -191,6 +240,7 @@ class HostRing:
             if self._failure is None:  # after a failure nothing more reaches the store
                 for event in slot.copied.values():
                     event.synchronize()
+                self._finish_encoded(slot)
                 self._drain(slot.step, {name: slot.views[name] for name in slot.written})
         except KeyboardInterrupt:
             # Ctrl-C while the store waited for room (in the caller's thread): the step keeps its slot,
@@ -212,6 +262,7 @@ class HostRing:
         slot.step = None
         slot.written = []
         slot.views = {}
+        slot.encoded = {}
         slot.free.set()
 
     def _drainer(self) -> None:

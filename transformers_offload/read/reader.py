@@ -99,7 +99,7 @@ class Recording(Readable):
         its state, sizes and streams.
 
         Each stream gives its `dtype`, `encoding`, per-step `shape` and `bytes` (of the readable
-        steps), and an encoded one (`"topk:K"`) also `dense_bytes`, what the same steps would take as
+        steps), and an encoded one (`"sparse"`, `"topk:K"`) also `dense_bytes`, what the same steps would take as
         float32 `(rows, vocab_size)` tensors; each generation its `file_bytes` on disk (shards and
         sequences).
         """
@@ -109,7 +109,7 @@ class Recording(Readable):
             encoder = entry.get("encoder") or {}
             for name, stream in [*entry["streams"].items(), *encoder.get("streams", {}).items()]:
                 itemsize = _format.dtype_of(stream["dtype"]).itemsize
-                if stream["encoding"] == "ragged":
+                if stream["encoding"] in _format.FLAT_ENCODINGS:
                     elements = generation._source.ragged_elements(name, generation.num_steps)
                 elif name in encoder.get("streams", {}):
                     elements = math.prod(stream["shape"])  # once per generation
@@ -122,9 +122,10 @@ class Recording(Readable):
                     "bytes": elements * itemsize,
                 }
                 vocab = self.model.get("vocab_size")
-                if _format.topk_width(stream["encoding"]) is not None and isinstance(vocab, int):
+                encoded = stream["encoding"] == _format.SPARSE or _format.topk_width(stream["encoding"]) is not None
+                if encoded and isinstance(vocab, int):
                     # What the same steps take dense, in float32 (`out.logits`' dtype from 4.45).
-                    streams[name]["dense_bytes"] = generation.num_steps * stream["shape"][0] * vocab * 4
+                    streams[name]["dense_bytes"] = generation.num_steps * generation.num_rows * vocab * 4
             files = _manifest.files_of(entry)
             generations.append(
                 {

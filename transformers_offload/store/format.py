@@ -23,7 +23,7 @@ MANIFEST = "manifest.json"
 # How a stream's values are laid out in a shard: "dense", one `(steps, *shape)` tensor; "ragged", for
 # per-layer streams whose shape changes from step to step, the steps' values concatenated flat in step
 # order (`name`) and their shapes (`name.shapes`, int64 `(steps, ndim)`), with no padding.
-ENCODINGS = ("dense", "ragged")
+ENCODINGS = ("dense", "ragged")  # and, for logits and scores, "sparse" and "topk:K" (below)
 STATUSES = ("recording", "complete", "failed")
 BEAM_MODES = ("beam_search", "beam_sample", "group_beam_search")  # whose generations carry `beam_parents`
 
@@ -183,6 +183,98 @@ def topk_columns(record: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
         "mass_outside": record[..., 2 * k + 1].to(torch.float32),
         "logprobs": values - logsumexp[..., None],
     }
+
+
+# -- sparse encoding of logits or scores (`encodings={"scores": "sparse"}`), lossless ----------------
+# One flat int32 record per step, stored like a ragged stream (the steps' records concatenated, their
+# lengths in `NAME.shapes`): a header `[rows, vocab, dtype code]`, then per row its count of entries
+# (or -1: the row is stored whole), then per row in order either `count` token ids (ascending) and
+# `count` value words, or `vocab` value words. A value word is the float32 bit pattern of the value
+# (float16 and bfloat16 values widen to float32 exactly). Every entry that is not -inf is kept, so the
+# dense tensor is the record's entries over a fill of -inf, bit for bit.
+SPARSE = "sparse"
+SPARSE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # index = the header's dtype code
+SPARSE_HEADER = 3
+FLAT_ENCODINGS = ("ragged", SPARSE)  # stored flat, the steps' shapes beside them
+NEGATIVE_INFINITY = float("-inf")
+
+
+class SparseRecord:
+    """One step's sparse record, parsed and checked (nothing decoded yet).
+
+    Raises:
+        ValueError: the record is not a consistent sparse record (damaged data).
+    """
+
+    def __init__(self, record: torch.Tensor) -> None:
+        if record.dtype != torch.int32 or record.dim() != 1 or record.numel() < SPARSE_HEADER:
+            raise ValueError(f"a sparse record is a flat int32 tensor of at least {SPARSE_HEADER} values, got "
+                             f"{list(record.shape)} {record.dtype}")
+        rows, vocab, code = (int(v) for v in record[:SPARSE_HEADER])
+        if rows < 0 or vocab < 1 or not 0 <= code < len(SPARSE_DTYPES) or record.numel() < SPARSE_HEADER + rows:
+            raise ValueError(f"a sparse record's header [{rows}, {vocab}, {code}] is not valid")
+        counts = record[SPARSE_HEADER : SPARSE_HEADER + rows].to(torch.int64)
+        if bool(((counts < -1) | (counts > vocab)).any()):
+            raise ValueError("a sparse record's row counts are out of range")
+        lengths = torch.where(counts < 0, vocab, 2 * counts)
+        offsets = torch.zeros(rows + 1, dtype=torch.int64)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        if SPARSE_HEADER + rows + int(offsets[-1]) != record.numel():
+            raise ValueError("a sparse record's row counts do not add up to its length")
+        self.rows, self.vocab, self.dtype = rows, vocab, SPARSE_DTYPES[code]
+        self._counts = counts.tolist()
+        self._payload = record[SPARSE_HEADER + rows :]
+        self._starts = offsets.tolist()
+
+    def row(self, r: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Row `r`'s token ids (int64, ascending; None for a row stored whole) and values (float32)."""
+        start, count = self._starts[r], self._counts[r]
+        if count < 0:
+            return None, self._payload[start : start + self.vocab].view(torch.float32)
+        ids = self._payload[start : start + count].to(torch.int64)
+        if count and (bool((ids < 0).any()) or bool((ids >= self.vocab).any())):
+            raise ValueError("a sparse record holds a token id outside the vocabulary")
+        return ids, self._payload[start + count : start + 2 * count].view(torch.float32)
+
+    def dense(self, rows: Sequence[int]) -> torch.Tensor:
+        """Rows `rows` as the dense `(len(rows), vocab)` tensor in the recorded dtype: the kept entries
+        over -inf (lossless: `torch.equal` to what was recorded)."""
+        out = torch.full((len(rows), self.vocab), NEGATIVE_INFINITY, dtype=torch.float32)
+        for i, r in enumerate(rows):
+            ids, values = self.row(r)
+            if ids is None:
+                out[i] = values
+            else:
+                out[i, ids] = values
+        return out.to(self.dtype)
+
+    def entries(self, rows: Sequence[int]) -> dict[str, torch.Tensor]:
+        """Rows `rows` without densifying: `indices` int64 `(n,)` (token ids, ascending within a row),
+        `values` `(n,)` in the recorded dtype, and `offsets` int64 `(len(rows) + 1,)`: row i's entries are
+        `[offsets[i], offsets[i + 1])`. Entries equal to -inf are left out."""
+        ids_parts, value_parts, offsets = [], [], [0]
+        for r in rows:
+            ids, values = self.row(r)
+            if ids is None:
+                ids = (values != NEGATIVE_INFINITY).nonzero().flatten()
+                values = values[ids]
+            ids_parts.append(ids)
+            value_parts.append(values)
+            offsets.append(offsets[-1] + ids.numel())
+        return {
+            "indices": torch.cat(ids_parts) if ids_parts else torch.zeros(0, dtype=torch.int64),
+            "values": (torch.cat(value_parts) if value_parts else torch.zeros(0)).to(self.dtype),
+            "offsets": torch.tensor(offsets, dtype=torch.int64),
+        }
+
+
+def sparse_entries(dense: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`SparseRecord.entries` of a dense `(rows, vocab)` host tensor (a stream recorded dense)."""
+    keep = dense != NEGATIVE_INFINITY
+    counts = keep.sum(-1)
+    offsets = torch.zeros(dense.shape[0] + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    return {"indices": keep.nonzero()[:, 1], "values": dense[keep], "offsets": offsets}
 
 
 # -- layer and head indices, as `layers` and `heads` name them ------------------------------------

@@ -26,6 +26,7 @@ from .format import (
     STATS_STREAM,
     STATUSES,
     STEP_LAYER_KINDS,
+    SPARSE,
     RecordingError,
     dtype_of,
     split_layer_stream,
@@ -250,6 +251,8 @@ def _check_stream_set(entry: dict[str, Any], path: Path, where: str) -> None:
         raise RecordingError(path, f"{where}: {rows} rows are not a whole number of prompts of {entry['num_beams']} beams.")
     for name, stream in streams.items():
         shape = stream["shape"]
+        if stream["encoding"] == SPARSE:
+            continue  # its records carry their rows (checked when read)
         if stream["encoding"] == "ragged":
             if shape[0] != rows:
                 raise RecordingError(
@@ -284,11 +287,18 @@ def _check_stream(name: str, stream: Any, path: Path, where: str) -> None:
                 path, f"{where}: stream {name!r} uses {stream['encoding']!r}, which stores float64 of per-step shape "
                 f"[rows, {2 * k + 2}] for {ENCODED_STREAMS} only; got {stream['dtype']} {stream['shape']!r}.",
             )
+    elif stream["encoding"] == SPARSE:
+        if name not in ENCODED_STREAMS or stream["dtype"] != "int32" or stream["shape"] != [None]:
+            raise RecordingError(
+                path, f"{where}: stream {name!r} uses 'sparse', which stores one flat int32 record per step "
+                f"(shape [null]) for {ENCODED_STREAMS} only; got {stream['dtype']} {stream['shape']!r}.",
+            )
+        return
     elif stream["encoding"] not in ENCODINGS:
         raise RecordingError(
             path,
             f"{where}: stream {name!r} uses encoding {stream['encoding']!r}, which this "
-            f"transformers-offload cannot read (it reads {ENCODINGS} and \"topk:K\"); upgrade transformers-offload.",
+            f"transformers-offload cannot read (it reads {ENCODINGS}, 'sparse' and \"topk:K\"); upgrade transformers-offload.",
         )
     ragged = stream["encoding"] == "ragged"
     shape = stream["shape"]

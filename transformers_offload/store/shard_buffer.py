@@ -7,13 +7,15 @@ import torch
 
 class ShardBuffer:
     """Host tensors for the steps `[first_step, first_step + capacity)`: `(capacity, *shape)` per dense
-    stream; per ragged stream, a flat buffer of the steps' values in step order and their shapes."""
+    stream; per ragged stream, a flat buffer of the steps' values in step order and their shapes; per
+    sparse stream, each step's record (a step written again replaces its record)."""
 
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
         self.flat: dict[str, torch.Tensor] = {}  # ragged streams, kept (and grown) across shards
         self.used: dict[str, int] = {}
         self.shapes: dict[str, list[tuple[int, ...]]] = {}
+        self.records: dict[str, dict[int, torch.Tensor]] = {}  # sparse streams: step -> its flat record
         self.index = 0
         self.first_step = 0
         self.capacity = 0
@@ -26,6 +28,7 @@ class ShardBuffer:
         self.filled = {}
         self.used = {}
         self.shapes = {}
+        self.records = {}
 
     def put_ragged(self, name: str, step: int, tensor: torch.Tensor, size_hint: int) -> None:
         """Append `step` (the next one of this shard) of ragged stream `name`; `size_hint`: the values
@@ -52,6 +55,19 @@ class ShardBuffer:
         """The first `count` steps of ragged stream `name`: flat values and `(count, ndim)` int64 shapes."""
         shapes = torch.tensor(self.shapes.get(name, [])[:count], dtype=torch.int64)
         return self.flat[name][: int(shapes.prod(dim=1).sum())], shapes
+
+    def put_record(self, name: str, step: int, tensor: torch.Tensor) -> None:
+        """Keep a copy of `step`'s flat record of sparse stream `name` (the last write of a step wins:
+        assisted decoding rewrites rejected positions)."""
+        self.records.setdefault(name, {})[step] = tensor.clone()
+        self.filled.setdefault(name, set()).add(step)
+
+    def records_of(self, name: str, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `count` steps of sparse stream `name`: their records concatenated and `(count, 1)`
+        int64 lengths (the layout of a ragged stream)."""
+        records = [self.records[name][self.first_step + t] for t in range(count)]
+        lengths = torch.tensor([[record.numel()] for record in records], dtype=torch.int64).reshape(count, 1)
+        return torch.cat(records) if records else torch.zeros(0, dtype=torch.int32), lengths
 
     def put(self, name: str, step: int, tensor: torch.Tensor) -> None:
         buffer = self.tensors.get(name)

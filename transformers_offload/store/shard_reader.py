@@ -50,7 +50,7 @@ class ShardSource:
     def read(self, name: str, steps: range, rows: Any) -> tuple[torch.Tensor, ...]:
         if steps.step < 0:
             return tuple(reversed(self.read(name, steps[::-1], rows)))
-        ragged = self._stream_info[name]["encoding"] == "ragged"
+        ragged = self._stream_info[name]["encoding"] in _format.FLAT_ENCODINGS
         values: list[torch.Tensor] = []
         for shard in self._shards:
             first = shard["first_step"]
@@ -178,7 +178,7 @@ def _open_shard(path: Path, generation: int, shard: dict[str, Any], streams: dic
     for name, stream in streams.items():
         if name not in header:
             raise RecordingError(path, f"holds no {name!r} tensor, which the manifest lists.")
-        if stream["encoding"] == "ragged":
+        if stream["encoding"] in _format.FLAT_ENCODINGS:
             _expect(path, header, name, None, stream["dtype"], flat=True)
             _expect(path, header, _format.shapes_key(name), [shard["num_steps"], len(stream["shape"])], "int64")
             ragged[name] = stream
@@ -261,7 +261,7 @@ def stored_generation(root: Path, entry: dict[str, Any], *, stats: TransferStats
         stats=stats,
         layers=entry.get("layers"),
         encodings={name: stream["encoding"] for name, stream in entry["streams"].items()
-                   if stream["encoding"] not in ("dense", "ragged")},
+                   if stream["encoding"] not in _format.ENCODINGS},
     )
     return StoredGeneration(fields, source)
 

@@ -141,6 +141,7 @@ class ShardStore:
         self._entry = entry
         self._names = list(names)
         self._encodings = dict(encodings)  # stream -> its encoding, where not dense
+        self._sparse = {name for name, encoding in self._encodings.items() if encoding == _format.SPARSE}
         self._ragged: set[str] = set()  # per-layer streams (attentions, hidden states)
         self._once: set[str] = set()  # the encoder's outputs, at step 0 only
         self._size_hints: dict[str, int] = {}  # ragged streams: elements per shard, estimated
@@ -192,6 +193,8 @@ class ShardStore:
             for name, tensor in tensors.items():
                 if name in self._ragged:
                     buffer.put_ragged(name, step, tensor, self._size_hints.get(name, 0))
+                elif name in self._sparse:
+                    buffer.put_record(name, step, tensor)
                 else:
                     buffer.put(name, step, tensor)
         except KeyboardInterrupt:
@@ -260,7 +263,7 @@ class ShardStore:
         A ragged stream's step 0 is the prefill; a later step holds one position, and self-attention
         one more key per step: it is counted at the size of the last step the call can run.
         """
-        rows = next(iter(tensors.values())).shape[0] if tensors else 1
+        rows = next((t.shape[0] for name, t in tensors.items() if name not in self._sparse and t.dim()), 1)
         sizes = {}
         for name in self._names:
             tensor = tensors.get(name)
@@ -271,6 +274,11 @@ class ShardStore:
                 if _format.split_layer_stream(name)[0] in _format.GROWING_KINDS:
                     size *= (tensor.shape[-1] + self._max_steps) / max(1, tensor.shape[-1])
                 sizes[name] = size
+            elif name in self._sparse:
+                # At most the dense step (plus its header): shards are sized for the worst case, so
+                # that three shard buffers stay bounded whatever the rows hold.
+                header = tensor[: _format.SPARSE_HEADER].tolist()
+                sizes[name] = max(tensor.nbytes, header[0] * header[1] * 4 if len(header) == 3 else 0)
             else:
                 sizes[name] = tensor.nbytes
         capacity = int(max(1, min(self._max_steps, self._spill.shard_bytes // max(1, sum(sizes.values())))))
@@ -342,11 +350,14 @@ class ShardStore:
     def _write_shard(self, buffer: ShardBuffer, count: int) -> None:
         entry = self._entry
         name = _format.shard_name(entry["index"], buffer.index)
-        tensors = {stream: buffer.tensors[stream][:count] for stream in self._names if stream not in self._ragged}
+        tensors = {stream: buffer.tensors[stream][:count] for stream in self._names
+                   if stream not in self._ragged and stream not in self._sparse}
         shapes = {}
         for stream in self._ragged:
             tensors[stream], shapes[stream] = buffer.ragged(stream, count)
             tensors[_format.shapes_key(stream)] = shapes[stream]
+        for stream in self._sparse:
+            tensors[stream], tensors[_format.shapes_key(stream)] = buffer.records_of(stream, count)
         started = time.perf_counter()
         size = self._commit(name, tensors, _format.shard_metadata(entry["index"], buffer.first_step))
         if not entry["streams"]:
@@ -360,6 +371,8 @@ class ShardStore:
                 for stream in self._names
                 if stream not in self._ragged
             }
+            for stream in self._sparse:  # one flat int32 record per step
+                entry["streams"][stream]["shape"] = [None]
             for stream in sorted(self._ragged, key=self._names.index):
                 entry["streams"][stream] = {
                     "dtype": _format.dtype_name(tensors[stream].dtype),

@@ -1,0 +1,194 @@
+"""The lossless `"sparse"` encoding (`Recorder(..., encodings={"scores": "sparse"})`): per row only the
+entries that are not -inf, computed where the tensor is; `logits()` / `scores()` give back tensors equal
+(`torch.equal`) to Hugging Face's `out.logits` / `out.scores`, and `sparse()` their entries."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from transformers_offload import Recorder, RecordingError, open_recording
+from transformers_offload.capture import encodings as _encodings
+from transformers_offload.store.format import SparseRecord
+
+from .conftest import left_padded_batch, make_tiny
+from .helpers import TRANSFORMERS
+from .test_exactness import CASES, NEW_TOKENS, READERS, SEED, SMALL_SHARD_BYTES, _resolve_eos, hf_reference, missing_options
+from .test_stats import OTHER_MODES, record_other_mode
+
+BOTH = {"logits": "sparse", "scores": "sparse"}
+NEG_INF = float("-inf")
+
+
+def assert_dense_equal(recorded: tuple, reference: tuple) -> None:
+    assert len(recorded) == len(reference) > 0
+    for t, (mine, theirs) in enumerate(zip(recorded, reference)):
+        theirs = theirs.cpu()
+        assert mine.dtype == theirs.dtype and mine.shape == theirs.shape, t
+        assert torch.equal(mine.isnan(), theirs.isnan()), t
+        assert torch.equal(mine.nan_to_num(0.0), theirs.nan_to_num(0.0)), f"step {t} differs"
+
+
+def assert_entries_equal(entries: tuple, reference: tuple) -> None:
+    """`sparse()` scattered over -inf gives the dense step; no -inf entry is listed."""
+    assert len(entries) == len(reference)
+    for step, dense in zip(entries, reference):
+        dense = dense.cpu().reshape(-1, dense.shape[-1])
+        rebuilt = torch.full_like(dense, NEG_INF)
+        offsets = step["offsets"].tolist()
+        for r in range(dense.shape[0]):
+            ids = step["indices"][offsets[r] : offsets[r + 1]]
+            rebuilt[r, ids] = step["values"][offsets[r] : offsets[r + 1]]
+            assert bool((ids[1:] > ids[:-1]).all())
+        assert not bool((step["values"] == NEG_INF).any())
+        assert torch.equal(rebuilt.nan_to_num(0.0), dense.nan_to_num(0.0))
+
+
+@pytest.mark.parametrize("reader", READERS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_sparse_equals_hugging_face(gpt2, case, reader, tmp_path):
+    batch = left_padded_batch()
+    kwargs, _ = _resolve_eos(gpt2, batch, CASES[case])
+    if missing_options(kwargs):
+        pytest.skip(f"transformers {TRANSFORMERS} has no {missing_options(kwargs)}")
+    torch.manual_seed(SEED)
+    reference = hf_reference(gpt2, **batch, max_new_tokens=NEW_TOKENS, **kwargs)
+    options = {"spill_dir": tmp_path / "run", "shard_bytes": SMALL_SHARD_BYTES} if reader != "memory" else {}
+    with Recorder(gpt2, encodings=BOTH, **options) as rec:
+        torch.manual_seed(SEED)
+        sequences = gpt2.generate(**batch, logits_processor=[rec], max_new_tokens=NEW_TOKENS, **kwargs)
+    assert torch.equal(sequences, reference.sequences), "the recorder changed the generated tokens"
+    if reader == "open_recording":
+        rec = open_recording(tmp_path / "run")
+    assert rec.generation().encodings == BOTH
+    assert_dense_equal(rec.logits(), reference.logits)
+    assert_dense_equal(rec.scores(), reference.scores)
+    assert_entries_equal(rec.sparse("scores"), reference.scores)
+
+
+@pytest.mark.filterwarnings("ignore:`num_hidden_layers` is deprecated:FutureWarning")
+@pytest.mark.parametrize("case", sorted(OTHER_MODES))
+def test_sparse_in_every_other_mode(case, tmp_path):
+    """Against a dense recording of the same call (whose equality with Hugging Face the modes' own
+    tests show)."""
+    dense, sparse = record_other_mode(case, tmp_path, [{}, {"encodings": BOTH}])
+    assert torch.equal(sparse.sequences, dense.sequences)
+    assert_dense_equal(sparse.logits(), dense.logits())
+    assert_dense_equal(sparse.scores(), dense.scores())
+
+
+@pytest.mark.parametrize("store", ["memory", "spill"])
+def test_rows_over_the_capacity_are_stored_whole_and_stay_exact(gpt2, store, tmp_path, monkeypatch):
+    """With room for 3 entries per row on the device, top_p rows hold 1 to many entries: those with
+    more than 3 are taken whole, the others sparse, in the same step."""
+    monkeypatch.setattr(_encodings, "SPARSE_CAPACITY", 3)
+    batch = left_padded_batch()
+    kwargs = dict(do_sample=True, top_p=0.5, max_new_tokens=8, min_new_tokens=8)
+    torch.manual_seed(SEED)
+    reference = hf_reference(gpt2, **batch, **kwargs)
+    options = {"spill_dir": tmp_path / "run", "shard_bytes": 2_000} if store == "spill" else {}
+    with Recorder(gpt2, streams=("scores",), encodings={"scores": "sparse"}, **options) as rec:
+        torch.manual_seed(SEED)
+        gpt2.generate(**batch, logits_processor=[rec], **kwargs)
+    if store == "spill":
+        rec = open_recording(tmp_path / "run")
+    assert_dense_equal(rec.scores(), reference.scores)
+    assert_entries_equal(rec.sparse(), reference.scores)
+    counts = [int(c) for step in reference.scores for c in (step != NEG_INF).sum(-1)]
+    assert any(c > 3 for c in counts) and any(c <= 3 for c in counts), counts  # both kinds of row ran
+    records = rec.generation()._get("scores", None, None, "pt")  # noqa: SLF001 - the stored layout
+    marks = torch.cat([record[3 : 3 + len(batch["input_ids"])] for record in records]).tolist()
+    assert marks == [-1 if c > 3 else c for c in counts]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_record_keeps_every_bit(dtype):
+    """NaN, +inf, -0.0, subnormals and the extremes survive; only -inf entries are left out."""
+    x = torch.full((4, 40), NEG_INF)
+    x[0, [3, 7, 39]] = torch.tensor([float("nan"), float("inf"), -0.0])
+    x[1, 0] = torch.finfo(dtype).tiny / 4 if dtype != torch.bfloat16 else 1e-40
+    x[1, 39] = torch.finfo(dtype).max
+    x[2] = torch.linspace(-3, 3, 40)  # whole: every entry finite
+    x = x.to(dtype)  # row 3: all -inf
+    encoder = _encodings.Sparse(capacity=8)
+    flat = encoder.on_host(encoder.on_device(x), vocab=40, dtype=dtype, fetch=lambda rows: x.index_select(0, rows))
+    record = SparseRecord(flat)
+    assert (record.rows, record.vocab, record.dtype) == (4, 40, dtype)
+    assert flat[3:7].tolist() == [3, 2, -1, 0]
+    dense = record.dense(range(4))
+    wide = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[dtype]
+    assert torch.equal(dense.view(wide), x.view(wide))
+    entries = record.entries([0, 3])
+    assert entries["indices"].tolist() == [3, 7, 39] and entries["offsets"].tolist() == [0, 3, 3]
+
+
+def test_a_sparse_recording_is_small_and_says_its_encoding(gpt2, tmp_path):
+    with Recorder(gpt2, streams=("scores",), encodings={"scores": "sparse"}, spill_dir=tmp_path / "run") as rec:
+        gpt2.generate(**left_padded_batch(), logits_processor=[rec], do_sample=True, top_k=3, max_new_tokens=6,
+                      min_new_tokens=6)
+    entry = json.loads((tmp_path / "run" / "manifest.json").read_text())["generations"][0]
+    assert entry["streams"]["scores"] == {"dtype": "int32", "shape": [None], "encoding": "sparse"}
+    described = open_recording(tmp_path / "run").describe()["generations"][0]["streams"]["scores"]
+    # Per step: the header (3), 3 row counts, and 3 ids and 3 values per row.
+    assert described["bytes"] == 6 * (3 + 3 + 3 * 6) * 4
+    assert described["dense_bytes"] == 6 * 3 * 128 * 4
+
+
+def test_a_step_whose_rows_are_finite_costs_dense_plus_a_header(gpt2, tmp_path):
+    with Recorder(gpt2, encodings=BOTH, spill_dir=tmp_path / "run") as rec:
+        gpt2.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=4, min_new_tokens=4)
+    described = open_recording(tmp_path / "run").describe()["generations"][0]["streams"]
+    for name in ("logits", "scores"):
+        assert described[name]["bytes"] == described[name]["dense_bytes"] + 4 * (3 + 3) * 4
+
+
+@pytest.mark.filterwarnings("ignore:`torch_dtype` is deprecated:FutureWarning")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sparse_in_a_half_precision_model(dtype, tmp_path):
+    model = make_tiny("llama").to(dtype)
+    batch = left_padded_batch()
+    kwargs = dict(do_sample=True, top_k=4, max_new_tokens=6)
+    torch.manual_seed(SEED)
+    reference = hf_reference(model, **batch, **kwargs)
+    with Recorder(model, encodings=BOTH, spill_dir=tmp_path / "run2", shard_bytes=2_000) as rec:
+        torch.manual_seed(SEED)
+        model.generate(**batch, logits_processor=[rec], **kwargs)
+    for source in (rec, open_recording(tmp_path / "run2")):
+        assert_dense_equal(source.logits(), reference.logits)
+        assert_dense_equal(source.scores(), reference.scores)
+
+
+def test_sparse_of_a_dense_stream_and_bad_requests(gpt2):
+    with Recorder(gpt2, encodings={"scores": "sparse"}) as rec:
+        gpt2.generate(**left_padded_batch(), logits_processor=[rec], do_sample=True, top_k=2, max_new_tokens=3)
+    assert_entries_equal(rec.sparse("logits"), rec.logits())  # recorded dense: computed from it
+    part = rec.sparse(steps=slice(1, 3), rows=[2, 0], framework="np")
+    assert len(part) == 2 and part[0]["offsets"].tolist() == [0, 2, 4] and part[0]["indices"].dtype.name == "int64"
+    one = rec.scores(rows=1)
+    assert one[0].shape == (128,) and torch.equal(one[0], rec.scores()[0][1])
+    assert torch.equal(rec.scores(rows=[2, 0])[1], rec.scores()[1][[2, 0]])
+    with pytest.raises(ValueError, match="must be one of"):
+        rec.sparse("tokens")
+    with pytest.raises(ValueError, match="recorded sparse, not as top-k"):
+        rec.topk("scores")
+
+
+def test_a_damaged_record_raises_recording_error(gpt2, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    with Recorder(gpt2, streams=("scores",), encodings={"scores": "sparse"}, spill_dir=tmp_path / "run") as rec:
+        gpt2.generate(**left_padded_batch(), logits_processor=[rec], do_sample=True, top_k=2, max_new_tokens=3)
+    shard = tmp_path / "run" / "g0000-s00000.safetensors"
+    tensors = load_file(shard)
+    tensors["scores"][3] = 999  # a row count past the vocabulary
+    save_file(tensors, shard, metadata=__import__("safetensors").safe_open(str(shard), "pt").metadata())
+    with pytest.raises(RecordingError, match="scores step 0: .*damaged"):
+        open_recording(tmp_path / "run").scores()
+
+
+def test_sparse_is_refused_for_a_float64_model():
+    model = make_tiny("gpt2").double()
+    with pytest.raises(ValueError, match="float32, float16 and bfloat16.*torch.float64"):
+        Recorder(model, encodings={"scores": "sparse"})
