@@ -12,27 +12,17 @@ from typing import Any, Sequence
 
 import torch
 
-from ..store.format import (
-    BEAM_MODES,
-    ENCODED_STREAMS,
-    SPARSE,
-    STATS_STREAM,
-    RecordingError,
-    SparseRecord,
-    sparse_entries,
-    stats_columns,
-    topk_columns,
-    topk_width,
-)
+from ..store.format import BEAM_MODES, STATS_STREAM, stats_columns
 from ..store.stored import StepSource, StoredGeneration, TransferStats
 from .indexing import Rows, Steps, as_framework, check_framework, row_index, step_range
+from .encoded_reading import EncodedReading, ReadableEncoded
 from .layer_reading import LayerReading, ReadableLayers
 
 _STEP_STREAMS = ("logits", "scores", "tokens", "finished", "beam_parents", STATS_STREAM)
 
 
 @dataclass(frozen=True, eq=False)
-class Generation(LayerReading):
+class Generation(LayerReading, EncodedReading):
     """The recording of one `generate()` call.
 
     Every per-step accessor returns a tuple with one entry per selected step (step 0 comes from the
@@ -137,66 +127,6 @@ class Generation(LayerReading):
         """
         return self._get_full("scores", steps, rows, framework)
 
-    def topk(self, stream: str = "scores", *, steps: Steps = None, rows: Rows = None,
-             framework: str = "pt") -> tuple[dict[str, Any], ...]:
-        """The top-k record of `stream` (`"logits"` or `"scores"`) per step, where the Recorder's
-        `encodings` asked for `"topk:K"`.
-
-        A tuple with one dict per selected step (on CPU, fewer rows with `rows=`): `values` float32
-        `(num_rows, K)`, the K largest entries of `out.logits[t]` / `out.scores[t]` in decreasing order,
-        and `indices` int64 `(num_rows, K)`, their token ids (`torch.topk(x, K, dim=-1)`, ties as torch
-        breaks them); `logsumexp` float32 `(num_rows,)` over the whole vocabulary
-        (`torch.logsumexp(x, -1)`); `mass_outside` float32 `(num_rows,)`, the probability outside the K
-        (`exp(logsumexp of the rest - logsumexp)`); and `logprobs` float32 `(num_rows, K)`,
-        `values - logsumexp[:, None]`. Each equals its expression on the device the step ran on.
-
-        Raises:
-            ValueError: `stream` is not `"logits"` or `"scores"`, or was recorded dense (read it with
-                `logits()` / `scores()`).
-            KeyError: the recording has no such stream.
-        """
-        if stream not in ENCODED_STREAMS:
-            raise ValueError(f"`stream` must be one of {ENCODED_STREAMS}, got {stream!r}.")
-        k = topk_width(self.encodings.get(stream, ""))
-        if k is None and stream in self.streams:
-            raise ValueError(
-                f"{stream!r} was recorded {self.encodings.get(stream, 'dense')}, not as top-k: read it with `{stream}()`."
-            )
-        records = self._get(stream, steps, rows, "pt")
-        return tuple(
-            {name: as_framework(value, name, framework) for name, value in topk_columns(record, k).items()}
-            for record in records
-        )
-
-    def sparse(self, stream: str = "scores", *, steps: Steps = None, rows: Rows = None,
-               framework: str = "pt") -> tuple[dict[str, Any], ...]:
-        """The entries of `stream` (`"logits"` or `"scores"`) that are not -inf, per step, without
-        densifying: what `encodings={"scores": "sparse"}` stores (a stream recorded dense gives the
-        same, computed from its dense steps).
-
-        A tuple with one dict per selected step, on CPU: `indices` int64 `(n,)`, token ids (ascending
-        within a row), `values` `(n,)` in the stream's dtype, and `offsets` int64 `(num_rows + 1,)`:
-        row i's entries are `indices[offsets[i]:offsets[i + 1]]` (rows as `rows=` picks them; an int
-        `rows` gives one row). Scattered over a fill of -inf they give `scores()` (`out.scores[t]`) bit
-        for bit. `rows=`, `steps=` and `framework=` as in `logits()`.
-
-        Raises:
-            ValueError: `stream` is not `"logits"` or `"scores"`, or was recorded as top-k.
-            KeyError: the recording has no such stream.
-        """
-        if stream not in ENCODED_STREAMS:
-            raise ValueError(f"`stream` must be one of {ENCODED_STREAMS}, got {stream!r}.")
-        check_framework(framework)
-        encoding = self.encodings.get(stream)
-        if encoding == SPARSE:
-            steps_entries = [record.entries([squeeze] if squeeze is not None else picked)
-                             for record, picked, squeeze in self._sparse_records(stream, steps, rows)]
-        else:
-            dense = self._get_full(stream, steps, rows, "pt")
-            steps_entries = [sparse_entries(step.reshape(-1, step.shape[-1])) for step in dense]
-        return tuple({name: as_framework(value, stream, framework) for name, value in entries.items()}
-                     for entries in steps_entries)
-
     def tokens(self, *, steps: Steps = None, rows: Rows = None, framework: str = "pt") -> tuple[Any, ...]:
         """The token chosen at each step, per row: a tuple of int64 tensors `(num_rows,)`.
 
@@ -297,40 +227,6 @@ class Generation(LayerReading):
         index = row_index(rows, value.shape[0])
         return as_framework(value if index is None else value[index], name, framework)
 
-    def _get_full(self, name: str, steps: Steps, rows: Rows, framework: str) -> tuple[Any, ...]:
-        encoding = self.encodings.get(name)
-        if encoding == SPARSE:
-            check_framework(framework)
-            return tuple(
-                as_framework(record.dense(picked), name, framework) if squeeze is None
-                else as_framework(record.dense([squeeze])[0], name, framework)
-                for record, picked, squeeze in self._sparse_records(name, steps, rows)
-            )
-        if encoding is not None:
-            raise ValueError(
-                f"{name!r} was recorded as {encoding!r} (the Recorder's `encodings`), which keeps only part of "
-                f"each step: read it with `topk({name!r})`."
-            )
-        return self._get(name, steps, rows, framework)
-
-    def _sparse_records(self, name: str, steps: Steps, rows: Rows) -> list[tuple[SparseRecord, list[int], int | None]]:
-        """Each selected step's sparse record of `name`, the rows picked from it, and the row when
-        `rows` is an int (the row axis dropped)."""
-        index = row_index(rows, self.num_rows)
-        picked = list(range(self.num_rows)) if index is None else torch.arange(self.num_rows)[index].reshape(-1).tolist()
-        squeeze = picked[0] if isinstance(index, int) else None
-        found = []
-        for t, record in zip(step_range(steps, self.num_steps), self._get(name, steps, None, "pt")):
-            try:
-                parsed = SparseRecord(record)
-            except ValueError as error:
-                raise RecordingError(f"{name} step {t}", f"{error}; the recording is damaged.") from None
-            if parsed.rows != self.num_rows:
-                raise RecordingError(f"{name} step {t}", f"the record holds {parsed.rows} rows, the generation "
-                                     f"{self.num_rows}; the recording is damaged.")
-            found.append((parsed, picked, squeeze))
-        return found
-
     def _get(self, name: str, steps: Steps, rows: Rows, framework: str) -> tuple[Any, ...]:
         check_framework(framework)
         if name not in self.streams and self.num_steps == 0 and name in _STEP_STREAMS:
@@ -349,7 +245,7 @@ def generation_of(stored: StoredGeneration) -> Generation:
     return Generation(**stored.fields, _source=stored.source)
 
 
-class Readable(ReadableLayers):
+class Readable(ReadableLayers, ReadableEncoded):
     """Accessors shared by `Recorder` and `Recording`: each reads one generation (default: the latest)."""
 
     def generation(self, index: int = -1) -> Generation:  # pragma: no cover - overridden
@@ -369,16 +265,6 @@ class Readable(ReadableLayers):
                framework: str = "pt") -> tuple[Any, ...]:
         """Chosen token per row and step; see `Generation.tokens`."""
         return self.generation(generation).tokens(steps=steps, rows=rows, framework=framework)
-
-    def topk(self, stream: str = "scores", generation: int = -1, *, steps: Steps = None, rows: Rows = None,
-             framework: str = "pt") -> tuple[dict[str, Any], ...]:
-        """The top-k record of `stream` per step of one generation; see `Generation.topk`."""
-        return self.generation(generation).topk(stream, steps=steps, rows=rows, framework=framework)
-
-    def sparse(self, stream: str = "scores", generation: int = -1, *, steps: Steps = None, rows: Rows = None,
-               framework: str = "pt") -> tuple[dict[str, Any], ...]:
-        """The entries of `stream` that are not -inf, per step of one generation; see `Generation.sparse`."""
-        return self.generation(generation).sparse(stream, steps=steps, rows=rows, framework=framework)
 
     def stats(self, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
               framework: str = "pt") -> tuple[dict[str, Any], ...]:

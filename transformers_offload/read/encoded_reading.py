@@ -1,0 +1,140 @@
+"""Reading `logits` and `scores` recorded with an encoding (`Recorder(..., encodings=...)`).
+
+`EncodedReading` gives `Generation` what `logits()` / `scores()` read through (dense tensors back from
+`"sparse"` records; a pointer to `topk()` for `"topk:K"`) and the `topk()` and `sparse()` accessors;
+`ReadableEncoded` the same accessors on `Recorder` and `Recording` (one generation, default the latest).
+The records' layouts are `store.format`'s.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..store.format import (
+    ENCODED_STREAMS,
+    SPARSE,
+    RecordingError,
+    SparseRecord,
+    sparse_entries,
+    topk_columns,
+    topk_width,
+)
+from .indexing import Rows, Steps, as_framework, check_framework, row_index, step_range
+
+
+class EncodedReading:
+    """The encoded-stream accessors of `Generation` (which provides `encodings`, `streams`,
+    `num_rows`, `num_steps` and `_get`)."""
+
+    def topk(self, stream: str = "scores", *, steps: Steps = None, rows: Rows = None,
+             framework: str = "pt") -> tuple[dict[str, Any], ...]:
+        """The top-k record of `stream` (`"logits"` or `"scores"`) per step, where the Recorder's
+        `encodings` asked for `"topk:K"`.
+
+        A tuple with one dict per selected step (on CPU, fewer rows with `rows=`): `values` float32
+        `(num_rows, K)`, the K largest entries of `out.logits[t]` / `out.scores[t]` in decreasing order,
+        and `indices` int64 `(num_rows, K)`, their token ids (`torch.topk(x, K, dim=-1)`, ties as torch
+        breaks them); `logsumexp` float32 `(num_rows,)` over the whole vocabulary
+        (`torch.logsumexp(x, -1)`); `mass_outside` float32 `(num_rows,)`, the probability outside the K
+        (`exp(logsumexp of the rest - logsumexp)`); and `logprobs` float32 `(num_rows, K)`,
+        `values - logsumexp[:, None]`. Each equals its expression on the device the step ran on.
+
+        Raises:
+            ValueError: `stream` is not `"logits"` or `"scores"`, or was recorded dense (read it with
+                `logits()` / `scores()`).
+            KeyError: the recording has no such stream.
+        """
+        if stream not in ENCODED_STREAMS:
+            raise ValueError(f"`stream` must be one of {ENCODED_STREAMS}, got {stream!r}.")
+        k = topk_width(self.encodings.get(stream, ""))
+        if k is None and stream in self.streams:
+            raise ValueError(
+                f"{stream!r} was recorded {self.encodings.get(stream, 'dense')}, not as top-k: read it with `{stream}()`."
+            )
+        records = self._get(stream, steps, rows, "pt")
+        return tuple(
+            {name: as_framework(value, name, framework) for name, value in topk_columns(record, k).items()}
+            for record in records
+        )
+
+    def sparse(self, stream: str = "scores", *, steps: Steps = None, rows: Rows = None,
+               framework: str = "pt") -> tuple[dict[str, Any], ...]:
+        """The entries of `stream` (`"logits"` or `"scores"`) that are not -inf, per step, without
+        densifying: what `encodings={"scores": "sparse"}` stores (a stream recorded dense gives the
+        same, computed from its dense steps).
+
+        A tuple with one dict per selected step, on CPU: `indices` int64 `(n,)`, token ids (ascending
+        within a row), `values` `(n,)` in the stream's dtype, and `offsets` int64 `(num_rows + 1,)`:
+        row i's entries are `indices[offsets[i]:offsets[i + 1]]` (rows as `rows=` picks them; an int
+        `rows` gives one row). Scattered over a fill of -inf they give `scores()` (`out.scores[t]`) bit
+        for bit. `rows=`, `steps=` and `framework=` as in `logits()`.
+
+        Raises:
+            ValueError: `stream` is not `"logits"` or `"scores"`, or was recorded as top-k.
+            KeyError: the recording has no such stream.
+        """
+        if stream not in ENCODED_STREAMS:
+            raise ValueError(f"`stream` must be one of {ENCODED_STREAMS}, got {stream!r}.")
+        check_framework(framework)
+        encoding = self.encodings.get(stream)
+        if encoding == SPARSE:
+            steps_entries = [record.entries([squeeze] if squeeze is not None else picked)
+                             for record, picked, squeeze in self._sparse_records(stream, steps, rows)]
+        else:
+            dense = self._get_full(stream, steps, rows, "pt")
+            steps_entries = [sparse_entries(step.reshape(-1, step.shape[-1])) for step in dense]
+        return tuple({name: as_framework(value, stream, framework) for name, value in entries.items()}
+                     for entries in steps_entries)
+
+    def _get_full(self, name: str, steps: Steps, rows: Rows, framework: str) -> tuple[Any, ...]:
+        encoding = self.encodings.get(name)
+        if encoding == SPARSE:
+            check_framework(framework)
+            return tuple(
+                as_framework(record.dense(picked), name, framework) if squeeze is None
+                else as_framework(record.dense([squeeze])[0], name, framework)
+                for record, picked, squeeze in self._sparse_records(name, steps, rows)
+            )
+        if encoding is not None:
+            raise ValueError(
+                f"{name!r} was recorded as {encoding!r} (the Recorder's `encodings`), which keeps only part of "
+                f"each step: read it with `topk({name!r})`."
+            )
+        return self._get(name, steps, rows, framework)
+
+    def _sparse_records(self, name: str, steps: Steps, rows: Rows) -> list[tuple[SparseRecord, list[int], int | None]]:
+        """Each selected step's sparse record of `name`, the rows picked from it, and the row when
+        `rows` is an int (the row axis dropped)."""
+        index = row_index(rows, self.num_rows)
+        picked = list(range(self.num_rows)) if index is None else torch.arange(self.num_rows)[index].reshape(-1).tolist()
+        squeeze = picked[0] if isinstance(index, int) else None
+        found = []
+        for t, record in zip(step_range(steps, self.num_steps), self._get(name, steps, None, "pt")):
+            try:
+                parsed = SparseRecord(record)
+            except ValueError as error:
+                raise RecordingError(f"{name} step {t}", f"{error}; the recording is damaged.") from None
+            if parsed.rows != self.num_rows:
+                raise RecordingError(f"{name} step {t}", f"the record holds {parsed.rows} rows, the generation "
+                                     f"{self.num_rows}; the recording is damaged.")
+            found.append((parsed, picked, squeeze))
+        return found
+
+
+class ReadableEncoded:
+    """The encoded-stream accessors of `Recorder` and `Recording`; see `EncodedReading`."""
+
+    def generation(self, index: int = -1) -> Any:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def topk(self, stream: str = "scores", generation: int = -1, *, steps: Steps = None, rows: Rows = None,
+             framework: str = "pt") -> tuple[dict[str, Any], ...]:
+        """The top-k record of `stream` per step of one generation; see `Generation.topk`."""
+        return self.generation(generation).topk(stream, steps=steps, rows=rows, framework=framework)
+
+    def sparse(self, stream: str = "scores", generation: int = -1, *, steps: Steps = None, rows: Rows = None,
+               framework: str = "pt") -> tuple[dict[str, Any], ...]:
+        """The entries of `stream` that are not -inf, per step of one generation; see `Generation.sparse`."""
+        return self.generation(generation).sparse(stream, steps=steps, rows=rows, framework=framework)
