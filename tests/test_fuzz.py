@@ -37,6 +37,7 @@ GOLDEN = Path(__file__).resolve().parent / "golden"
 # The fixtures hold no state between examples: each example copies its recording afresh, and
 # `_survives` starts the list of opened files over.
 # A deadline per example stands for "never hangs" (and a watchdog below ends the run if one does).
+BASES = ["dense", "layers", "beam", "stats", "topk", "sparse"]  # the recordings `bases` makes
 FUZZ = settings(max_examples=800 * FUZZ_SCALE, deadline=10_000, suppress_health_check=[
     HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.function_scoped_fixture])
 
@@ -185,7 +186,7 @@ def _mutate(manifest: Any, path: tuple, how: str, value: Any, key: str) -> Any:
 
 
 @FUZZ
-@given(data=st.data(), base=st.sampled_from(["dense", "layers", "beam"]),
+@given(data=st.data(), base=st.sampled_from(BASES),
        how=st.sampled_from(["replace", "replace", "delete", "extra", "duplicate"]), value=JSON, key=st.text(max_size=8))
 def test_a_mutated_manifest_gives_recording_error_or_reads(bases, scratch, opened, data, base, how, value, key):
     root = _copy(bases[base], scratch)
@@ -197,7 +198,7 @@ def test_a_mutated_manifest_gives_recording_error_or_reads(bases, scratch, opene
 
 
 @settings(FUZZ, max_examples=200 * FUZZ_SCALE)
-@given(base=st.sampled_from(["dense", "layers", "beam"]), depth=st.integers(min_value=1, max_value=200_000),
+@given(base=st.sampled_from(BASES), depth=st.integers(min_value=1, max_value=200_000),
        where=st.sampled_from(["top", "generations", "streams", "files"]))
 def test_a_manifest_nested_deeply_or_not_json(bases, scratch, opened, base, depth, where):
     root = _copy(bases[base], scratch)
@@ -218,7 +219,7 @@ def _split(data: bytes) -> tuple[dict, bytes]:
 
 
 @FUZZ
-@given(data=st.data(), base=st.sampled_from(["dense", "layers", "beam"]),
+@given(data=st.data(), base=st.sampled_from(BASES),
        how=st.sampled_from(["header", "header", "length", "truncate", "flip", "tensor"]), value=JSON, key=st.text(max_size=8),
        length=st.sampled_from([0, 1, 7, 8, 2**31, 2**63, 2**64 - 1]) | st.integers(min_value=0, max_value=4096))
 def test_a_mutated_or_truncated_shard_header_gives_recording_error_or_reads(bases, scratch, opened, data, base, how,
@@ -256,7 +257,7 @@ def test_a_mutated_or_truncated_shard_header_gives_recording_error_or_reads(base
 
 
 # -- files that lead out ------------------------------------------------------------------------------
-@pytest.mark.parametrize("base", ["dense", "layers", "beam"])
+@pytest.mark.parametrize("base", BASES)
 def test_a_file_replaced_by_a_link_leading_out_is_refused_without_reading_it(bases, scratch, opened, base):
     root = _copy(bases[base], scratch)
     outside = scratch / "outside.safetensors"

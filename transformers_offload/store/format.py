@@ -195,6 +195,7 @@ def topk_columns(record: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
 SPARSE = "sparse"
 SPARSE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # index = the header's dtype code
 SPARSE_HEADER = 3
+SPARSE_MAX_VOCAB = 2**24  # a record claiming more tokens is refused (a damaged record must not allocate GBs)
 FLAT_ENCODINGS = ("ragged", SPARSE)  # stored flat, the steps' shapes beside them
 NEGATIVE_INFINITY = float("-inf")
 
@@ -211,7 +212,8 @@ class SparseRecord:
             raise ValueError(f"a sparse record is a flat int32 tensor of at least {SPARSE_HEADER} values, got "
                              f"{list(record.shape)} {record.dtype}")
         rows, vocab, code = (int(v) for v in record[:SPARSE_HEADER])
-        if rows < 0 or vocab < 1 or not 0 <= code < len(SPARSE_DTYPES) or record.numel() < SPARSE_HEADER + rows:
+        if (rows < 0 or not 1 <= vocab <= SPARSE_MAX_VOCAB or not 0 <= code < len(SPARSE_DTYPES)
+                or record.numel() < SPARSE_HEADER + rows):
             raise ValueError(f"a sparse record's header [{rows}, {vocab}, {code}] is not valid")
         counts = record[SPARSE_HEADER : SPARSE_HEADER + rows].to(torch.int64)
         if bool(((counts < -1) | (counts > vocab)).any()):
