@@ -13,7 +13,9 @@ interleaved, `--repeats` times, each the median:
 - stock `generate()` (the baseline);
 - the Recorder in memory, draining in `generate()`'s thread (the CPU path);
 - the Recorder in memory, draining in a background thread (the CUDA path's structure, forced on CPU;
-  its CUDA calls, which the GPU benchmark's ring table measures, are not in it).
+  its CUDA calls, which the GPU benchmark's ring table measures, are not in it);
+- the Recorder in memory, inline, with `encodings={"scores": "sparse"}` (greedy: every row is finite,
+  so each is stored whole, the sparse encoding's costliest host path), and with `"topk:20"`.
 
 Prints microseconds per step over the baseline and writes `host_overhead.json` and `.png` under `--out`.
 """
@@ -36,7 +38,9 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from _common import RESULTS, machine, plot_bars, print_table, write_json  # noqa: E402
 from transformers_offload import Recorder, recorder as recorder_module  # noqa: E402
 
-CASES = ("baseline", "Recorder, drained inline (CPU path)", "Recorder, drained by a thread (CUDA path)")
+CASES = ("baseline", "Recorder, drained inline (CPU path)", "Recorder, drained by a thread (CUDA path)",
+         "Recorder, scores sparse, inline", "Recorder, scores topk:20, inline")
+ENCODINGS = {CASES[3]: {"scores": "sparse"}, CASES[4]: {"scores": "topk:20"}}
 
 
 def build() -> LlamaForCausalLM:
@@ -70,7 +74,7 @@ def main() -> None:
             if case == CASES[0]:
                 model.generate(**call)
             else:
-                with Recorder(model) as rec:
+                with Recorder(model, encodings=ENCODINGS.get(case)) as rec:
                     model.generate(**call, logits_processor=[rec])
                 assert rec.generation().num_steps == args.steps
             return time.perf_counter() - started

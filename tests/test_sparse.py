@@ -80,9 +80,10 @@ def test_sparse_in_every_other_mode(case, tmp_path):
 
 
 @pytest.mark.parametrize("store", ["memory", "spill"])
-def test_rows_over_the_capacity_are_stored_whole_and_stay_exact(gpt2, store, tmp_path, monkeypatch):
+def test_rows_over_the_capacity_are_fetched_whole_and_stay_exact(gpt2, store, tmp_path, monkeypatch):
     """With room for 3 entries per row on the device, top_p rows hold 1 to many entries: those with
-    more than 3 are taken whole, the others sparse, in the same step."""
+    more than 3 are fetched whole (and stored sparse from there), the others come from the device part,
+    in the same step."""
     monkeypatch.setattr(_encodings, "SPARSE_CAPACITY", 3)
     batch = left_padded_batch()
     kwargs = dict(do_sample=True, top_p=0.5, max_new_tokens=8, min_new_tokens=8)
@@ -100,7 +101,7 @@ def test_rows_over_the_capacity_are_stored_whole_and_stay_exact(gpt2, store, tmp
     assert any(c > 3 for c in counts) and any(c <= 3 for c in counts), counts  # both kinds of row ran
     records = rec.generation()._get("scores", None, None, "pt")  # noqa: SLF001 - the stored layout
     marks = torch.cat([record[3 : 3 + len(batch["input_ids"])] for record in records]).tolist()
-    assert marks == [-1 if c > 3 else c for c in counts]
+    assert marks == [-1 if 2 * c >= 128 else c for c in counts]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -129,7 +130,8 @@ def test_a_sparse_recording_is_small_and_says_its_encoding(gpt2, tmp_path):
         gpt2.generate(**left_padded_batch(), logits_processor=[rec], do_sample=True, top_k=3, max_new_tokens=6,
                       min_new_tokens=6)
     entry = json.loads((tmp_path / "run" / "manifest.json").read_text())["generations"][0]
-    assert entry["streams"]["scores"] == {"dtype": "int32", "shape": [None], "encoding": "sparse"}
+    assert entry["streams"]["scores"] == {"dtype": "int32", "shape": [None], "encoding": "sparse",
+                                          "dense": {"dtype": "float32", "shape": [3, 128]}}
     described = open_recording(tmp_path / "run").describe()["generations"][0]["streams"]["scores"]
     # Per step: the header (3), 3 row counts, and 3 ids and 3 values per row.
     assert described["bytes"] == 6 * (3 + 3 + 3 * 6) * 4
@@ -188,7 +190,52 @@ def test_a_damaged_record_raises_recording_error(gpt2, tmp_path):
         open_recording(tmp_path / "run").scores()
 
 
-def test_sparse_is_refused_for_a_float64_model():
+def test_sparse_of_a_float64_stream_keeps_every_bit(tmp_path):
+    """float64 values take two words each (transformers 4.45+ hands float32 logits even from a float64
+    model; older releases hand float64)."""
+    x = torch.full((3, 50), NEG_INF, dtype=torch.float64)
+    x[0, [1, 4]] = torch.tensor([1e-310, 1 / 3], dtype=torch.float64)
+    x[1] = torch.linspace(-1, 1, 50, dtype=torch.float64) / 7
+    encoder = _encodings.Sparse(capacity=4)
+    flat = encoder.on_host(encoder.on_device(x), vocab=50, dtype=torch.float64, fetch=lambda rows: x.index_select(0, rows))
+    record = SparseRecord(flat)
+    assert record.dtype == torch.float64 and flat[3:6].tolist() == [2, -1, 0]
+    assert torch.equal(record.dense(range(3)).view(torch.int64), x.view(torch.int64))
     model = make_tiny("gpt2").double()
-    with pytest.raises(ValueError, match="float32, float16 and bfloat16.*torch.float64"):
-        Recorder(model, encodings={"scores": "sparse"})
+    kwargs = dict(do_sample=True, top_k=4, max_new_tokens=4)
+    torch.manual_seed(SEED)
+    reference = hf_reference(model, **left_padded_batch(), **kwargs)
+    with Recorder(model, encodings=BOTH, spill_dir=tmp_path / "run") as rec:
+        torch.manual_seed(SEED)
+        model.generate(**left_padded_batch(), logits_processor=[rec], **kwargs)
+    for source in (rec, open_recording(tmp_path / "run")):
+        assert_dense_equal(source.scores(), reference.scores)
+        assert_dense_equal(source.logits(), reference.logits)
+
+
+def test_rows_over_the_capacity_but_short_are_stored_sparse(gpt2, monkeypatch):
+    """A row with more entries than the device part keeps is fetched whole, yet stored sparse when its
+    entries take less room than the row: no size cliff at the capacity."""
+    monkeypatch.setattr(_encodings, "SPARSE_CAPACITY", 3)
+    with Recorder(gpt2, streams=("scores",), encodings={"scores": "sparse"}) as rec:
+        gpt2.generate(**left_padded_batch(), logits_processor=[rec], do_sample=True, top_k=10, max_new_tokens=3)
+    for record in rec.generation()._get("scores", None, None, "pt"):  # noqa: SLF001 - the stored layout
+        assert record[3:6].tolist() == [10, 10, 10] and record.numel() == 3 + 3 + 3 * 20
+
+
+@pytest.mark.parametrize("where, flip, match", [(1, 1, "the manifest"), (2, 1, "the manifest"), (5, 1, "damaged")])
+def test_a_flipped_record_header_or_token_id_is_refused(gpt2, tmp_path, where, flip, match):
+    """The record's vocabulary and dtype must agree with the manifest's `dense`; a token id must lie in
+    the vocabulary (here `where` 5: the first row's first id)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with Recorder(gpt2, streams=("scores",), encodings={"scores": "sparse"}, spill_dir=tmp_path / "run") as rec:
+        gpt2.generate(**left_padded_batch(), logits_processor=[rec], do_sample=True, top_k=2, max_new_tokens=3)
+    shard = tmp_path / "run" / "g0000-s00000.safetensors"
+    metadata = safe_open(str(shard), "pt").metadata()
+    tensors = load_file(shard)
+    tensors["scores"][6 if where == 5 else where] += 1000 * flip if where == 5 else flip
+    save_file(tensors, shard, metadata=metadata)
+    with pytest.raises(RecordingError, match=match):
+        open_recording(tmp_path / "run").scores()

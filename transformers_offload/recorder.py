@@ -166,8 +166,7 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
             if shard_bytes < 1:
                 raise ValueError(f"`shard_bytes` must be at least 1 (byte), got {shard_bytes}.")
         self._selection = _layers.selection(model, tuple(streams), layers, heads, newest_position_only)
-        self._encodings = _encodings.check(encodings, tuple(streams), _model_info(model)["vocab_size"],
-                                           getattr(model, "dtype", None))
+        self._encodings = _encodings.check(encodings, tuple(streams), _model_info(model)["vocab_size"])
         if "attentions" in streams:
             _layers.require_eager(model)
         self._spill: Spill | None = None

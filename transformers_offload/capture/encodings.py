@@ -28,14 +28,13 @@ SPARSE_CAPACITY = 256  # entries per row the device part keeps; a row with more 
 
 
 
-def check(encodings: Any, streams: tuple[str, ...], vocab_size: int | None,
-          dtype: torch.dtype | None = None) -> dict[str, str]:
+def check(encodings: Any, streams: tuple[str, ...], vocab_size: int | None) -> dict[str, str]:
     """The Recorder's `encodings`, checked: stream name -> encoding, without the dense ones.
 
     Raises:
         TypeError: not a dict of str to str.
-        ValueError: a stream that cannot be encoded or is not recorded, an unknown encoding, a K
-            larger than the vocabulary, or `"sparse"` for a model in float64 (`dtype`).
+        ValueError: a stream that cannot be encoded or is not recorded, an unknown encoding, or a K
+            larger than the vocabulary.
     """
     if encodings is None:
         return {}
@@ -50,18 +49,14 @@ def check(encodings: Any, streams: tuple[str, ...], vocab_size: int | None,
         if encoding == "dense":
             continue
         if encoding == SPARSE:
-            if dtype is not None and dtype not in SPARSE_DTYPES:
-                raise ValueError(
-                    f"`encodings[{stream!r}]` is \"sparse\", which keeps float32, float16 and bfloat16 values; this "
-                    f"model computes in {dtype}. Record {stream!r} dense (drop it from `encodings`)."
-                )
             chosen[stream] = encoding
             continue
         k = topk_width(encoding)
         if k is None:
+            hint = " K must be at least 1." if encoding.startswith("topk:") else ""
             raise ValueError(
-                f"`encodings[{stream!r}]` is {encoding!r}; this release knows \"dense\", \"sparse\" and \"topk:K\" (K "
-                "a positive int, e.g. \"topk:20\"). The \"native\" encoding is not available yet."
+                f"`encodings[{stream!r}]` is {encoding!r}; the encodings are \"dense\", \"sparse\" and \"topk:K\" "
+                f"(K a positive int written in digits, e.g. \"topk:20\").{hint}"
             )
         if isinstance(vocab_size, int) and k > vocab_size:
             raise ValueError(f"`encodings[{stream!r}]` keeps the top {k} of a vocabulary of {vocab_size}; choose K <= {vocab_size}.")
@@ -88,51 +83,69 @@ class Sparse:
     """The `"sparse"` encoding (lossless), in two parts so that the step never waits for the device.
 
     `on_device` runs where the tensor is (on CUDA, on the side stream, over the slot's staging copy)
-    and keeps a fixed `(rows, 1 + 2C)` int32 record per step, C = `capacity` (at most the vocabulary):
-    per row its count of entries that are not -inf, then the ids of up to C of them (ascending) and
-    their float32 bit patterns. `on_host` runs once that record is on the host (on CUDA, in the
-    drainer thread) and packs the step's flat record (`store.format.SparseRecord`), taking a row whole
-    from `fetch` when it has more than C entries or when its entries would take as much room as the row.
+    and keeps a fixed `(rows, 1 + (1 + w) C)` int32 record per step, C = `capacity` (at most the
+    vocabulary), w = `value_words(dtype)`: per row its count of entries that are not -inf, then the
+    ids of up to C of them (ascending) and their bit patterns. `on_host` runs once that record is on
+    the host (on CUDA, in the drainer thread) and packs the step's flat record
+    (`store.format.SparseRecord`). A row with more than C entries, or whose entries would take as much
+    room as the row, is taken whole from `fetch`; it is then stored whole only in the second case,
+    else sparse, from the fetched row.
     """
 
     def __init__(self, capacity: int | None = None) -> None:
         self.capacity = SPARSE_CAPACITY if capacity is None else capacity
 
     def on_device(self, x: torch.Tensor) -> torch.Tensor:
-        """`x` `(rows, vocab)` -> `(rows, 1 + 2C)` int32 on `x`'s device; no host synchronisation."""
+        """`x` `(rows, vocab)` -> `(rows, 1 + (1 + w) C)` int32 on `x`'s device; no host synchronisation."""
         x = x.detach()
         rows, vocab = x.shape
         width = min(self.capacity, vocab)
-        values = x.float()
+        values = x if x.dtype == torch.float64 else x.float()
         counts = (values != float("-inf")).sum(-1)
         # torch.topk ranks NaN and +inf above every number and -inf below: a row's first `counts`
         # (up to `width`) are exactly its entries that are not -inf.
         top, ids = torch.topk(values, width, dim=-1)
         kept = torch.arange(width, device=x.device) < counts[:, None]
         order = torch.where(kept, ids, vocab).sort(dim=-1)
-        words = top.gather(-1, order.indices).view(torch.int32)
+        words = top.gather(-1, order.indices).view(torch.int32)  # (rows, w * width)
         return torch.cat([counts.to(torch.int32)[:, None], order.values.to(torch.int32), words], dim=-1)
 
     def on_host(self, fixed: torch.Tensor, *, vocab: int, dtype: torch.dtype,
                 fetch: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """The step's flat int32 record from `on_device`'s host copy; `fetch(rows)` returns those rows of
         the step's tensor, whole, on the host (a `(n, vocab)` tensor of `dtype`)."""
-        rows, width = fixed.shape[0], (fixed.shape[1] - 1) // 2
+        w = value_words(dtype)
+        rows, width = fixed.shape[0], (fixed.shape[1] - 1) // (1 + w)
         counts = fixed[:, 0].to(torch.int64)
-        whole = (counts > width) | (2 * counts >= vocab)
+        fetched = (counts > width) | ((1 + w) * counts >= w * vocab)
         header = torch.tensor([rows, vocab, SPARSE_DTYPES.index(dtype)], dtype=torch.int32)
-        marks = torch.where(whole, -1, counts).to(torch.int32)
-        if not bool(whole.any()):
+        if not bool(fetched.any()):
             kept = torch.arange(width)[None, :] < counts[:, None]
-            entries = fixed[:, 1:][torch.cat([kept, kept], dim=-1)]  # per row its ids, then its values
-            return torch.cat([header, marks, entries])
-        taken = whole.nonzero().flatten()
-        full = dict(zip(taken.tolist(), fetch(taken).float().view(torch.int32)))
-        parts = [header, marks]
+            entries = fixed[:, 1:][torch.cat([kept, kept.repeat_interleave(w, dim=-1)], dim=-1)]  # per row: ids, values
+            return torch.cat([header, counts.to(torch.int32), entries])
+        taken = fetched.nonzero().flatten()
+        rows_of = dict(zip(taken.tolist(), fetch(taken)))
+        marks, parts = counts.to(torch.int32).clone(), []
         for r in range(rows):
-            if r in full:
-                parts.append(full[r])
-            else:
+            row = rows_of.get(r)
+            if row is None:
                 n = int(counts[r])
-                parts += [fixed[r, 1 : 1 + n], fixed[r, 1 + width : 1 + width + n]]
-        return torch.cat(parts)
+                parts += [fixed[r, 1 : 1 + n], fixed[r, 1 + width : 1 + width + w * n]]
+            elif (1 + w) * int(counts[r]) >= w * vocab:
+                marks[r] = -1  # stored whole
+                parts.append(_words(row))
+            else:  # more entries than the device part keeps, still fewer than the row: sparse from the row
+                ids = (row != float("-inf")).nonzero().flatten()
+                parts += [ids.to(torch.int32), _words(row[ids])]
+        return torch.cat([header, marks, *parts])
+
+
+def value_words(dtype: torch.dtype) -> int:
+    """int32 words per value in a sparse record: 2 for float64, else 1 (float16 and bfloat16 widen to
+    float32 exactly)."""
+    return 2 if dtype == torch.float64 else 1
+
+
+def _words(values: torch.Tensor) -> torch.Tensor:
+    wide = values if values.dtype == torch.float64 else values.float()
+    return wide.contiguous().view(torch.int32).reshape(-1)

@@ -66,7 +66,7 @@ class EncodedReading:
         same, computed from its dense steps).
 
         A tuple with one dict per selected step, on CPU: `indices` int64 `(n,)`, token ids (ascending
-        within a row), `values` `(n,)` in the stream's dtype, and `offsets` int64 `(num_rows + 1,)`:
+        within a row), `values` `(n,)` in the stream's dtype, and `offsets` int64 `(len(rows) + 1,)`:
         row i's entries are `indices[offsets[i]:offsets[i + 1]]` (rows as `rows=` picks them; an int
         `rows` gives one row). Scattered over a fill of -inf they give `scores()` (`out.scores[t]`) bit
         for bit. `rows=`, `steps=` and `framework=` as in `logits()`.

@@ -189,15 +189,22 @@ def topk_columns(record: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
 # One flat int32 record per step, stored like a ragged stream (the steps' records concatenated, their
 # lengths in `NAME.shapes`): a header `[rows, vocab, dtype code]`, then per row its count of entries
 # (or -1: the row is stored whole), then per row in order either `count` token ids (ascending) and
-# `count` value words, or `vocab` value words. A value word is the float32 bit pattern of the value
-# (float16 and bfloat16 values widen to float32 exactly). Every entry that is not -inf is kept, so the
-# dense tensor is the record's entries over a fill of -inf, bit for bit.
+# `count` values, or `vocab` values. A value is w int32 words, its bit pattern: float32 (w = 1; float16
+# and bfloat16 values widen to float32 exactly) or float64 (w = 2). Every entry that is not -inf is
+# kept, so the dense tensor is the record's entries over a fill of -inf, bit for bit. The manifest's
+# stream entry names the dense dtype and per-step shape (`dense`); every record's header must agree.
 SPARSE = "sparse"
-SPARSE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # index = the header's dtype code
+SPARSE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # index = the dtype code
 SPARSE_HEADER = 3
 SPARSE_MAX_VOCAB = 2**24  # a record claiming more tokens is refused (a damaged record must not allocate GBs)
 FLAT_ENCODINGS = ("ragged", SPARSE)  # stored flat, the steps' shapes beside them
 NEGATIVE_INFINITY = float("-inf")
+
+
+def sparse_dense(header: Sequence[int]) -> dict[str, Any]:
+    """The manifest's `dense` entry of a sparse stream, from a record's header `[rows, vocab, code]`."""
+    rows, vocab, code = header
+    return {"dtype": dtype_name(SPARSE_DTYPES[code]), "shape": [rows, vocab]}
 
 
 class SparseRecord:
@@ -215,33 +222,43 @@ class SparseRecord:
         if (rows < 0 or not 1 <= vocab <= SPARSE_MAX_VOCAB or not 0 <= code < len(SPARSE_DTYPES)
                 or record.numel() < SPARSE_HEADER + rows):
             raise ValueError(f"a sparse record's header [{rows}, {vocab}, {code}] is not valid")
+        self.rows, self.vocab, self.dtype = rows, vocab, SPARSE_DTYPES[code]
+        self.header = [rows, vocab, code]
+        self._words = 2 if self.dtype == torch.float64 else 1
         counts = record[SPARSE_HEADER : SPARSE_HEADER + rows].to(torch.int64)
         if bool(((counts < -1) | (counts > vocab)).any()):
             raise ValueError("a sparse record's row counts are out of range")
-        lengths = torch.where(counts < 0, vocab, 2 * counts)
+        lengths = torch.where(counts < 0, self._words * vocab, (1 + self._words) * counts)
         offsets = torch.zeros(rows + 1, dtype=torch.int64)
         torch.cumsum(lengths, 0, out=offsets[1:])
         if SPARSE_HEADER + rows + int(offsets[-1]) != record.numel():
             raise ValueError("a sparse record's row counts do not add up to its length")
-        self.rows, self.vocab, self.dtype = rows, vocab, SPARSE_DTYPES[code]
         self._counts = counts.tolist()
         self._payload = record[SPARSE_HEADER + rows :]
         self._starts = offsets.tolist()
+        ids = [self._payload[start : start + n] for start, n in zip(self._starts, self._counts) if n > 0]
+        if ids:
+            every = torch.cat(ids)
+            if bool((every < 0).any()) or bool((every >= vocab).any()):
+                raise ValueError("a sparse record holds a token id outside the vocabulary")
+
+    def _values(self, words: torch.Tensor) -> torch.Tensor:
+        return words.clone().view(torch.float64 if self._words == 2 else torch.float32)
 
     def row(self, r: int) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Row `r`'s token ids (int64, ascending; None for a row stored whole) and values (float32)."""
+        """Row `r`'s token ids (int64, ascending; None for a row stored whole) and values (float32, or
+        float64 for a float64 stream)."""
         start, count = self._starts[r], self._counts[r]
         if count < 0:
-            return None, self._payload[start : start + self.vocab].view(torch.float32)
+            return None, self._values(self._payload[start : start + self._words * self.vocab])
         ids = self._payload[start : start + count].to(torch.int64)
-        if count and (bool((ids < 0).any()) or bool((ids >= self.vocab).any())):
-            raise ValueError("a sparse record holds a token id outside the vocabulary")
-        return ids, self._payload[start + count : start + 2 * count].view(torch.float32)
+        return ids, self._values(self._payload[start + count : start + (1 + self._words) * count])
 
     def dense(self, rows: Sequence[int]) -> torch.Tensor:
         """Rows `rows` as the dense `(len(rows), vocab)` tensor in the recorded dtype: the kept entries
         over -inf (lossless: `torch.equal` to what was recorded)."""
-        out = torch.full((len(rows), self.vocab), NEGATIVE_INFINITY, dtype=torch.float32)
+        wide = torch.float64 if self._words == 2 else torch.float32
+        out = torch.full((len(rows), self.vocab), NEGATIVE_INFINITY, dtype=wide)
         for i, r in enumerate(rows):
             ids, values = self.row(r)
             if ids is None:

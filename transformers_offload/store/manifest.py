@@ -27,12 +27,16 @@ from .format import (
     STATUSES,
     STEP_LAYER_KINDS,
     SPARSE,
+    SPARSE_DTYPES,
+    SPARSE_MAX_VOCAB,
     RecordingError,
+    dtype_name,
     dtype_of,
     split_layer_stream,
     topk_width,
 )
 
+SPARSE_DTYPE_NAMES = tuple(dtype_name(dtype) for dtype in SPARSE_DTYPES)
 PER_ROW_STREAMS = ("tokens", "finished", "beam_parents")  # shape (rows,)
 REQUIRED_STREAMS = ("tokens", "finished")
 
@@ -252,7 +256,11 @@ def _check_stream_set(entry: dict[str, Any], path: Path, where: str) -> None:
     for name, stream in streams.items():
         shape = stream["shape"]
         if stream["encoding"] == SPARSE:
-            continue  # its records carry their rows (checked when read)
+            if stream["dense"]["shape"][0] != rows:
+                raise RecordingError(
+                    path, f"{where}: stream {name!r} decodes to {stream['dense']['shape'][0]} rows, `num_rows` is {rows}."
+                )
+            continue
         if stream["encoding"] == "ragged":
             if shape[0] != rows:
                 raise RecordingError(
@@ -288,10 +296,17 @@ def _check_stream(name: str, stream: Any, path: Path, where: str) -> None:
                 f"[rows, {2 * k + 2}] for {ENCODED_STREAMS} only; got {stream['dtype']} {stream['shape']!r}.",
             )
     elif stream["encoding"] == SPARSE:
-        if name not in ENCODED_STREAMS or stream["dtype"] != "int32" or stream["shape"] != [None]:
+        dense = stream.get("dense")
+        good_dense = (
+            isinstance(dense, dict) and dense.get("dtype") in SPARSE_DTYPE_NAMES and isinstance(dense.get("shape"), list)
+            and len(dense["shape"]) == 2 and _count(dense["shape"][0]) and _count(dense["shape"][1])
+            and 1 <= dense["shape"][1] <= SPARSE_MAX_VOCAB
+        )
+        if name not in ENCODED_STREAMS or stream["dtype"] != "int32" or stream["shape"] != [None] or not good_dense:
             raise RecordingError(
                 path, f"{where}: stream {name!r} uses 'sparse', which stores one flat int32 record per step "
-                f"(shape [null]) for {ENCODED_STREAMS} only; got {stream['dtype']} {stream['shape']!r}.",
+                f"(shape [null]) for {ENCODED_STREAMS} only, with `dense` naming a float dtype and [rows, vocab]; "
+                f"got {stream['dtype']} {stream['shape']!r}, dense {dense!r}.",
             )
         return
     elif stream["encoding"] not in ENCODINGS:

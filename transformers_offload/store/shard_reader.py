@@ -59,7 +59,11 @@ class ShardSource:
                 continue
             local = range(wanted.start - first, wanted[-1] - first + 1, wanted.step)
             if ragged:
-                values.extend(self._shard(shard).ragged(name, local, rows))
+                opened = self._shard(shard)
+                picked = opened.ragged(name, local, rows)
+                if self._stream_info[name]["encoding"] == _format.SPARSE:
+                    _check_sparse_headers(opened.path, name, picked, self._stream_info[name]["dense"])
+                values.extend(picked)
                 continue
             picked = self._shard(shard).dense(name)[local.start : local.stop : local.step]  # mapped: reads nothing yet
             if rows is not None:
@@ -146,6 +150,17 @@ class _Shard:
                 raise RecordingError(self.path, f"the step shapes of {name!r} do not add up to its {total} values; the file is damaged.")
             found = self._shapes[name] = (shapes, ends)
         return found
+
+
+def _check_sparse_headers(path: Path, name: str, records: list[torch.Tensor], dense: dict[str, Any]) -> None:
+    """Every sparse record decodes to the manifest's `dense` dtype and shape."""
+    expected = [*dense["shape"], _format.SPARSE_DTYPES.index(_format.dtype_of(dense["dtype"]))]
+    for record in records:
+        if record[: _format.SPARSE_HEADER].tolist() != expected:
+            raise RecordingError(
+                path, f"a record of {name!r} says [rows, vocab, dtype code] {record[: _format.SPARSE_HEADER].tolist()}, "
+                f"the manifest {expected}; the file is damaged.",
+            )
 
 
 def _read(path: Path, read: Any) -> Any:

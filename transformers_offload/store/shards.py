@@ -371,8 +371,9 @@ class ShardStore:
                 for stream in self._names
                 if stream not in self._ragged
             }
-            for stream in self._sparse:  # one flat int32 record per step
-                entry["streams"][stream]["shape"] = [None]
+            for stream in self._sparse:  # one flat int32 record per step, and what it decodes to
+                header = buffer.records[stream][buffer.first_step][: _format.SPARSE_HEADER].tolist()
+                entry["streams"][stream].update(shape=[None], dense=_format.sparse_dense(header))
             for stream in sorted(self._ragged, key=self._names.index):
                 entry["streams"][stream] = {
                     "dtype": _format.dtype_name(tensors[stream].dtype),
