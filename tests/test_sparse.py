@@ -125,6 +125,22 @@ def test_a_record_keeps_every_bit(dtype):
     assert entries["indices"].tolist() == [3, 7, 39] and entries["offsets"].tolist() == [0, 3, 3]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("capacity", [1, 4, 64])
+@pytest.mark.parametrize("kept", ["few", "mixed", "all"])
+def test_the_cpu_record_is_the_device_and_host_parts_record(dtype, capacity, kept):
+    """`on_cpu` (the ring's CPU path) makes the very record the CUDA path's two parts make."""
+    generator = torch.Generator().manual_seed(capacity)
+    x = torch.randn(6, 40, generator=generator).to(dtype)
+    share = {"few": [0.1] * 6, "mixed": [0.05, 0.6, 1.0, 0.0, 0.3, 0.9], "all": [1.0] * 6}[kept]
+    for r, p in enumerate(share):
+        x[r, torch.rand(40, generator=generator) >= p] = NEG_INF
+    encoder = _encodings.Sparse(capacity=capacity)
+    parts = encoder.on_host(encoder.on_device(x), vocab=40, dtype=dtype, fetch=lambda rows: x.index_select(0, rows))
+    assert torch.equal(encoder.on_cpu(x), parts)
+    assert torch.equal(SparseRecord(parts).dense(range(6)).float().nan_to_num(), x.float().nan_to_num())
+
+
 def test_a_sparse_recording_is_small_and_says_its_encoding(gpt2, tmp_path):
     with Recorder(gpt2, streams=("scores",), encodings={"scores": "sparse"}, spill_dir=tmp_path / "run") as rec:
         gpt2.generate(**left_padded_batch(), logits_processor=[rec], do_sample=True, top_k=3, max_new_tokens=6,

@@ -140,6 +140,36 @@ class Sparse:
         return torch.cat([header, marks, *parts])
 
 
+    def on_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        """The step's flat record of a CPU tensor at once, the same as `on_host(on_device(x), ...)` (the
+        host may look at the counts: there is no device to wait for)."""
+        x = x.detach()
+        rows, vocab = x.shape
+        w = value_words(x.dtype)
+        keep = x != float("-inf")
+        counts = keep.sum(-1)
+        whole = (1 + w) * counts >= w * vocab
+        header = torch.tensor([rows, vocab, SPARSE_DTYPES.index(x.dtype)], dtype=torch.int32)
+        marks = torch.where(whole, -1, counts).to(torch.int32)
+        if bool(whole.all()):
+            return torch.cat([header, marks, _words(x)])
+        if not bool(whole.any()):
+            # Per row its ids, then its values: every kept entry keyed by its row, ids before values.
+            found = keep.nonzero()
+            row = found[:, 0]
+            items = torch.cat([found[:, 1].to(torch.int32), _words(x[keep])])
+            keys = torch.cat([2 * row, (2 * row + 1).repeat_interleave(w)])
+            return torch.cat([header, marks, items[keys.sort(stable=True).indices]])
+        parts = []
+        for r in range(rows):
+            if bool(whole[r]):
+                parts.append(_words(x[r]))
+            else:
+                ids = keep[r].nonzero().flatten()
+                parts += [ids.to(torch.int32), _words(x[r, ids])]
+        return torch.cat([header, marks, *parts])
+
+
 def value_words(dtype: torch.dtype) -> int:
     """int32 words per value in a sparse record: 2 for float64, else 1 (float16 and bfloat16 widen to
     float32 exactly)."""

@@ -40,13 +40,16 @@ Drain = Callable[[int, dict[str, torch.Tensor]], None]
 
 
 class Encoder(Protocol):
-    """A stream encoded in two parts (`capture.encodings.Sparse`): one where the tensor is, one on the
-    host once that part's result has arrived (`fetch` gives rows of the step's tensor, whole)."""
+    """A stream encoded in two parts on CUDA (`capture.encodings.Sparse`): one where the tensor is, one
+    on the host once that part's result has arrived (`fetch` gives rows of the step's tensor, whole);
+    a CPU tensor is encoded at once (`on_cpu`, the same record)."""
 
     def on_device(self, tensor: torch.Tensor) -> torch.Tensor: ...
 
     def on_host(self, fixed: torch.Tensor, *, vocab: int, dtype: torch.dtype,
                 fetch: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor: ...
+
+    def on_cpu(self, tensor: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass
@@ -105,10 +108,8 @@ class HostRing:
         self._raise_drain_error()
         slot = self._slot_for(step)
         if encoder is not None and tensor.device.type != "cuda":
-            # On the host both parts run now, before any later in-place edit of `tensor`.
-            fixed = encoder.on_device(tensor)
-            slot.views[stream] = encoder.on_host(fixed, vocab=tensor.shape[-1], dtype=tensor.dtype,
-                                                 fetch=lambda rows: tensor.index_select(0, rows))
+            # On the host the record is made now, before any later in-place edit of `tensor`.
+            slot.views[stream] = encoder.on_cpu(tensor)
             slot.encoded.pop(stream, None)
         elif encoder is not None:
             self._copy_from_cuda(slot, stream, tensor, None, encoder=encoder)
