@@ -1,10 +1,11 @@
 """What compact recordings cost (per-token statistics, sparse scores, top-k), against stock generate() and against
 recording the full tensors.
 
-    .venv/bin/python bench/compact_cost.py [--batch 4] [--new-tokens 64] [--repeats 3] [--out bench/results]
+    .venv/bin/python bench/compact_cost.py [--batch 4] [--new-tokens 64] [--repeats 3] [--sampling top_p]
+        [--out bench/results]
 
-SmolLM2-135M-Instruct (CPU, float32; vocabulary 49,152), `--batch` chat prompts, sampling with
-temperature 0.7 and top_p 0.9, `--new-tokens` steps (`min_new_tokens` too, so every case runs the same
+SmolLM2-135M-Instruct (CPU, float32; vocabulary 49,152), `--batch` chat prompts, `--sampling`
+`top_p` (temperature 0.7, top_p 0.9), `top_k` (top_k 50) or `greedy`, `--new-tokens` steps (`min_new_tokens` too, so every case runs the same
 number of steps). Cases, interleaved, `--repeats` times, each the median wall time of one generate()
 call, in memory:
 
@@ -18,7 +19,7 @@ call, in memory:
 - the Recorder with `streams=("scores", "stats")` and `encodings={"scores": "topk:20"}`.
 
 Reports each case's time over the baseline and the bytes it recorded, and writes `compact_cost.json`
-under `--out`.
+under `--out` (`compact_cost-SAMPLING-bBATCH.json` for other settings than top_p at batch 4).
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ CASES = {  # name: (streams, encodings), or None for stock generate()
     "Recorder: logits, scores as topk:20": (("logits", "scores"), {"logits": "topk:20", "scores": "topk:20"}),
     "Recorder: scores as topk:20, stats": (("scores", "stats"), {"scores": "topk:20"}),
 }
+SAMPLING = {  # --sampling
+    "top_p": dict(do_sample=True, temperature=0.7, top_p=0.9),
+    "top_k": dict(do_sample=True, top_k=50),
+    "greedy": dict(do_sample=False),
+}
 PROMPTS = [
     "Write a haiku about the sea.",
     "Explain what a hash table is in two sentences.",
@@ -72,6 +78,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sampling", choices=sorted(SAMPLING), default="top_p")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
 
@@ -80,8 +87,8 @@ def main() -> None:
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
              for p in (PROMPTS * args.batch)[: args.batch]]
     batch = tokenizer(texts, return_tensors="pt", padding=True)
-    options = dict(do_sample=True, temperature=0.7, top_p=0.9, max_new_tokens=args.new_tokens,
-                   min_new_tokens=args.new_tokens, pad_token_id=tokenizer.pad_token_id)
+    options = dict(SAMPLING[args.sampling], max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                   pad_token_id=tokenizer.pad_token_id)
 
     def run(case):
         torch.manual_seed(0)
@@ -107,7 +114,7 @@ def main() -> None:
     base = statistics.median(times["stock generate"])
     rows = []
     record = {"machine": machine(), "batch": args.batch, "new_tokens": args.new_tokens, "repeats": args.repeats,
-              "cases": {}}
+              "sampling": args.sampling, "cases": {}}
     for name in CASES:
         median = statistics.median(times[name])
         per_row_step = sizes[name] / (args.batch * args.new_tokens)
@@ -115,7 +122,8 @@ def main() -> None:
         record["cases"][name] = {"seconds": times[name], "median_s": median, "ratio": median / base,
                                  "bytes": sizes[name], "bytes_per_row_and_step": per_row_step}
     print_table(["case", "s (median)", "/ stock", "bytes recorded", "per row and step"], rows)
-    write_json(args.out / "compact_cost.json", record)
+    suffix = "" if (args.sampling, args.batch) == ("top_p", 4) else f"-{args.sampling}-b{args.batch}"
+    write_json(args.out / f"compact_cost{suffix}.json", record)
 
 
 if __name__ == "__main__":
