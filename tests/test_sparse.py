@@ -217,10 +217,16 @@ def test_sparse_of_a_float64_stream_keeps_every_bit(tmp_path):
     record = SparseRecord(flat)
     assert record.dtype == torch.float64 and flat[3:6].tolist() == [2, -1, 0]
     assert torch.equal(record.dense(range(3)).view(torch.int64), x.view(torch.int64))
+
+
+def test_sparse_in_a_float64_model(tmp_path):
     model = make_tiny("gpt2").double()
     kwargs = dict(do_sample=True, top_k=4, max_new_tokens=4)
     torch.manual_seed(SEED)
-    reference = hf_reference(model, **left_padded_batch(), **kwargs)
+    try:
+        reference = hf_reference(model, **left_padded_batch(), **kwargs)
+    except RuntimeError as error:  # 4.42's causal mask overflows in float64 ("cannot be converted")
+        pytest.skip(f"transformers {TRANSFORMERS} cannot generate with a float64 GPT-2 itself: {error}")
     with Recorder(model, encodings=BOTH, spill_dir=tmp_path / "run") as rec:
         torch.manual_seed(SEED)
         model.generate(**left_padded_batch(), logits_processor=[rec], **kwargs)
