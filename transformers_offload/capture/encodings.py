@@ -27,7 +27,6 @@ from ..store.format import ENCODED_STREAMS, SPARSE, SPARSE_DTYPES, topk_width
 SPARSE_CAPACITY = 256  # entries per row the device part keeps; a row with more is copied whole
 
 
-
 def check(encodings: Any, streams: tuple[str, ...], vocab_size: int | None) -> dict[str, str]:
     """The Recorder's `encodings`, checked: stream name -> encoding, without the dense ones.
 
@@ -131,14 +130,9 @@ class Sparse:
             if row is None:
                 n = int(counts[r])
                 parts += [fixed[r, 1 : 1 + n], fixed[r, 1 + width : 1 + width + w * n]]
-            elif (1 + w) * int(counts[r]) >= w * vocab:
-                marks[r] = -1  # stored whole
-                parts.append(_words(row))
-            else:  # more entries than the device part keeps, still fewer than the row: sparse from the row
-                ids = (row != float("-inf")).nonzero().flatten()
-                parts += [ids.to(torch.int32), _words(row[ids])]
+            else:  # whole, or more entries than the device part keeps: from the row itself
+                marks[r] = _row_parts(row, parts)
         return torch.cat([header, marks, *parts])
-
 
     def on_cpu(self, x: torch.Tensor) -> torch.Tensor:
         """The step's flat record of a CPU tensor at once, the same as `on_host(on_device(x), ...)` (the
@@ -160,13 +154,9 @@ class Sparse:
             items = torch.cat([found[:, 1].to(torch.int32), _words(x[keep])])
             keys = torch.cat([2 * row, (2 * row + 1).repeat_interleave(w)])
             return torch.cat([header, marks, items[keys.sort(stable=True).indices]])
-        parts = []
+        parts: list[torch.Tensor] = []
         for r in range(rows):
-            if bool(whole[r]):
-                parts.append(_words(x[r]))
-            else:
-                ids = keep[r].nonzero().flatten()
-                parts += [ids.to(torch.int32), _words(x[r, ids])]
+            _row_parts(x[r], parts)
         return torch.cat([header, marks, *parts])
 
 
@@ -174,6 +164,18 @@ def value_words(dtype: torch.dtype) -> int:
     """int32 words per value in a sparse record: 2 for float64, else 1 (float16 and bfloat16 widen to
     float32 exactly)."""
     return 2 if dtype == torch.float64 else 1
+
+
+def _row_parts(row: torch.Tensor, parts: list[torch.Tensor]) -> int:
+    """Append one dense host row to a record's `parts`, whole or as its ids and values, whichever is
+    smaller; returns its mark (its count of entries, or -1 for whole)."""
+    w, vocab = value_words(row.dtype), row.shape[-1]
+    ids = (row != float("-inf")).nonzero().flatten()
+    if (1 + w) * ids.numel() >= w * vocab:
+        parts.append(_words(row))
+        return -1
+    parts += [ids.to(torch.int32), _words(row[ids])]
+    return ids.numel()
 
 
 def _words(values: torch.Tensor) -> torch.Tensor:

@@ -80,8 +80,8 @@ class EncodedReading:
         check_framework(framework)
         encoding = self.encodings.get(stream)
         if encoding == SPARSE:
-            steps_entries = [record.entries([squeeze] if squeeze is not None else picked)
-                             for record, picked, squeeze in self._sparse_records(stream, steps, rows)]
+            records, picked, _ = self._sparse_records(stream, steps, rows)
+            steps_entries = [record.entries(picked) for record in records]
         else:
             dense = self._get_full(stream, steps, rows, "pt")
             steps_entries = [sparse_entries(step.reshape(-1, step.shape[-1])) for step in dense]
@@ -92,11 +92,9 @@ class EncodedReading:
         encoding = self.encodings.get(name)
         if encoding == SPARSE:
             check_framework(framework)
-            return tuple(
-                as_framework(record.dense(picked), name, framework) if squeeze is None
-                else as_framework(record.dense([squeeze])[0], name, framework)
-                for record, picked, squeeze in self._sparse_records(name, steps, rows)
-            )
+            records, picked, one_row = self._sparse_records(name, steps, rows)
+            dense = [record.dense(picked) for record in records]
+            return tuple(as_framework(step[0] if one_row else step, name, framework) for step in dense)
         if encoding is not None:
             raise ValueError(
                 f"{name!r} was recorded as {encoding!r} (the Recorder's `encodings`), which keeps only part of "
@@ -104,12 +102,11 @@ class EncodedReading:
             )
         return self._get(name, steps, rows, framework)
 
-    def _sparse_records(self, name: str, steps: Steps, rows: Rows) -> list[tuple[SparseRecord, list[int], int | None]]:
-        """Each selected step's sparse record of `name`, the rows picked from it, and the row when
-        `rows` is an int (the row axis dropped)."""
+    def _sparse_records(self, name: str, steps: Steps, rows: Rows) -> tuple[list[SparseRecord], list[int], bool]:
+        """Each selected step's sparse record of `name`, the rows `rows` picks (the same in every
+        step), and whether `rows` is an int (the row axis dropped)."""
         index = row_index(rows, self.num_rows)
         picked = list(range(self.num_rows)) if index is None else torch.arange(self.num_rows)[index].reshape(-1).tolist()
-        squeeze = picked[0] if isinstance(index, int) else None
         found = []
         for t, record in zip(step_range(steps, self.num_steps), self._get(name, steps, None, "pt")):
             try:
@@ -119,8 +116,8 @@ class EncodedReading:
             if parsed.rows != self.num_rows:
                 raise RecordingError(f"{name} step {t}", f"the record holds {parsed.rows} rows, the generation "
                                      f"{self.num_rows}; the recording is damaged.")
-            found.append((parsed, picked, squeeze))
-        return found
+            found.append(parsed)
+        return found, picked, isinstance(index, int)
 
 
 class ReadableEncoded:

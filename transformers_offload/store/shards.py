@@ -277,8 +277,8 @@ class ShardStore:
             elif name in self._sparse:
                 # At most the dense step (plus its header): shards are sized for the worst case, so
                 # that three shard buffers stay bounded whatever the rows hold.
-                header = tensor[: _format.SPARSE_HEADER].tolist()
-                sizes[name] = max(tensor.nbytes, header[0] * header[1] * 4 if len(header) == 3 else 0)
+                rows_of, vocab, code = tensor[: _format.SPARSE_HEADER].tolist()
+                sizes[name] = max(tensor.nbytes, rows_of * vocab * _format.SPARSE_DTYPES[code].itemsize)
             else:
                 sizes[name] = tensor.nbytes
         capacity = int(max(1, min(self._max_steps, self._spill.shard_bytes // max(1, sum(sizes.values())))))
