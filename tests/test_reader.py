@@ -193,13 +193,31 @@ def test_numpy_selection(recording):
         ({"rows": [1.5]}, TypeError, "`rows` must be"),
         ({"rows": [True, False]}, IndexError, "mask must have 5 entries"),
         ({"steps": range(5, 12)}, IndexError, "outside the 9 recorded steps"),
-        ({"steps": 3}, TypeError, "`steps` must be a slice or a range"),
+        ({"steps": 9}, IndexError, "out of range for 9 recorded steps"),
+        ({"steps": -10}, IndexError, "out of range for 9 recorded steps"),
+        ({"steps": "3"}, TypeError, "`steps` must be an int, a slice or a range"),
+        ({"steps": True}, TypeError, "`steps` must be an int, a slice or a range"),
         ({"framework": "tf"}, ValueError, "`framework`"),
     ],
 )
 def test_bad_selections(recording, kwargs, error, match):
     with pytest.raises(error, match=match):
         open_recording(recording).logits(**kwargs)
+
+
+@pytest.mark.parametrize("step", [0, 3, 8, -1, -9])
+def test_an_int_step_reads_that_one_step_like_an_int_row(recording, step):
+    run = open_recording(recording)
+    picked = run.logits(steps=step, rows=2)
+    assert len(picked) == 1
+    assert torch.equal(picked[0], made_up_step(step % 9, ROWS, VOCAB)["logits"][2])
+
+
+def test_a_missing_stream_error_reads_as_written(recording):
+    with pytest.raises(KeyError) as caught:
+        open_recording(recording).generation().attentions()
+    assert "\\'" not in str(caught.value) and not str(caught.value).startswith(("'", '"'))
+    assert "this recording has no" in str(caught.value)
 
 
 def test_the_in_memory_recorder_takes_the_same_selections(gpt2):
@@ -439,6 +457,8 @@ def test_inspect_prints_the_summary(recording):
     assert f"{STEPS} steps x {ROWS} rows" in text and "3 shard(s)" in text
     assert "logits        float32   dense     (5, 16)" in text
     assert "2.8 KiB" in text  # 9 steps x 5 rows x 16 x 4 bytes
+    assert "prompt lengths (tokens, without padding): [2, 2, 2, 2, 2]" in text
+    assert "settings: do_sample=True" in text
 
 
 def test_inspect_json_and_incomplete(tmp_path):
@@ -449,6 +469,7 @@ def test_inspect_json_and_incomplete(tmp_path):
     assert generation["complete"] is False and "KeyboardInterrupt" in generation["error"]
     assert generation["streams"]["scores"]["bytes"] == 4 * 2 * 4 * 4
     assert summary["created_by"]["torch"] == "y"
+    assert generation["prompt_lengths"] == [2, 2] and generation["generation_config"] == {"do_sample": True}
 
 
 def test_inspect_into_a_closed_pipe_and_on_a_file(recording):

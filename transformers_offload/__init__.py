@@ -2,6 +2,7 @@
 
 from .capture.modes import UnsupportedModeError
 from .read.generation import Generation
+from .read.indexing import StreamNotRecorded
 from .read.reader import Recording, open_recording
 from .recorder import DeviceAccumulationWarning, Recorder
 from .store.format import RecordingError
@@ -17,6 +18,7 @@ __all__ = [
     "Recording",
     "RecordingError",
     "SpillError",
+    "StreamNotRecorded",
     "TransferStats",
     "UnsupportedModeError",
     "__version__",

@@ -83,6 +83,11 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"{generation['prompt_length']} tokens, {generation['num_shards']} shard(s), "
             f"{_size(generation['file_bytes'])} on disk",
         ]
+        if generation.get("prompt_lengths"):
+            lines.append(f"  prompt lengths (tokens, without padding): {_short_list(generation['prompt_lengths'])}")
+        settings = _settings(generation.get("generation_config") or {})
+        if settings:
+            lines.append(f"  settings: {settings}")
         width = max([14, *(len(stream) + 2 for stream in generation["streams"])])
         encoding_width = max([10, *(len(info["encoding"]) + 2 for info in generation["streams"].values())])
         encoded = any("dense_bytes" in info for info in generation["streams"].values())
@@ -100,6 +105,21 @@ def format_summary(summary: dict[str, Any]) -> str:
                 f"{_size(info['bytes']):>12}{ratio}"
             )
     return "\n".join(lines)
+
+
+# Generation-config keys that say nothing about how tokens were chosen (bookkeeping, ids shown elsewhere).
+_QUIET_SETTINGS = {"transformers_version", "_from_model_config", "bos_token_id", "return_dict_in_generate",
+                   "output_scores", "output_logits", "output_attentions", "output_hidden_states"}
+
+
+def _settings(config: dict[str, Any]) -> str:
+    """The call's generation settings, `key=value` in key order, without bookkeeping keys."""
+    return ", ".join(f"{key}={value!r}" for key, value in sorted(config.items()) if key not in _QUIET_SETTINGS)
+
+
+def _short_list(values: list[int], limit: int = 16) -> str:
+    shown = ", ".join(str(value) for value in values[:limit])
+    return f"[{shown}{f', ... ({len(values)} in all)' if len(values) > limit else ''}]"
 
 
 def _size(count: int) -> str:

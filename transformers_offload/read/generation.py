@@ -14,7 +14,7 @@ import torch
 
 from ..store.format import BEAM_MODES, STATS_STREAM, stats_columns
 from ..store.stored import StepSource, StoredGeneration, TransferStats
-from .indexing import Rows, Steps, as_framework, check_framework, row_index, step_range
+from .indexing import Rows, Steps, StreamNotRecorded, as_framework, check_framework, row_index, step_range
 from .encoded_reading import EncodedReading, ReadableEncoded
 from .layer_reading import LayerReading, ReadableLayers
 
@@ -94,7 +94,8 @@ class Generation(LayerReading, EncodedReading):
         `rows=`), one per selected step, in the dtype transformers gives them (float32 from 4.45), on CPU.
 
         Args:
-            steps (`slice | range`, *optional*): which steps, e.g. `slice(10, 20)`; default all.
+            steps (`int | slice | range`, *optional*): which steps, e.g. `3` (a one-step tuple), `-1` (the
+                last) or `slice(10, 20)`; default all.
             rows (`int | slice | Sequence[int]`, *optional*): which rows; an int drops the row axis.
             framework (`str`): `"pt"` for torch tensors, `"np"` for NumPy arrays.
 
@@ -232,7 +233,7 @@ class Generation(LayerReading, EncodedReading):
         if name not in self.streams and self.num_steps == 0 and name in _STEP_STREAMS:
             return ()  # a call that failed before its first step left no stream behind
         if name not in self.streams:
-            raise KeyError(
+            raise StreamNotRecorded(
                 f"this recording has no {name!r} stream (it holds {sorted(self.streams)}); create the "
                 f"Recorder with {name!r} in `streams` to record it."
             )

@@ -9,19 +9,37 @@ import torch
 
 FRAMEWORKS = ("pt", "np")
 Rows = Union[int, slice, Sequence[int], torch.Tensor, None]
-Steps = Union[slice, range, None]
+Steps = Union[int, slice, range, None]
+
+
+class StreamNotRecorded(KeyError):
+    """A `KeyError` for a stream (or layer) the recording does not hold; its message reads as written
+    (a plain `KeyError` prints its message quoted, with escaped quotes)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 def step_range(steps: Steps, num_steps: int) -> range:
+    """`steps` as a range of recorded steps: None (all), an int (that one step; negative counts from
+    the end), a slice or a range."""
     if steps is None:
         return range(num_steps)
+    if not isinstance(steps, (slice, range, bool)) and hasattr(steps, "__index__"):
+        step = operator.index(steps)
+        if not -num_steps <= step < num_steps:
+            raise IndexError(f"`steps` {step} is out of range for {num_steps} recorded steps.")
+        step %= num_steps
+        return range(step, step + 1)
     if isinstance(steps, slice):
         return range(num_steps)[steps]
     if isinstance(steps, range):
         if len(steps) and not (0 <= min(steps[0], steps[-1]) and max(steps[0], steps[-1]) < num_steps):
             raise IndexError(f"`steps` {steps} reaches outside the {num_steps} recorded steps.")
         return steps
-    raise TypeError(f"`steps` must be a slice or a range of steps (e.g. `slice(0, 10)`), got {steps!r}.")
+    raise TypeError(
+        f"`steps` must be an int, a slice or a range of steps (e.g. `3` or `slice(0, 10)`), got {steps!r}."
+    )
 
 
 def row_index(rows: Rows, num_rows: int) -> Any:

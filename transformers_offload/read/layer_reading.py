@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 import torch
 
 from ..store import format as _format
-from .indexing import Rows, Steps, as_framework, check_framework, step_range
+from .indexing import Rows, Steps, StreamNotRecorded, as_framework, check_framework, step_range
 
 if TYPE_CHECKING:
     from .generation import Generation
@@ -61,7 +61,7 @@ class LayerReading:
         axis holds those heads only.
 
         Args:
-            steps (`slice | range`, *optional*): which steps; default all.
+            steps (`int | slice | range`, *optional*): which steps (an int: that one step); default all.
             rows (`int | slice | Sequence[int]`, *optional*): which rows; an int drops the row axis.
             layers (`Sequence[int]`, *optional*): which recorded layers, as indices into the model's
                 layers (negative from the end); default every recorded one.
@@ -200,7 +200,7 @@ class LayerReading:
             hint = f" It holds {other}: read those instead." if other else (
                 " Create the Recorder with `streams=(..., \"attentions\", \"hidden_states\")` to record them."
             )
-            raise KeyError(f"this recording has no {kind!r}.{hint}")
+            raise StreamNotRecorded(f"this recording has no {kind!r}.{hint}")
         layers = _format.indices(layers, "layers")
         if layers is None:
             return [_format.layer_stream(kind, layer) for layer in recorded]
@@ -208,7 +208,7 @@ class LayerReading:
         chosen = _format.resolve(layers, count, f"`layers` for {kind}")
         missing = [layer for layer in chosen if layer not in recorded]
         if missing:
-            raise KeyError(f"layers {missing} of {kind!r} were not recorded; recorded: {list(recorded)}.")
+            raise StreamNotRecorded(f"layers {missing} of {kind!r} were not recorded; recorded: {list(recorded)}.")
         return [_format.layer_stream(kind, layer) for layer in chosen]
 
     # Provided by `Generation`.

@@ -101,7 +101,9 @@ class Recording(Readable):
         Each stream gives its `dtype`, `encoding`, per-step `shape` and `bytes` (of the readable
         steps), and an encoded one (`"sparse"`, `"topk:K"`) also `dense_bytes`, what the same steps would take as
         float32 `(rows, vocab_size)` tensors; each generation its `file_bytes` on disk (shards and
-        sequences).
+        sequences), its `prompt_lengths` (non-padding tokens per prompt; None without an attention
+        mask) and its `generation_config` (the settings that differ from the defaults,
+        `GenerationConfig.to_diff_dict()`).
         """
         generations = []
         for generation, entry in zip(self._generations, self._entries):
@@ -138,6 +140,8 @@ class Recording(Readable):
                     "num_rows": generation.num_rows,
                     "num_beams": generation.num_beams,
                     "prompt_length": generation.prompt_length,
+                    "prompt_lengths": list(generation.prompt_lengths) if generation.prompt_lengths else None,
+                    "generation_config": generation.generation_config,
                     "num_shards": len(entry["shards"]),
                     "file_bytes": sum(_size_of(self.path / name) for name in files),
                     "streams": streams,
