@@ -210,6 +210,34 @@ class Generation(LayerReading, EncodedReading):
         )
         return indices.numpy() if framework == "np" else indices
 
+    def transition_scores(self, *, normalize_logits: bool = False) -> torch.Tensor:
+        """The score of each returned sequence's token at each step.
+
+        Equals (`torch.equal`) `model.compute_transition_scores(out.sequences, out.scores,
+        out.beam_indices, normalize_logits=normalize_logits)` on the CPU tensors of the same call: a
+        tensor of shape `(num_returned_sequences, steps)`, in the scores' dtype (float32), on CPU, 0
+        after a beam-search sequence's last token. Outside beam search row `i` is row `i` of
+        `out.sequences`; `steps` is the number of recorded steps (in beam search, of the longest
+        returned sequence). With `normalize_logits`, each step's scores are first log-softmaxed over
+        the vocabulary (the scores' width, where Hugging Face takes the config's `vocab_size`).
+
+        Read a step at a time, or (normalised) a group of rows at a time over every step (about
+        256 MiB), never the whole recording at once.
+
+        Raises:
+            ValueError: the generation is incomplete (no sequences), or its scores were recorded as
+                top-k.
+            KeyError: the recording has no `scores` stream.
+            TypeError: `normalize_logits` is not a bool.
+
+        Example:
+            >>> rec.generation().transition_scores().shape  # doctest: +SKIP
+            torch.Size([3, 64])
+        """
+        from ..answers.transition_scores import transition_scores  # answers read; imported on use
+
+        return transition_scores(self, normalize_logits=normalize_logits)
+
     @property
     def is_beam(self) -> bool:
         """Whether this generation is a beam search (`beam_parents()` and `beam_indices()` exist)."""
@@ -286,6 +314,11 @@ class Readable(ReadableLayers, ReadableEncoded):
     def beam_indices(self, generation: int = -1, *, framework: str = "pt") -> Any:
         """Rows behind each returned beam-search sequence; see `Generation.beam_indices`."""
         return self.generation(generation).beam_indices(framework=framework)
+
+    def transition_scores(self, generation: int = -1, *, normalize_logits: bool = False) -> torch.Tensor:
+        """Each returned sequence's token score per step; see `Generation.transition_scores` (equals
+        `model.compute_transition_scores(out.sequences, out.scores, out.beam_indices, normalize_logits)`)."""
+        return self.generation(generation).transition_scores(normalize_logits=normalize_logits)
 
 
 def pick(generations: Sequence[Generation], index: int, empty: str) -> Generation:

@@ -1,0 +1,1 @@
+"""Answers from a recording (transition scores, logprobs, tables...): these modules only read."""
