@@ -238,6 +238,33 @@ class Generation(LayerReading, EncodedReading):
 
         return transition_scores(self, normalize_logits=normalize_logits)
 
+    def logprobs(self, *, kind: str = "raw", top: int = 0, tokenizer: Any = None,
+                 chunk_steps: int = 16) -> list[list[dict[str, Any]]]:
+        """Per returned sequence, per generated token: its logprob and rank, and the `top` most likely
+        alternatives, under the raw logits (`kind="raw"`, `out.logits`) or the processed scores
+        (`kind="processed"`, `out.scores`); plain Python objects, as serving APIs give `logprobs`.
+
+        A list with one list per returned sequence (row `j` of `sequences`), of one dict per token
+        through its end-of-sequence token (a finished row's padding is left out; in beam search, each
+        sequence's own length): `step` (int), `token` (int id), `logprob` (float, nats), `rank` (int,
+        0 = the most likely), with `top > 0` `top_logprobs` (a list of `{"token", "logprob"}`, most
+        likely first), and with a `tokenizer` the decoded `text` of each token. Each value is the
+        torch expression `answers.logprobs` gives (the per-token statistics' own, `torch.equal`), in
+        beam search on the row `beam_indices()` names. Read a chunk of `chunk_steps` steps at a time.
+
+        Raises:
+            ValueError: `kind` is not "raw" or "processed", `top` is negative, the generation is
+                incomplete, or the stream is missing or top-k (only `stats` recorded: ask for `top=0`).
+            TypeError: `tokenizer` has no `convert_ids_to_tokens`.
+
+        Example:
+            >>> rec.generation().logprobs(top=2)[0][0]  # doctest: +SKIP
+            {'step': 0, 'token': 3681, 'logprob': -0.21, 'rank': 0, 'top_logprobs': [...]}
+        """
+        from ..answers.logprobs import logprobs  # answers read; imported on use
+
+        return logprobs(self, kind=kind, top=top, tokenizer=tokenizer, chunk_steps=chunk_steps)
+
     @property
     def is_beam(self) -> bool:
         """Whether this generation is a beam search (`beam_parents()` and `beam_indices()` exist)."""
@@ -314,6 +341,11 @@ class Readable(ReadableLayers, ReadableEncoded):
     def beam_indices(self, generation: int = -1, *, framework: str = "pt") -> Any:
         """Rows behind each returned beam-search sequence; see `Generation.beam_indices`."""
         return self.generation(generation).beam_indices(framework=framework)
+
+    def logprobs(self, generation: int = -1, *, kind: str = "raw", top: int = 0, tokenizer: Any = None,
+                 chunk_steps: int = 16) -> list[list[dict[str, Any]]]:
+        """Per returned sequence and token: logprob, rank and top alternatives; see `Generation.logprobs`."""
+        return self.generation(generation).logprobs(kind=kind, top=top, tokenizer=tokenizer, chunk_steps=chunk_steps)
 
     def transition_scores(self, generation: int = -1, *, normalize_logits: bool = False) -> torch.Tensor:
         """Each returned sequence's token score per step; see `Generation.transition_scores` (equals
