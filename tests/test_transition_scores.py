@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from transformers_offload import Recorder, open_recording
-from transformers_offload.answers.transition_scores import transition_scores
+from transformers_offload.read.transition_scores import transition_scores
 
 from .conftest import left_padded_batch
 from .test_exactness import CASES, NEW_TOKENS, SEED, SMALL_SHARD_BYTES, _resolve_eos, hf_reference, missing_options

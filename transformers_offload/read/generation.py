@@ -17,6 +17,8 @@ from ..store.stored import StepSource, StoredGeneration, TransferStats
 from .indexing import Rows, Steps, StreamNotRecorded, as_framework, check_framework, row_index, step_range
 from .encoded_reading import EncodedReading, ReadableEncoded
 from .layer_reading import LayerReading, ReadableLayers
+from .logprobs import logprobs as _logprobs
+from .transition_scores import transition_scores as _transition_scores
 
 _STEP_STREAMS = ("logits", "scores", "tokens", "finished", "beam_parents", STATS_STREAM)
 
@@ -234,9 +236,7 @@ class Generation(LayerReading, EncodedReading):
             >>> rec.generation().transition_scores().shape  # doctest: +SKIP
             torch.Size([3, 64])
         """
-        from ..answers.transition_scores import transition_scores  # answers read; imported on use
-
-        return transition_scores(self, normalize_logits=normalize_logits)
+        return _transition_scores(self, normalize_logits=normalize_logits)
 
     def logprobs(self, *, kind: str = "raw", top: int = 0, tokenizer: Any = None,
                  chunk_steps: int = 16) -> list[list[dict[str, Any]]]:
@@ -249,7 +249,7 @@ class Generation(LayerReading, EncodedReading):
         sequence's own length): `step` (int), `token` (int id), `logprob` (float, nats), `rank` (int,
         0 = the most likely), with `top > 0` `top_logprobs` (a list of `{"token", "logprob"}`, most
         likely first), and with a `tokenizer` the decoded `text` of each token. Each value is the
-        torch expression `answers.logprobs` gives (the per-token statistics' own, `torch.equal`), in
+        torch expression `read.logprobs` gives (the per-token statistics' own, `torch.equal`), in
         beam search on the row `beam_indices()` names. Read a chunk of `chunk_steps` steps at a time.
 
         Raises:
@@ -261,9 +261,7 @@ class Generation(LayerReading, EncodedReading):
             >>> rec.generation().logprobs(top=2)[0][0]  # doctest: +SKIP
             {'step': 0, 'token': 3681, 'logprob': -0.21, 'rank': 0, 'top_logprobs': [...]}
         """
-        from ..answers.logprobs import logprobs  # answers read; imported on use
-
-        return logprobs(self, kind=kind, top=top, tokenizer=tokenizer, chunk_steps=chunk_steps)
+        return _logprobs(self, kind=kind, top=top, tokenizer=tokenizer, chunk_steps=chunk_steps)
 
     @property
     def is_beam(self) -> bool:

@@ -1,1 +1,0 @@
-"""Answers from a recording (transition scores, logprobs, tables...): these modules only read."""
