@@ -6,28 +6,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from transformers_offload import Recorder, open_recording
+from transformers_offload import open_recording
 
-from .conftest import left_padded_batch
+from .conftest import EOS
 from .helpers import write_made_up_recording
-from .test_exactness import CASES, NEW_TOKENS, SEED, SMALL_SHARD_BYTES, _resolve_eos, hf_reference, missing_options
+from .test_exactness import CASES, NEW_TOKENS
+from .test_stats import _run
 
 MODES = ["greedy", "sample_top_k_top_p", "num_return_sequences", "greedy_rows_finish_early",
          "sample_rows_finish_early", "beam_search", "beam_return_sequences", "beam_rows_finish_early"]
 
 
 def _recorded(model, case, spill_dir, streams=("logits", "scores", "stats")):
-    batch = left_padded_batch()
-    kwargs, eos = _resolve_eos(model, batch, CASES[case])
-    if missing_options(kwargs):
-        pytest.skip(f"this transformers has no {missing_options(kwargs)}")
-    torch.manual_seed(SEED)
-    reference = hf_reference(model, **batch, max_new_tokens=NEW_TOKENS, **kwargs)
-    options = {} if spill_dir is None else {"spill_dir": spill_dir, "shard_bytes": SMALL_SHARD_BYTES}
-    with Recorder(model, streams=streams, **options) as rec:
-        torch.manual_seed(SEED)
-        model.generate(**batch, logits_processor=[rec], max_new_tokens=NEW_TOKENS, **kwargs)
-    return batch, reference, eos, rec
+    """`test_stats._run`, with the end-of-sequence ids the case resolved to."""
+    batch, kwargs, reference, rec = _run(model, case, streams, spill_dir)
+    eos = kwargs.get("eos_token_id", EOS)
+    return batch, reference, eos if isinstance(eos, list) else [eos], rec
 
 
 def _expected(reference, prompt, eos, kind, top):

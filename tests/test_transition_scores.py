@@ -11,22 +11,14 @@ from transformers_offload import Recorder, open_recording
 from transformers_offload.read.transition_scores import transition_scores
 
 from .conftest import left_padded_batch
-from .test_exactness import CASES, NEW_TOKENS, SEED, SMALL_SHARD_BYTES, _resolve_eos, hf_reference, missing_options
+from .test_stats import _run
 
 MODES = ["greedy", "sample_top_k_top_p", "num_return_sequences", "greedy_rows_finish_early",
          "sample_rows_finish_early", "beam_search", "beam_return_sequences", "beam_rows_finish_early", "beam_sample"]
 
 
 def _recorded(model, case, spill_dir):
-    batch = left_padded_batch()
-    kwargs, _ = _resolve_eos(model, batch, CASES[case])
-    if missing_options(kwargs):
-        pytest.skip(f"this transformers has no {missing_options(kwargs)}")
-    torch.manual_seed(SEED)
-    reference = hf_reference(model, **batch, max_new_tokens=NEW_TOKENS, **kwargs)
-    with Recorder(model, spill_dir=spill_dir, shard_bytes=SMALL_SHARD_BYTES) as rec:
-        torch.manual_seed(SEED)
-        model.generate(**batch, logits_processor=[rec], max_new_tokens=NEW_TOKENS, **kwargs)
+    _, _, reference, rec = _run(model, case, ("logits", "scores"), spill_dir)
     return reference, rec
 
 
