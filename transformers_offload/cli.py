@@ -1,4 +1,5 @@
-"""The command line: `python -m transformers_offload {inspect,verify} PATH [--json]`."""
+"""The command line: `python -m transformers_offload {inspect,verify,export,view,plot} PATH ...`, a thin
+layer over the public API (`open_recording`, `answers.table`, `answers.viewer`, `answers.plots`)."""
 
 from __future__ import annotations
 
@@ -31,13 +32,45 @@ def main(argv: list[str] | None = None) -> int:
         "Exit status: 0 when every file is intact; 1 when a file is damaged or missing, or when the "
         "recording carries no checksums (written before they were added).",
     )
-    for command in (inspect, verify):
+    export = commands.add_parser(
+        "export", help="write the per-token table (one row per generated token) to a Parquet file",
+        description="Write one row per generated token of each returned sequence: generation, sample, "
+        "prompt, sequence, step, token, logprob/rank/entropy under the raw logits and the processed scores "
+        "(and the top alternatives with --top), a chunk of steps at a time. Loads with pandas.read_parquet "
+        "or datasets.Dataset.from_parquet.",
+    )
+    view = commands.add_parser(
+        "view", help="write one self-contained HTML page of the returned sequences (no network needed)",
+        description="Tokens coloured by logprob or rank, their alternatives under the raw logits and the "
+        "processed scores on a click, a line of logprob and entropy per step, and a beam search's tree.",
+    )
+    view.add_argument("-o", "--output", required=True, help="the HTML file to write")
+    view.add_argument("--max-sequences", type=int, default=16, help="sequences shown per generation (16)")
+    view.add_argument("--max-steps", type=int, default=512, help="steps shown per sequence (512)")
+    plot = commands.add_parser(
+        "plot", help="draw PNG plots: logprob and entropy per step, and an attention map (needs matplotlib)",
+    )
+    plot.add_argument("-o", "--output", required=True, help="the directory to write the PNG files into")
+    plot.add_argument("--layer", type=int, default=-1, help="the attention layer to draw (default the last)")
+    plot.add_argument("--head", type=int, default=0, help="the attention head to draw (default 0)")
+    plot.add_argument("--sequence", type=int, default=0, help="the row of out.sequences whose attention map is drawn")
+    for command in (inspect, verify, export, view, plot):
         command.add_argument("path", help="the recording directory (the Recorder's spill_dir)")
         command.add_argument("--json", action="store_true", help="print the result as JSON")
+    export.add_argument("out", help="the Parquet file to write (replaced whole, or left untouched on error)")
+    for command in (export, view, plot):
+        command.add_argument("--generations", type=_indices, help="generations to include, e.g. 0,2 (default all)")
+    for command in (export, view):
+        command.add_argument("--top", type=int, default=None, help="alternatives per token (export 0, view 5)")
+        command.add_argument("--tokenizer", help="a local tokenizer directory, to add each token's text")
+    export.add_argument("--chunk-steps", type=int, default=16, help="steps read at once (16)")
     arguments = parser.parse_args(argv)
     try:
         recording = open_recording(arguments.path)
-        if arguments.command == "verify":
+        if arguments.command in ("export", "view", "plot"):
+            result = _answer(arguments, recording)
+            text = ", ".join(f"{key} {value}" for key, value in result.items())
+        elif arguments.command == "verify":
             result = {"path": str(recording.path), "ok": True, **recording.verify()}
             text = f"ok: {result['files']} file(s), {_size(result['bytes'])}, intact in {result['path']}"
         else:
@@ -48,8 +81,48 @@ def main(argv: list[str] | None = None) -> int:
             _print(json.dumps({"path": arguments.path, "ok": False, "file": str(error.path), "error": str(error)}, indent=2))
         print(f"error: {error}", file=sys.stderr)
         return 1
+    except (ValueError, TypeError, LookupError, ImportError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     _print(json.dumps(result, indent=2) if arguments.json else text)
     return 0
+
+
+def _indices(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected indices separated by commas (e.g. 0,2), got {text!r}") from None
+
+
+def _tokenizer(path: str | None) -> Any:
+    if path is None:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def _answer(arguments: argparse.Namespace, recording: Any) -> dict[str, Any]:
+    """Run `export`, `view` or `plot` on an open recording; returns what it wrote."""
+    if arguments.command == "export":
+        from .answers.table import write_parquet
+
+        result = write_parquet(recording, arguments.out, generations=arguments.generations, top=arguments.top or 0,
+                               tokenizer=_tokenizer(arguments.tokenizer), chunk_steps=arguments.chunk_steps)
+        return {"wrote": arguments.out, **result}
+    if arguments.command == "view":
+        from .answers.viewer import write_html
+
+        result = write_html(recording, arguments.output, generations=arguments.generations,
+                            top=5 if arguments.top is None else arguments.top, tokenizer=_tokenizer(arguments.tokenizer),
+                            max_sequences=arguments.max_sequences, max_steps=arguments.max_steps)
+        return {"wrote": arguments.output, **result}
+    from .answers.plots import write_plots
+
+    files = write_plots(recording, arguments.output, generations=arguments.generations, layer=arguments.layer,
+                        head=arguments.head, sequence=arguments.sequence)
+    return {"wrote": ", ".join(str(f) for f in files)}
 
 
 def _print(text: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import threading
@@ -23,6 +24,7 @@ from .capture.capture import Capture
 from .capture.hooks import CallRecorder
 from .capture.modes import UnsupportedModeError
 from .read.generation import Generation, Readable, generation_of, pick
+from .store import manifest as _manifest
 from .store.memory import MemoryStore
 from .store.shards import DEFAULT_SHARD_BYTES, Spill
 
@@ -186,6 +188,7 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
         self._lock = threading.Lock()
         self._active: Capture | None = None
         self._warned_accumulation = False
+        self._pending_samples: dict[str, Any] | None = None  # from set_samples, for the next call
         self._closed = False
         _hooks.attach(model, self)
 
@@ -249,8 +252,59 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
         with self._lock:
             self._generations.clear()
 
+    def set_samples(self, ids: Sequence[str | int], *, metadata: Sequence[dict[str, Any]] | None = None) -> None:
+        """Name the prompts of the next recorded `generate()` call: your ids (dataset row ids, say) and,
+        optionally, metadata per prompt, kept in the recording's manifest.
+
+        The next call that carries this recorder takes them (also when it then fails); `samples()`,
+        the per-token table's `sample` column and the viewer show them. A call without them numbers
+        its prompts after the recording's previous ones.
+
+        Args:
+            ids (`Sequence[str | int]`): one id per prompt of the call's batch, in batch order, distinct.
+            metadata (`Sequence[dict]`, *optional*): one JSON-serialisable dict per prompt.
+
+        Raises:
+            TypeError: `ids` or `metadata` are not lists of the types above, or metadata is not JSON.
+            ValueError: repeated ids, a metadata list of another length, or ids still waiting for a call;
+                the next `generate()` raises ValueError, before it runs, when its batch has another size.
+
+        Example:
+            >>> rec.set_samples(["q1", "q2"], metadata=[{"split": "test"}, {"split": "test"}])  # doctest: +SKIP
+            >>> model.generate(**batch_of_two, logits_processor=[rec])  # doctest: +SKIP
+            >>> [s["sample"] for s in rec.samples()]  # doctest: +SKIP
+            ['q1', 'q2']
+        """
+        ids = list(ids) if isinstance(ids, (list, tuple)) else ids
+        metadata = list(metadata) if isinstance(metadata, (list, tuple)) else metadata
+        problem = _manifest.check_sample_ids(ids, metadata)
+        if problem is not None:
+            kind = ValueError if "distinct" in problem or "one per id" in problem else TypeError
+            raise kind(f"`set_samples`: {problem}.")
+        try:
+            metadata = None if metadata is None else json.loads(json.dumps(metadata, allow_nan=False))
+        except (TypeError, ValueError) as error:
+            raise TypeError(f"`metadata` must be JSON-serialisable (str keys; str, numbers, lists, dicts): {error}") from None
+        with self._lock:
+            if self._pending_samples is not None:
+                raise ValueError(
+                    f"`set_samples` was already called with {self._pending_samples['sample_ids']!r}, and no "
+                    "generate() call has taken them yet: call generate() between two `set_samples`."
+                )
+            self._pending_samples = {"sample_ids": tuple(ids), "sample_metadata": None if metadata is None else tuple(metadata)}
+
     # -- called by the hooks ---------------------------------------------------------------------------
-    def _begin_generation(self, *, assistant_model: Any, custom_generate: Any, attention_mask: Any) -> Capture:
+    def _begin_generation(self, *, assistant_model: Any, custom_generate: Any, attention_mask: Any,
+                          inputs: Any = None) -> Capture:
+        with self._lock:
+            samples, self._pending_samples = self._pending_samples, None
+        if samples is not None:
+            batch = next((int(t.shape[0]) for t in (attention_mask, inputs) if t is not None and t.dim() >= 1), None)
+            if batch is not None and batch != len(samples["sample_ids"]):
+                raise ValueError(
+                    f"`set_samples` named {len(samples['sample_ids'])} prompt(s), but this generate() call has a "
+                    f"batch of {batch}; nothing was run. Call `set_samples` again with one id per prompt."
+                )
         if custom_generate is not None:
             raise UnsupportedModeError(
                 "`custom_generate` replaces transformers' decoding loop, which the Recorder cannot see "
@@ -277,6 +331,7 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
                 threaded=_on_cuda(self._model),
                 layer_tap=_layers.LayerTap(kinds, self._selection, self._streams, self._model) if kinds else None,
                 encodings=self._encodings,
+                samples=samples,
             )
             return self._active
 

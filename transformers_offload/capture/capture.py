@@ -38,7 +38,8 @@ class Capture:
 
     def __init__(self, *, streams: tuple[str, ...], ring_slots: int, assistant_model: Any,
                  open_store: OpenStore, index: int, attention_mask: Any = None, threaded: bool = False,
-                 layer_tap: _layers.LayerTap | None = None, encodings: dict[str, str] | None = None) -> None:
+                 layer_tap: _layers.LayerTap | None = None, encodings: dict[str, str] | None = None,
+                 samples: dict[str, Any] | None = None) -> None:
         self.streams = streams
         self.encodings = dict(encodings or {})  # logits/scores not recorded dense (`encodings`)
         self._sparse = _encodings.Sparse()
@@ -64,7 +65,8 @@ class Capture:
         self.num_rows = 0
         self.eos_ids: torch.Tensor | None = None
         self.kept_on_device: list[str] = []  # the call's own `output_*` options that keep steps on the device
-        self.header: dict[str, Any] = {"index": index}
+        # `samples`: the call's `sample_ids` and `sample_metadata` (Recorder.set_samples), kept as given.
+        self.header: dict[str, Any] = {"index": index, **(samples or {})}
         self._step = -1
         self._tokens_until = 0  # steps [0, _tokens_until) have their token recorded
         self._target_forward = False  # assisted decoding: the recorded model ran since the last check

@@ -121,8 +121,9 @@ class CallRecorder:
     _model_name: str
 
     def _begin_generation(self, *, assistant_model: Any, custom_generate: Any,
-                          attention_mask: torch.Tensor | None) -> Capture:
-        """Start recording one call (before its decoding loop); returns the call's capture."""
+                          attention_mask: torch.Tensor | None, inputs: torch.Tensor | None = None) -> Capture:
+        """Start recording one call (before its decoding loop); returns the call's capture. `inputs`:
+        the call's prompt ids or embeddings (batch first), where it passed them."""
         raise NotImplementedError
 
     def _end_generation(self, capture: Capture, output: Any, error: BaseException | None) -> None:
@@ -222,6 +223,8 @@ class ModelHooks:
                             assistant_model=arguments.get("assistant_model"),
                             custom_generate=arguments.get("custom_generate"),
                             attention_mask=_tensor_or_none(extra.get("attention_mask")),
+                            inputs=_first_tensor(arguments.get("inputs"), extra.get("input_ids"),
+                                                 extra.get("inputs_embeds")),
                         )
                     with _active(model, capture):
                         output = original(*args, **kwargs)
@@ -327,6 +330,11 @@ class ModelHooks:
                 "created with. Create one for this model: `Recorder(model)`."
             )
         return recorder
+
+
+def _first_tensor(*values: Any) -> torch.Tensor | None:
+    """The first of `values` that is a tensor (the call's prompt ids or embeddings), else None."""
+    return next((value for value in values if isinstance(value, torch.Tensor)), None)
 
 
 def _tensor_or_none(value: Any) -> torch.Tensor | None:

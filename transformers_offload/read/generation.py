@@ -18,6 +18,7 @@ from .indexing import Rows, Steps, StreamNotRecorded, as_framework, check_framew
 from .encoded_reading import EncodedReading, ReadableEncoded
 from .layer_reading import LayerReading, ReadableLayers
 from .logprobs import logprobs as _logprobs
+from .samples import samples as _samples
 from .transition_scores import transition_scores as _transition_scores
 
 _STEP_STREAMS = ("logits", "scores", "tokens", "finished", "beam_parents", STATS_STREAM)
@@ -63,6 +64,10 @@ class Generation(LayerReading, EncodedReading):
             `layer_indices` lists the recorded layers.
         encodings (`dict[str, str]`): the streams not recorded dense, with their encoding (`{"scores":
             "sparse"}`, `{"scores": "topk:20"}`); empty when every stream is dense.
+        sample_ids (`tuple[str | int, ...] | None`): the call's prompts' ids, as given to
+            `Recorder.set_samples` before it (one per prompt); None when none were given (the recording's
+            `samples()` then numbers the prompts).
+        sample_metadata (`tuple[dict, ...] | None`): each prompt's metadata given with them, or None.
     """
 
     index: int
@@ -82,6 +87,29 @@ class Generation(LayerReading, EncodedReading):
     layers: dict[str, Any] | None = field(repr=False)
     _source: StepSource = field(repr=False)
     encodings: dict[str, str] = field(default_factory=dict, repr=False)
+    sample_ids: tuple[Any, ...] | None = field(default=None, repr=False)
+    sample_metadata: tuple[dict[str, Any], ...] | None = field(default=None, repr=False)
+
+    @property
+    def num_return_sequences(self) -> int:
+        """Returned sequences per prompt (`out.sequences` has `num_prompts x num_return_sequences` rows)."""
+        return int(self.generation_config.get("num_return_sequences") or 1)
+
+    @property
+    def rows_per_prompt(self) -> int:
+        """Rows per prompt in each step: `num_beams` in beam search, else `num_return_sequences`."""
+        return self.num_beams if self.is_beam else self.num_return_sequences
+
+    @property
+    def num_prompts(self) -> int:
+        """Prompts in the call's batch (from its sample ids, attention mask, sequences or rows)."""
+        if self.sample_ids is not None:
+            return len(self.sample_ids)
+        if self.prompt_lengths is not None:
+            return len(self.prompt_lengths)
+        if self.sequences is not None:
+            return int(self.sequences.shape[0]) // self.num_return_sequences
+        return self.num_rows // max(1, self.rows_per_prompt)
 
     @property
     def streams(self) -> tuple[str, ...]:
@@ -344,6 +372,23 @@ class Readable(ReadableLayers, ReadableEncoded):
                  chunk_steps: int = 16) -> list[list[dict[str, Any]]]:
         """Per returned sequence and token: logprob, rank and top alternatives; see `Generation.logprobs`."""
         return self.generation(generation).logprobs(kind=kind, top=top, tokenizer=tokenizer, chunk_steps=chunk_steps)
+
+    def samples(self) -> list[dict[str, Any]]:
+        """Every prompt of every generation, in order, mapped to its rows and returned sequences.
+
+        Returns:
+            `list[dict]`, one per prompt: `sample` (its id: what `Recorder.set_samples` gave, else its
+            position among every prompt of the recording, an int), `generation` and `prompt` (its
+            position in that call's batch), `rows` (its rows in each step: `num_beams` or
+            `num_return_sequences` of them), `sequences` (its rows of `out.sequences`; empty for an
+            incomplete generation), `prompt_length` (tokens without padding, or None without an
+            attention mask) and `metadata` (what `set_samples` gave with it, or None).
+
+        Example:
+            >>> run.samples()[0]  # doctest: +SKIP
+            {'sample': 'q1', 'generation': 0, 'prompt': 0, 'rows': [0], 'sequences': [0], 'prompt_length': 9, 'metadata': None}
+        """
+        return _samples(self.generations)
 
     def transition_scores(self, generation: int = -1, *, normalize_logits: bool = False) -> torch.Tensor:
         """Each returned sequence's token score per step; see `Generation.transition_scores` (equals

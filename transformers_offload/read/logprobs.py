@@ -1,29 +1,149 @@
 """Per-token logprobs of each returned sequence: the chosen token's logprob and rank, and the top-k
 alternatives, under the raw logits or the processed scores, in the shape serving APIs return them
-(`logprobs` / `top_logprobs`).
+(`logprobs` / `top_logprobs`); and the same as columns, a chunk of steps at a time (`token_chunks`,
+which the per-token table builds on).
 
 For step `t` of returned sequence `j`, with `r` the row whose scores chose its token (`j` itself
 outside beam search; `beam_indices()[j, t]` in beam search), `y` the token and `x` that step's raw
-logits (`out.logits[t]`) or processed scores (`out.scores[t]`), the values are these torch expressions,
-on CPU (the same as the per-token statistics' `logprob_*` and `rank_*`):
+logits (`out.logits[t]`) or processed scores (`out.scores[t]`), the values are these torch expressions
+(the per-token statistics' `logprob_*`, `rank_*` and `entropy_*`):
 
     logprob        torch.log_softmax(x, -1)[r, y].float()
     rank           (x[r] > x[r, y]).sum()                 # 0 = the most likely
+    entropy        torch.special.entr(torch.softmax(x, -1)).sum(-1)[r].float()     # nats
     top_logprobs   torch.topk(torch.log_softmax(x, -1)[r].float(), top)   # ties as torch breaks them
 
+Where each comes from, per kind:
+- `logprob`, `rank`, `entropy`: the `stats` stream where it was recorded (outside beam search; its
+  values were computed on the device the step ran on), else the full tensors (dense or sparse), on CPU.
+- `top_logprobs`: a `topk:K` stream with `K >= top` where one was recorded (its `logprobs`,
+  `values - logsumexp`, which can differ from `log_softmax` in the last bits), else the full tensors.
 The full tensors are read a chunk of steps at a time (every row of `chunk_steps` steps), never every
-step at once. A recording with only the `stats` stream gives `logprob` and `rank` (not alternatives).
+step at once.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
-from ..store.format import STATS_STREAM
+from ..store.format import STATS_STREAM, topk_width
 
 KINDS = {"raw": "logits", "processed": "scores"}
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"`{name}` must be an int of at least {minimum}, got {value!r}.")
+
+
+def sources(generation: Any, kind: str, top: int) -> tuple[str | None, str | None]:
+    """Where `kind`'s chosen-token values and its `top` alternatives come from: `"stats"`, `"full"`,
+    `"topk"` or None (not recorded)."""
+    stream = KINDS[kind]
+    width = topk_width(generation.encodings.get(stream, "")) if stream in generation.streams else None
+    full = stream in generation.streams and width is None
+    chosen = "stats" if STATS_STREAM in generation.streams and not generation.is_beam else "full" if full else None
+    alternatives = None
+    if top:
+        alternatives = "topk" if width is not None and width >= top else "full" if full else None
+    return chosen, alternatives
+
+
+def token_chunks(generation: Any, *, kinds: tuple[str, ...] = ("raw", "processed"), top: int = 0,
+                 chunk_steps: int = 16, strict: bool = True) -> Iterator[dict[str, Any]]:
+    """Yield, per chunk of `chunk_steps` steps, every returned sequence's tokens in it as columns.
+
+    Each dict holds CPU tensors of one length `n` (the chunk's tokens, by step, then sequence):
+    `sequence`, `step`, `token` (int64), the `row` whose values chose the token (int64) and, per kind
+    in `kinds` (`"raw"`, `"processed"`), `logprob_<kind>` float32, `rank_<kind>` int64,
+    `entropy_<kind>` float32, and with `top`, `top_tokens_<kind>` int64 `(n, top)` and
+    `top_logprobs_<kind>` float32 `(n, top)`. A value whose stream was not recorded is None, or with
+    `strict` raises ValueError.
+    """
+    for kind in kinds:
+        if kind not in KINDS:
+            raise ValueError(f"`kind` must be 'raw' (the logits) or 'processed' (the scores), got {kind!r}.")
+    _check_int("top", top, 0)
+    _check_int("chunk_steps", chunk_steps, 1)
+    if generation.sequences is None:
+        raise ValueError(
+            "the per-token values need the sequences `generate()` returned, and this generation is "
+            f"incomplete ({generation.error}); its per-step tensors are still available."
+        )
+    plan = {kind: sources(generation, kind, top) for kind in kinds}
+    if strict:
+        for kind, (chosen, alternatives) in plan.items():
+            stream = KINDS[kind]
+            if chosen is None or (top and alternatives is None):
+                have = generation.encodings.get(stream, "dense") if stream in generation.streams else "no"
+                raise ValueError(
+                    f"`logprobs(kind={kind!r}, top={top})` needs the full {stream!r} stream (this recording has "
+                    f"{have} {stream!r}{'' if STATS_STREAM in generation.streams else ' and no stats'}); record it "
+                    "dense or sparse, or record `stats` and ask for `top=0` (outside beam search), with a `topk:K` "
+                    "encoding (K >= top) for the alternatives."
+                )
+    rows, tokens, lengths = _positions(generation)
+    end = int(lengths.max()) if lengths.numel() else 0
+    for start in range(0, end, chunk_steps):
+        steps = range(start, min(start + chunk_steps, end))
+        read = _Chunk(generation, steps, plan)
+        parts: list[dict[str, Any]] = []
+        for offset, t in enumerate(steps):
+            live = torch.nonzero(lengths > t).flatten()
+            if live.numel() == 0:
+                continue
+            r, y = rows[live, t], tokens[live, t]
+            part: dict[str, Any] = {"sequence": live, "step": torch.full_like(live, t), "token": y, "row": r}
+            for kind, (chosen, alternatives) in plan.items():
+                part.update(read.values(offset, kind, chosen, alternatives, r, y, top, t))
+            parts.append(part)
+        if parts:
+            yield {name: None if parts[0][name] is None else torch.cat([p[name] for p in parts]) for name in parts[0]}
+
+
+class _Chunk:
+    """The streams of one chunk of steps, each read once."""
+
+    def __init__(self, generation: Any, steps: range, plan: dict[str, tuple[str | None, str | None]]) -> None:
+        self.generation = generation
+        self._stats = generation.step_stats(steps=steps) if any(c == "stats" for c, _ in plan.values()) else None
+        self._full: dict[str, tuple[torch.Tensor, ...]] = {}
+        self._topk: dict[str, tuple[dict[str, torch.Tensor], ...]] = {}
+        for kind, (chosen, alternatives) in plan.items():
+            stream = KINDS[kind]
+            if "full" in (chosen, alternatives):
+                self._full[kind] = (generation.logits if stream == "logits" else generation.scores)(steps=steps)
+            if alternatives == "topk":
+                self._topk[kind] = generation.topk(stream, steps=steps)
+
+    def values(self, offset: int, kind: str, chosen: str | None, alternatives: str | None,
+               r: torch.Tensor, y: torch.Tensor, top: int, step: int) -> dict[str, Any]:
+        out: dict[str, Any] = {f"logprob_{kind}": None, f"rank_{kind}": None, f"entropy_{kind}": None}
+        if top:
+            out.update({f"top_tokens_{kind}": None, f"top_logprobs_{kind}": None})
+        x = self._full[kind][offset] if kind in self._full else None
+        if chosen == "stats":
+            stats = self._stats[offset]
+            if not torch.equal(stats["token"][r], y):  # pragma: no cover - the recording's own tokens
+                raise ValueError(f"step {step}: the recorded stats' tokens differ from the returned sequences.")
+            out[f"logprob_{kind}"] = stats[f"logprob_{kind}"][r]
+            out[f"rank_{kind}"] = stats[f"rank_{kind}"][r]
+            out[f"entropy_{kind}"] = stats[f"entropy_{kind}"][r]
+        elif chosen == "full":
+            out[f"logprob_{kind}"] = torch.log_softmax(x, -1)[r, y].float()
+            out[f"rank_{kind}"] = (x[r] > x[r, y][:, None]).sum(-1)
+            out[f"entropy_{kind}"] = torch.special.entr(torch.softmax(x, -1)).sum(-1)[r].float()
+        if alternatives == "topk":
+            record = self._topk[kind][offset]
+            out[f"top_tokens_{kind}"] = record["indices"][r, :top]
+            out[f"top_logprobs_{kind}"] = record["logprobs"][r, :top]
+        elif alternatives == "full":
+            best = torch.topk(torch.log_softmax(x, -1)[r].float(), min(top, x.shape[-1]), dim=-1)
+            out[f"top_tokens_{kind}"] = best.indices
+            out[f"top_logprobs_{kind}"] = best.values
+        return out
 
 
 def logprobs(generation: Any, *, kind: str = "raw", top: int = 0, tokenizer: Any = None,
@@ -31,64 +151,33 @@ def logprobs(generation: Any, *, kind: str = "raw", top: int = 0, tokenizer: Any
     """See `Generation.logprobs`."""
     if kind not in KINDS:
         raise ValueError(f"`kind` must be 'raw' (the logits) or 'processed' (the scores), got {kind!r}.")
-    if isinstance(top, bool) or not isinstance(top, int) or top < 0:
-        raise ValueError(f"`top` must be a whole number of alternatives, 0 or more, got {top!r}.")
-    if isinstance(chunk_steps, bool) or not isinstance(chunk_steps, int) or chunk_steps < 1:
-        raise ValueError(f"`chunk_steps` must be a positive int, got {chunk_steps!r}.")
-    if generation.sequences is None:
-        raise ValueError(
-            "`logprobs()` needs the sequences `generate()` returned, and this generation is incomplete "
-            f"({generation.error}); its per-step tensors are still available."
-        )
-    stream = KINDS[kind]
-    full = stream in generation.streams and not generation.encodings.get(stream, "").startswith("topk:")
-    if not full and not (STATS_STREAM in generation.streams and top == 0):
-        have = "top-k" if stream in generation.streams else "no"
-        raise ValueError(
-            f"`logprobs(kind={kind!r}, top={top})` needs the full {stream!r} stream (this recording has {have} "
-            f"{stream!r}); record it dense or sparse, or record `stats` and ask for `top=0`."
-        )
-    rows, tokens, lengths = _positions(generation)
-    vocab = None
-    if tokenizer is not None:
-        vocab = getattr(tokenizer, "convert_ids_to_tokens", None)
-        if vocab is None:
-            raise TypeError("`tokenizer` must be a Hugging Face tokenizer (with `convert_ids_to_tokens`).")
-    result: list[list[dict[str, Any]]] = [[] for _ in range(tokens.shape[0])]
-    for start in range(0, int(lengths.max()) if lengths.numel() else 0, chunk_steps):
-        steps = range(start, min(start + chunk_steps, int(lengths.max())))
-        if full:
-            values = (generation.logits if stream == "logits" else generation.scores)(steps=steps)
-        else:
-            values = generation.step_stats(steps=steps)
-        for offset, t in enumerate(steps):
-            live = torch.nonzero(lengths > t).flatten()
-            if live.numel() == 0:
-                continue
-            r, y = rows[live, t], tokens[live, t]
-            if full:
-                x = values[offset]
-                logprob_rows = torch.log_softmax(x, -1)[r].float()
-                chosen = torch.log_softmax(x, -1)[r, y].float()
-                rank = (x[r] > x[r, y][:, None]).sum(-1)
-                alternatives = torch.topk(logprob_rows, min(top, x.shape[-1]), dim=-1) if top else None
-            else:
-                _check_stats_rows(generation, values[offset], r, y, t)
-                chosen = values[offset][f"logprob_{kind}"][r]
-                rank = values[offset][f"rank_{kind}"][r]
-                alternatives = None
-            for i, j in enumerate(live.tolist()):
-                entry = {"step": t, "token": int(y[i]), "logprob": float(chosen[i]), "rank": int(rank[i])}
-                if vocab is not None:
-                    entry["text"] = tokenizer.decode([int(y[i])])
-                if alternatives is not None:
-                    entry["top_logprobs"] = [
-                        {"token": int(token), "logprob": float(value),
-                         **({"text": tokenizer.decode([int(token)])} if vocab is not None else {})}
-                        for token, value in zip(alternatives.indices[i], alternatives.values[i])
-                    ]
-                result[j].append(entry)
+    if tokenizer is not None and not hasattr(tokenizer, "decode"):
+        raise TypeError("`tokenizer` must be a Hugging Face tokenizer (with `decode`).")
+    text = (lambda token: tokenizer.decode([token])) if tokenizer is not None else None
+    result: list[list[dict[str, Any]]] = [[] for _ in range(_num_sequences(generation))]
+    for chunk in token_chunks(generation, kinds=(kind,), top=top, chunk_steps=chunk_steps):
+        columns = [chunk[name].tolist() for name in ("sequence", "step", "token", f"logprob_{kind}", f"rank_{kind}")]
+        alternatives = None
+        if top:
+            alternatives = zip(chunk[f"top_tokens_{kind}"].tolist(), chunk[f"top_logprobs_{kind}"].tolist())
+        for i, (j, t, y, value, rank) in enumerate(zip(*columns)):
+            entry: dict[str, Any] = {"step": t, "token": y, "logprob": value, "rank": rank}
+            if text is not None:
+                entry["text"] = text(y)
+            if alternatives is not None:
+                ids, values = next(alternatives)
+                entry["top_logprobs"] = [
+                    {"token": a, "logprob": v, **({"text": text(a)} if text is not None else {})}
+                    for a, v in zip(ids, values)
+                ]
+            result[j].append(entry)
+    for entries in result:
+        entries.sort(key=lambda entry: entry["step"])
     return result
+
+
+def _num_sequences(generation: Any) -> int:
+    return 0 if generation.sequences is None else int(generation.sequences.shape[0])
 
 
 def _positions(generation: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -109,14 +198,3 @@ def _positions(generation: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
         # A row's tokens run until the first step it had already finished before.
         lengths = torch.where(done.any(-1), done.to(torch.int8).argmax(-1), torch.tensor(steps))
     return rows, generated, lengths
-
-
-def _check_stats_rows(generation: Any, stats: dict[str, torch.Tensor], rows: torch.Tensor, tokens: torch.Tensor,
-                      step: int) -> None:
-    if generation.is_beam:
-        raise ValueError(
-            "`logprobs()` of a beam search needs the full `logits` / `scores` streams: its `stats` describe "
-            "running beams, not returned sequences."
-        )
-    if not torch.equal(stats["token"][rows], tokens):  # pragma: no cover - the recording's own tokens
-        raise ValueError(f"step {step}: the recorded stats' tokens differ from the returned sequences.")

@@ -154,6 +154,7 @@ def check_generation(entry: Any, index: int, root: Path, path: Path, files: set[
         values = entry.get(key) or []
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
             raise RecordingError(path, f"{where}: `{key}` must list non-negative integers, got {values!r}.")
+    _check_samples(entry, path, where)
     streams = entry["streams"]
     for name, stream in streams.items():
         _check_stream(name, stream, path, where)
@@ -363,3 +364,29 @@ def _field(obj: dict, key: str, kind: type, path: Path, where: str = "manifest")
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise RecordingError(path, f"{where}: `{key}` must be a {kind.__name__}, got {value!r}.")
     return value
+
+
+def check_sample_ids(ids: Any, metadata: Any) -> str | None:
+    """What is wrong with a call's sample ids and metadata (None: nothing): the ids a list of distinct
+    str or int, the metadata None or a list of JSON objects, one per id."""
+    if not isinstance(ids, list) or not all(isinstance(i, (str, int)) and not isinstance(i, bool) for i in ids):
+        return f"the sample ids must be a list of str or int (one per prompt), got {ids!r}"
+    if len(set(ids)) != len(ids):
+        repeated = sorted({str(i) for i in ids if ids.count(i) > 1})
+        return f"the sample ids must be distinct within a call; repeated: {repeated}"
+    if metadata is not None:
+        if not isinstance(metadata, list) or not all(isinstance(m, dict) for m in metadata):
+            return f"the sample metadata must be a list of dicts (one per prompt), got {metadata!r}"
+        if len(metadata) != len(ids):
+            return f"{len(metadata)} metadata dicts were given for {len(ids)} sample ids; give one per id"
+    return None
+
+
+def _check_samples(entry: dict[str, Any], path: Path, where: str) -> None:
+    if entry.get("sample_ids") is None:
+        if entry.get("sample_metadata") is not None:
+            raise RecordingError(path, f"{where} has `sample_metadata` without `sample_ids`.")
+        return
+    problem = check_sample_ids(entry["sample_ids"], entry.get("sample_metadata"))
+    if problem is not None:
+        raise RecordingError(path, f"{where}: {problem}.")

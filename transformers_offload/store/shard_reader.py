@@ -277,6 +277,8 @@ def stored_generation(root: Path, entry: dict[str, Any], *, stats: TransferStats
         layers=entry.get("layers"),
         encodings={name: stream["encoding"] for name, stream in entry["streams"].items()
                    if stream["encoding"] not in _format.ENCODINGS},
+        sample_ids=None if entry.get("sample_ids") is None else tuple(entry["sample_ids"]),
+        sample_metadata=None if entry.get("sample_metadata") is None else tuple(entry["sample_metadata"]),
     )
     return StoredGeneration(fields, source)
 

@@ -112,6 +112,9 @@ class Spill:
             "shards": [],
             "sequences": None,
         }
+        if header.get("sample_ids") is not None:  # only when given: older recordings read the same
+            entry["sample_ids"] = list(header["sample_ids"])
+            entry["sample_metadata"] = None if header.get("sample_metadata") is None else list(header["sample_metadata"])
         try:
             _files.write_manifest(self.root, {**self.manifest, "generations": [*self.manifest["generations"], entry]})
         except OSError as error:
