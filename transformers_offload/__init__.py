@@ -1,5 +1,6 @@
 """Record what Hugging Face `generate()` computes at every step, moved off the device at once."""
 
+from .answers import viewer as _viewer  # noqa: F401  (registers the notebooks' `_repr_html_`)
 from .capture.modes import UnsupportedModeError
 from .read.generation import Generation
 from .read.indexing import StreamNotRecorded

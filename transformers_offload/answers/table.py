@@ -110,8 +110,8 @@ def record_batches(source: Any, *, generations: Sequence[int] | None = None, top
     every, picked = select_generations(source, generations)
     if tokenizer is not None and not hasattr(tokenizer, "decode"):
         raise TypeError("`tokenizer` must be a Hugging Face tokenizer (with `decode`).")
-    ids = sample_ids(every)
-    as_text = any(isinstance(i, str) for per_call in ids for i in per_call)
+    ids = dict(zip(map(id, every), sample_ids(every)))  # a lone Generation numbers its own prompts
+    as_text = any(isinstance(i, str) for per_call in ids.values() for i in per_call)
     has_metadata = any(g.sample_metadata for g in every)
     table_schema = schema(top=top, text=tokenizer is not None, sample_type=pa.string() if as_text else pa.int64(),
                           metadata=has_metadata)
@@ -125,7 +125,7 @@ def record_batches(source: Any, *, generations: Sequence[int] | None = None, top
             if generation.sequences is None:
                 continue
             per_prompt = max(1, generation.sequences.shape[0] // max(1, generation.num_prompts))
-            call_ids = ids[generation.index]
+            call_ids = ids[id(generation)]
             metadata = generation.sample_metadata
             for chunk in token_chunks(generation, top=top, chunk_steps=chunk_steps, strict=False):
                 n = int(chunk["sequence"].shape[0])

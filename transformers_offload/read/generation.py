@@ -15,6 +15,7 @@ import torch
 from ..store.format import BEAM_MODES, STATS_STREAM, stats_columns
 from ..store.stored import StepSource, StoredGeneration, TransferStats
 from .indexing import Rows, Steps, StreamNotRecorded, as_framework, check_framework, row_index, step_range
+from . import display
 from .encoded_reading import EncodedReading, ReadableEncoded
 from .layer_reading import LayerReading, ReadableLayers
 from .logprobs import logprobs as _logprobs
@@ -89,6 +90,10 @@ class Generation(LayerReading, EncodedReading):
     encodings: dict[str, str] = field(default_factory=dict, repr=False)
     sample_ids: tuple[Any, ...] | None = field(default=None, repr=False)
     sample_metadata: tuple[dict[str, Any], ...] | None = field(default=None, repr=False)
+
+    def _repr_html_(self) -> str | None:
+        """The viewer's page of this generation, for notebooks (`answers.viewer`)."""
+        return display.html(self)
 
     @property
     def num_return_sequences(self) -> int:
@@ -332,6 +337,10 @@ class Readable(ReadableLayers, ReadableEncoded):
 
     def generation(self, index: int = -1) -> Generation:  # pragma: no cover - overridden
         raise NotImplementedError
+
+    def _repr_html_(self) -> str | None:
+        """The viewer's page of every generation, for notebooks (`answers.viewer`); None while empty."""
+        return display.html(self) if getattr(self, "generations", ()) else None
 
     def logits(self, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
                framework: str = "pt") -> tuple[Any, ...]:

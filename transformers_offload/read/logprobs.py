@@ -24,7 +24,7 @@ step at once.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -52,7 +52,8 @@ def sources(generation: Any, kind: str, top: int) -> tuple[str | None, str | Non
 
 
 def token_chunks(generation: Any, *, kinds: tuple[str, ...] = ("raw", "processed"), top: int = 0,
-                 chunk_steps: int = 16, strict: bool = True) -> Iterator[dict[str, Any]]:
+                 chunk_steps: int = 16, strict: bool = True, sequences: Sequence[int] | None = None,
+                 max_steps: int | None = None) -> Iterator[dict[str, Any]]:
     """Yield, per chunk of `chunk_steps` steps, every returned sequence's tokens in it as columns.
 
     Each dict holds CPU tensors of one length `n` (the chunk's tokens, by step, then sequence):
@@ -60,7 +61,8 @@ def token_chunks(generation: Any, *, kinds: tuple[str, ...] = ("raw", "processed
     in `kinds` (`"raw"`, `"processed"`), `logprob_<kind>` float32, `rank_<kind>` int64,
     `entropy_<kind>` float32, and with `top`, `top_tokens_<kind>` int64 `(n, top)` and
     `top_logprobs_<kind>` float32 `(n, top)`. A value whose stream was not recorded is None, or with
-    `strict` raises ValueError.
+    `strict` raises ValueError. `sequences` (rows of `out.sequences`) and `max_steps` (the first steps)
+    narrow what is read: only the rows those sequences' tokens came from.
     """
     for kind in kinds:
         if kind not in KINDS:
@@ -85,10 +87,21 @@ def token_chunks(generation: Any, *, kinds: tuple[str, ...] = ("raw", "processed
                     "encoding (K >= top) for the alternatives."
                 )
     rows, tokens, lengths = _positions(generation)
+    if sequences is not None:
+        chosen_sequences = torch.tensor(sorted(set(int(j) for j in sequences)), dtype=torch.long)
+        keep = torch.zeros(lengths.shape[0], dtype=torch.bool)
+        keep[chosen_sequences[(chosen_sequences >= 0) & (chosen_sequences < lengths.shape[0])]] = True
+        lengths = torch.where(keep, lengths, torch.zeros_like(lengths))
     end = int(lengths.max()) if lengths.numel() else 0
+    if max_steps is not None:
+        end = min(end, max_steps)
     for start in range(0, end, chunk_steps):
         steps = range(start, min(start + chunk_steps, end))
-        read = _Chunk(generation, steps, plan)
+        # The rows the chunk's tokens came from, each read once (a step's other rows are not read).
+        needed = sorted(set(rows[lengths > start][:, start:steps.stop].flatten().tolist()))
+        where = torch.full((generation.num_rows or 1,), -1, dtype=torch.long)
+        where[torch.tensor(needed, dtype=torch.long)] = torch.arange(len(needed))
+        read = _Chunk(generation, steps, plan, needed)
         parts: list[dict[str, Any]] = []
         for offset, t in enumerate(steps):
             live = torch.nonzero(lengths > t).flatten()
@@ -97,7 +110,7 @@ def token_chunks(generation: Any, *, kinds: tuple[str, ...] = ("raw", "processed
             r, y = rows[live, t], tokens[live, t]
             part: dict[str, Any] = {"sequence": live, "step": torch.full_like(live, t), "token": y, "row": r}
             for kind, (chosen, alternatives) in plan.items():
-                part.update(read.values(offset, kind, chosen, alternatives, r, y, top, t))
+                part.update(read.values(offset, kind, chosen, alternatives, where[r], y, top, t))
             parts.append(part)
         if parts:
             yield {name: None if parts[0][name] is None else torch.cat([p[name] for p in parts]) for name in parts[0]}
@@ -106,17 +119,19 @@ def token_chunks(generation: Any, *, kinds: tuple[str, ...] = ("raw", "processed
 class _Chunk:
     """The streams of one chunk of steps, each read once."""
 
-    def __init__(self, generation: Any, steps: range, plan: dict[str, tuple[str | None, str | None]]) -> None:
+    def __init__(self, generation: Any, steps: range, plan: dict[str, tuple[str | None, str | None]],
+                 rows: list[int]) -> None:
         self.generation = generation
-        self._stats = generation.step_stats(steps=steps) if any(c == "stats" for c, _ in plan.values()) else None
+        wanted = any(c == "stats" for c, _ in plan.values())
+        self._stats = generation.step_stats(steps=steps, rows=rows) if wanted else None
         self._full: dict[str, tuple[torch.Tensor, ...]] = {}
         self._topk: dict[str, tuple[dict[str, torch.Tensor], ...]] = {}
         for kind, (chosen, alternatives) in plan.items():
             stream = KINDS[kind]
             if "full" in (chosen, alternatives):
-                self._full[kind] = (generation.logits if stream == "logits" else generation.scores)(steps=steps)
+                self._full[kind] = (generation.logits if stream == "logits" else generation.scores)(steps=steps, rows=rows)
             if alternatives == "topk":
-                self._topk[kind] = generation.topk(stream, steps=steps)
+                self._topk[kind] = generation.topk(stream, steps=steps, rows=rows)
 
     def values(self, offset: int, kind: str, chosen: str | None, alternatives: str | None,
                r: torch.Tensor, y: torch.Tensor, top: int, step: int) -> dict[str, Any]:
