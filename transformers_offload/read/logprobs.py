@@ -86,7 +86,7 @@ def token_chunks(generation: Any, *, kinds: tuple[str, ...] = ("raw", "processed
                     "dense or sparse, or record `stats` and ask for `top=0` (outside beam search), with a `topk:K` "
                     "encoding (K >= top) for the alternatives."
                 )
-    rows, tokens, lengths = _positions(generation)
+    rows, tokens, lengths = token_positions(generation)
     if sequences is not None:
         chosen_sequences = torch.tensor(sorted(set(int(j) for j in sequences)), dtype=torch.long)
         keep = torch.zeros(lengths.shape[0], dtype=torch.bool)
@@ -195,7 +195,7 @@ def _num_sequences(generation: Any) -> int:
     return 0 if generation.sequences is None else int(generation.sequences.shape[0])
 
 
-def _positions(generation: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def token_positions(generation: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per returned sequence and step: the row whose values chose its token, the token, and each
     sequence's number of tokens (through its end-of-sequence token; no padding after it)."""
     sequences = generation.sequences
