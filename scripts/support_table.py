@@ -1,7 +1,7 @@
-"""The README's support table (transformers releases x decoding modes), generated from test results.
+"""The support table (docs/support.md) (transformers releases x decoding modes), generated from test results.
 
-    .venv/bin/python scripts/support_table.py           # rewrite the table in README.md
-    .venv/bin/python scripts/support_table.py --check   # exit 1 if README.md disagrees with the results
+    .venv/bin/python scripts/support_table.py           # rewrite the table in docs/support.md
+    .venv/bin/python scripts/support_table.py --check   # exit 1 if docs/support.md disagrees with the results
 
 Reads the JUnit XML files that scripts/test.sh and scripts/matrix.sh write to .matrix/results/ (one
 per transformers release). A cell is "exact" when every test of that mode passed on that release
@@ -24,7 +24,7 @@ from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / ".matrix" / "results"
-README = ROOT / "README.md"
+README = ROOT / "docs" / "support.md"
 START, END = "<!-- support-table:start -->", "<!-- support-table:end -->"
 
 EXACT = "test_recording_equals_hugging_face["
@@ -104,19 +104,19 @@ def table() -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="fail if README.md's table differs")
+    parser.add_argument("--check", action="store_true", help="fail if docs/support.md's table differs")
     arguments = parser.parse_args()
     readme = README.read_text(encoding="utf-8")
     if START not in readme or END not in readme:
-        raise SystemExit(f"README.md has no {START} ... {END} block")
+        raise SystemExit(f"docs/support.md has no {START} ... {END} block")
     before, rest = readme.split(START, 1)
     _, after = rest.split(END, 1)
     updated = f"{before}{START}\n{table()}\n{END}{after}"
     if arguments.check:
         if updated != readme:
-            print("README.md's support table disagrees with .matrix/results: run scripts/support_table.py", file=sys.stderr)
+            print("docs/support.md's support table disagrees with .matrix/results: run scripts/support_table.py", file=sys.stderr)
             return 1
-        print("README.md's support table agrees with the results")
+        print("docs/support.md's support table agrees with the results")
         return 0
     README.write_text(updated, encoding="utf-8")
     print(table())

@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # The real model and the browser are required here: their tests fail instead of skipping.
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLOAD_REQUIRE_REAL_MODEL=1 TRANSFORMERS_OFFLOAD_REQUIRE_BROWSER=1
-# Results per transformers release feed the README's support table (scripts/support_table.py).
+# Results per transformers release feed the support table (docs/support.md) (scripts/support_table.py).
 release="$(.venv/bin/python -c 'import transformers; print(transformers.__version__)')"
 mkdir -p .matrix/results
 exec .venv/bin/python -m pytest --junitxml ".matrix/results/$release.xml" "$@"

@@ -365,7 +365,7 @@ def test_asking_generate_for_attentions_too_warns_that_they_stay_on_the_device()
 
 
 def test_bytes_per_step_match_the_documented_formula(tmp_path):
-    """README: a decode step's attentions take rows x heads x keys x itemsize bytes per layer."""
+    """docs/recording.md: a decode step's attentions take rows x heads x keys x itemsize bytes per layer."""
     model = make_tiny("llama", attn_implementation="eager")
     batch = left_padded_batch()
     _, rec = _record(model, batch, "memory", tmp_path, max_new_tokens=NEW_TOKENS)

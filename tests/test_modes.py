@@ -74,7 +74,7 @@ def test_low_memory_beam_search(tiny_model, mode, record_property):
     """4.38-4.49 run each step's forward in sub-batches; 4.50+ refuse `low_memory=True` themselves."""
     kwargs = {"beam_sample": {"num_beams": 3, "do_sample": True}, "beam_search": MODES["beam_search"]}[mode]
     if _compat.REFUSES_LOW_MEMORY_BEAM_SEARCH:
-        record_property("outcome", "refused")  # for the README's support table
+        record_property("outcome", "refused")  # for the support table (docs/support.md)
         with Recorder(tiny_model) as rec:
             with pytest.raises(UnsupportedModeError, match="low_memory=True"):
                 tiny_model.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=6,
@@ -104,7 +104,7 @@ def test_contrastive_search_and_dola(case, reader, tmp_path, record_property):
     batch = left_padded_batch()
     options = {"spill_dir": tmp_path / "run", "shard_bytes": 3_000} if reader == "spill" else {}
     if mode not in _compat.SUPPORTED_MODES:
-        record_property("outcome", "refused")  # for the README's support table
+        record_property("outcome", "refused")  # for the support table (docs/support.md)
         with Recorder(model, **options) as rec:
             with pytest.raises(UnsupportedModeError, match=f"{mode}.*custom_generate"):
                 model.generate(**batch, logits_processor=[rec], max_new_tokens=6, **kwargs)
@@ -192,7 +192,7 @@ def test_group_beam_search(case, reader, tiny_model, tmp_path, record_property):
     kwargs = dict(GROUP_BEAM[case], max_new_tokens=8)
     batch = left_padded_batch()
     if "group_beam_search" not in _compat.SUPPORTED_MODES:
-        record_property("outcome", "refused")  # for the README's support table
+        record_property("outcome", "refused")  # for the support table (docs/support.md)
         with Recorder(tiny_model) as rec:
             with pytest.raises(UnsupportedModeError, match="group_beam_search.*custom_generate"):
                 tiny_model.generate(**batch, logits_processor=[rec], **kwargs)

@@ -55,7 +55,7 @@ def _golden_files(root: Path) -> dict[str, bytes]:
 
 def test_the_format_is_pinned_byte_for_byte(tmp_path):
     """A change here is a format change: decide on FORMAT_VERSION (tests/golden/make.py says how), update
-    the README's format section, then run tests/golden/make.py."""
+    docs/format.md, then run tests/golden/make.py."""
     write_made_up_recording(tmp_path / "run", steps=3, rows=2, vocab=4, shard_bytes=164)
     assert _golden_files(tmp_path / "run") == _golden_files(GOLDEN)
 

@@ -21,7 +21,7 @@ KEYS = ("token", "logprob_raw", "logprob_processed", "rank_raw", "rank_processed
 
 
 def expected_stats(x: torch.Tensor, s: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor | None) -> dict:
-    """The README's expressions, on one step's raw logits `x` and processed scores `s`."""
+    """docs/recording.md's expressions, on one step's raw logits `x` and processed scores `s`."""
     tokens = tokens.to(x.device)
     rows = torch.arange(tokens.shape[0], device=x.device)
     continues = tokens >= 0

@@ -56,7 +56,7 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
     `out.decoder_attentions`, `out.cross_attentions`, `out.encoder_hidden_states`,
     `out.decoder_hidden_states`): the recorder asks the model's forward for them itself, so the call
     needs neither those options nor `return_dict_in_generate`. `layers`, `heads` and
-    `newest_position_only` keep a part of them (the README gives the bytes per step of each choice).
+    `newest_position_only` keep a part of them (docs/recording.md gives the bytes per step of each choice).
     They are recorded in greedy search, sampling, beam search and beam sampling.
 
     Each `generate()` call that carries the recorder is one `Generation`, appended to `generations`;

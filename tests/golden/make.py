@@ -3,7 +3,7 @@ tiny-stats-recording, tiny-topk-recording, tiny-sparse-recording) after a delibe
 reader of the current FORMAT_VERSION would misread the new layout: if so, bump FORMAT_VERSION; if it
 reads it right (a key it ignores, like the `files` checksums, or a stream it need not know, like
 `stats`) or refuses it by name (an encoding it does not know, like `topk:K` or `sparse`), the version stays.
-Either way the README's format section says what changed.
+Either way docs/format.md says what changed.
 
 tests/golden/tiny-recording-before-checksums is a frozen copy from before checksums (what older
 recordings look like): never rewritten.

@@ -183,7 +183,7 @@ class Generation(LayerReading, EncodedReading):
         `entropy_raw`, `entropy_processed`, `logsumexp_raw`, `support_processed`. Tokens, ranks
         (0 = the most likely) and support (finite processed entries) are int64; logprobs, entropies
         (nats) and logsumexp are float32. Each equals, `torch.equal` on the device it was recorded on,
-        a torch expression of this step's `out.logits[t]` and `out.scores[t]` (the README's "Per-token
+        a torch expression of this step's `out.logits[t]` and `out.scores[t]` (docs/recording.md's "Per-token
         statistics" gives them). In beam search row `r` describes the token that running beam `r`
         continues with (`tokens()[t][r]`) under its parent's row (`beam_parents()[t][r]`); after the last
         step no beam continues: token and ranks are -1, logprobs NaN. A finished row keeps its pad

@@ -2,7 +2,7 @@
 raises (`manifest` checks a manifest, `files` writes the files durably and checksums them).
 
 A recording is one directory: a JSON manifest (`manifest.json`) and safetensors files beside it. The
-README's "Recording format" section is the specification; this module and `manifest` are its single
+docs/format.md is the specification; this module and `manifest` are its single
 implementation, shared by the writer (`shards`) and the reader (`read.reader`). Nothing here unpickles
 anything.
 """
