@@ -37,7 +37,7 @@ def _two_calls(model, spill_dir=None, streams=("logits", "scores", "stats")):
 
 
 @pytest.mark.parametrize("reader", ["memory", "open_recording"])
-def test_samples_map_rows_and_sequences_back_to_the_users_ids(gpt2, reader, tmp_path):
+def test_samples_map_rows_and_sequences_back_to_the_users_ids(gpt2, reader, tmp_path, capsys):
     rec = _two_calls(gpt2, None if reader == "memory" else tmp_path / "run")
     source = rec if reader == "memory" else open_recording(tmp_path / "run")
     found = source.samples()
@@ -50,6 +50,9 @@ def test_samples_map_rows_and_sequences_back_to_the_users_ids(gpt2, reader, tmp_
     assert first.sample_ids == ("q-a", "q-b", "q-c") and first.sample_metadata[2] == {"row": 12, "tags": ["x"]}
     assert (first.num_prompts, first.num_return_sequences, first.rows_per_prompt) == (3, 2, 2)
     assert source.generation(1).sample_ids is None
+    if reader == "open_recording":
+        assert main(["inspect", str(tmp_path / "run")]) == 0
+        assert "  samples: [q-a, q-b, q-c]" in capsys.readouterr().out
 
 
 def test_set_samples_refuses_bad_input_before_anything_runs(gpt2):

@@ -158,6 +158,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         ]
         if generation.get("prompt_lengths"):
             lines.append(f"  prompt lengths (tokens, without padding): {_short_list(generation['prompt_lengths'])}")
+        if generation.get("sample_ids"):
+            lines.append(f"  samples: {_short_list(generation['sample_ids'])}")
         settings = _settings(generation.get("generation_config") or {})
         if settings:
             lines.append(f"  settings: {settings}")

@@ -102,7 +102,7 @@ class Recording(Readable):
         steps), and an encoded one (`"sparse"`, `"topk:K"`) also `dense_bytes`, what the same steps would take as
         float32 `(rows, vocab_size)` tensors; each generation its `file_bytes` on disk (shards and
         sequences), its `prompt_lengths` (non-padding tokens per prompt; None without an attention
-        mask) and its `generation_config` (the settings that differ from the defaults,
+        mask), its `sample_ids` (from `Recorder.set_samples`, or None) and its `generation_config` (the settings that differ from the defaults,
         `GenerationConfig.to_diff_dict()`).
         """
         generations = []
@@ -141,6 +141,7 @@ class Recording(Readable):
                     "num_beams": generation.num_beams,
                     "prompt_length": generation.prompt_length,
                     "prompt_lengths": list(generation.prompt_lengths) if generation.prompt_lengths else None,
+                    "sample_ids": None if generation.sample_ids is None else list(generation.sample_ids),
                     "generation_config": generation.generation_config,
                     "num_shards": len(entry["shards"]),
                     "file_bytes": sum(_size_of(self.path / name) for name in files),
