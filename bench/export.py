@@ -1,0 +1,129 @@
+"""The per-token table's export on a recording of more than 1 GB: rows per second and peak memory.
+
+    .venv/bin/python bench/export.py [--new-tokens 112] [--chunk-steps 16] [--out bench/results]
+
+Records 24 chat prompts with SmolLM2-135M-Instruct (CPU, float32, vocabulary 49,152) in 3 batches of 8
+(sampling: temperature 0.7, top_p 0.9; `--new-tokens` steps each, `min_new_tokens` too), raw logits and
+processed scores spilled to disk (393 KB per row and step: 1.06 GB at 112 steps), each prompt named with
+`set_samples`. Then, each in a fresh process (peak RSS from `ru_maxrss`, glibc's thresholds fixed):
+
+- the baseline: open the recording and read one step (the imports, torch, the reader);
+- `write_parquet(run, path)`: logprob, rank and entropy under both kinds, from the full tensors;
+- `write_parquet(run, path, top=5)`: the same with 5 alternatives per kind.
+
+Reports tokens (table rows) per second, recording bytes read per second, and each export's peak RSS
+over the baseline, next to the bytes of one chunk of steps (`--chunk-steps` x 8 rows x 2 streams x
+vocabulary x 4); writes `export.json` under `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import RESULTS, STEADY_MALLOC, machine, peak_rss_bytes, print_table, write_json  # noqa: E402
+
+PROMPTS = [
+    "Write a haiku about the sea.", "What is the capital of France?", "Explain photosynthesis briefly.",
+    "Name three primary colours.", "How do vaccines work?", "Give me a tip for learning Python.",
+    "What is a black hole?", "Describe a cat in one sentence.", "Why is the sky blue?",
+    "Suggest a name for a bakery.", "What is 12 times 13?", "Summarise the plot of Hamlet.",
+    "How far is the Moon?", "What does a CPU do?", "Translate 'good morning' into Spanish.",
+    "List two uses of copper.", "What causes rain?", "Recommend a board game for four players.",
+    "What is an API?", "Write a limerick about a frog.", "How do plants drink water?",
+    "What is inflation?", "Describe the taste of lemon.", "Why do we sleep?",
+]
+
+
+def record(root: Path, new_tokens: int) -> float:
+    import torch
+
+    from transformers_offload import Recorder
+    from transformers_offload.demo_model import load
+
+    model, tokenizer = load()
+    start = time.perf_counter()
+    with Recorder(model, spill_dir=root) as rec:
+        for first in range(0, len(PROMPTS), 8):
+            batch = PROMPTS[first:first + 8]
+            texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                   tokenize=False) for p in batch]
+            enc = tokenizer(texts, return_tensors="pt", padding=True)
+            rec.set_samples([f"prompt-{first + i}" for i in range(len(batch))], metadata=[{"text": p} for p in batch])
+            torch.manual_seed(first)
+            model.generate(**enc, logits_processor=[rec], do_sample=True, temperature=0.7, top_p=0.9,
+                           max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=tokenizer.pad_token_id)
+    return time.perf_counter() - start
+
+
+def child(root: str, case: str, target: str, chunk_steps: int) -> None:
+    from transformers_offload import open_recording
+    from transformers_offload.answers.table import write_parquet
+
+    run = open_recording(root)
+    start = time.perf_counter()
+    if case == "baseline":
+        run.logits(0, steps=0)
+        result = {"rows": 0, "bytes": 0}
+    else:
+        result = write_parquet(run, target, top=5 if case == "top 5" else 0, chunk_steps=chunk_steps)
+    seconds = time.perf_counter() - start
+    print(json.dumps({**result, "seconds": seconds, "peak_rss": peak_rss_bytes()}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--new-tokens", type=int, default=112)
+    parser.add_argument("--chunk-steps", type=int, default=16)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--child", nargs=4, metavar=("ROOT", "CASE", "TARGET", "CHUNK"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        root, case, target, chunk = args.child
+        child(root, case, target, int(chunk))
+        return
+    work = Path(tempfile.mkdtemp(prefix="bench-export-"))
+    try:
+        seconds = record(work / "run", args.new_tokens)
+        size = sum(p.stat().st_size for p in (work / "run").rglob("*") if p.is_file())
+        print(f"recorded {size / 1e9:.2f} GB in {seconds:.0f} s")
+        results = {}
+        for case in ("baseline", "no alternatives", "top 5"):
+            target = work / f"{case.replace(' ', '-')}.parquet"
+            done = subprocess.run([sys.executable, __file__, "--child", str(work / "run"), case, str(target),
+                                   str(args.chunk_steps)], capture_output=True, text=True, check=True,
+                                  env={**os.environ, **STEADY_MALLOC})
+            results[case] = json.loads(done.stdout.strip().splitlines()[-1])
+        vocab = 49152
+        chunk_bytes = args.chunk_steps * 8 * 2 * vocab * 4  # a generation has 8 rows
+        base = results["baseline"]["peak_rss"]
+        rows = []
+        for case in ("no alternatives", "top 5"):
+            r = results[case]
+            rows.append([case, r["rows"], f"{r['seconds']:.1f}", f"{r['rows'] / r['seconds']:,.0f}",
+                         f"{size / r['seconds'] / 1e6:,.0f}", f"{(r['peak_rss'] - base) / 2**20:,.0f}",
+                         f"{r['bytes'] / 1e6:.2f}"])
+        print(print_table(["export", "rows", "s", "rows/s", "recording MB/s", "peak RSS over baseline (MiB)",
+                           "parquet MB"], rows))
+        print(f"baseline peak RSS {base / 2**20:,.0f} MiB; one chunk of steps is {chunk_bytes / 2**20:,.0f} MiB")
+        write_json(args.out / "export.json", {
+            "machine": machine(), "recording_bytes": size, "record_seconds": seconds, "chunk_steps": args.chunk_steps,
+            "chunk_bytes": chunk_bytes, "new_tokens": args.new_tokens, "results": results,
+        })
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
