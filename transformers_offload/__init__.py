@@ -1,6 +1,7 @@
 """Record what Hugging Face `generate()` computes at every step, moved off the device at once."""
 
-from .answers import viewer as _viewer  # noqa: F401  (registers the notebooks' `_repr_html_`)
+from .answers.table import to_arrow, to_pandas, write_parquet
+from .answers.viewer import write_html  # importing the viewer registers the notebooks' `_repr_html_`
 from .capture.modes import UnsupportedModeError
 from .read.generation import Generation
 from .read.indexing import StreamNotRecorded
@@ -24,4 +25,8 @@ __all__ = [
     "UnsupportedModeError",
     "__version__",
     "open_recording",
+    "to_arrow",
+    "to_pandas",
+    "write_html",
+    "write_parquet",
 ]
