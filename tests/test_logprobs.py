@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from transformers_offload import open_recording
+from transformers import StoppingCriteria, StoppingCriteriaList
 
-from .conftest import EOS
+from transformers_offload import Recorder, open_recording
+
+from .conftest import EOS, PAD, left_padded_batch
 from .helpers import write_made_up_recording
 from .test_exactness import CASES, NEW_TOKENS
 from .test_stats import _run
@@ -113,7 +115,38 @@ def test_bad_arguments_are_refused(gpt2, kwargs, error, match):
         rec.logprobs(**kwargs)
 
 
-def test_an_incomplete_generation_has_no_logprobs(tmp_path):
+class _FailAtStep(StoppingCriteria):
+    def __init__(self, step):
+        self.step, self.calls = step, 0
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.calls += 1
+        if self.calls > self.step:
+            raise RuntimeError("stopped on purpose")
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+def test_an_incomplete_generation_gives_the_logprobs_of_its_recorded_tokens(gpt2, tmp_path):
+    batch = left_padded_batch()
+    with Recorder(gpt2, spill_dir=tmp_path / "run") as rec:
+        with pytest.raises(RuntimeError, match="on purpose"):
+            gpt2.generate(**batch, logits_processor=[rec], stopping_criteria=StoppingCriteriaList([_FailAtStep(3)]),
+                          max_new_tokens=8, do_sample=True, pad_token_id=PAD)
+    generation = open_recording(tmp_path / "run").generation()
+    assert not generation.complete and generation.sequences is None and generation.num_steps == 4
+    found = generation.logprobs()
+    assert [[e["step"] for e in row] for row in found] == [[0, 1, 2, 3]] * 3
+    for row, entries in enumerate(found):
+        for entry in entries:
+            x, y = generation.logits(steps=entry["step"])[0], int(generation.tokens(steps=entry["step"])[0][row])
+            assert entry["token"] == y and entry["logprob"] == float(torch.log_softmax(x, -1)[row, y])
+
+
+def test_an_incomplete_beam_search_has_no_logprobs(tmp_path):
     write_made_up_recording(tmp_path / "run", steps=3, rows=2, vocab=4, shard_bytes=10**6, complete=False)
-    with pytest.raises(ValueError, match="incomplete"):
-        open_recording(tmp_path / "run").logprobs()
+    generation = open_recording(tmp_path / "run").generation()
+    assert generation.logprobs()  # sampling: its recorded tokens
+    object.__setattr__(generation, "num_beams", 2)
+    object.__setattr__(generation, "mode", "beam_search")
+    with pytest.raises(ValueError, match="beam search need the sequences.*incomplete"):
+        generation.logprobs()

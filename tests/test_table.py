@@ -152,8 +152,8 @@ def test_top_alternatives_come_from_a_topk_stream(gpt2):
         assert row["top_logprobs_raw"] == record["logprobs"][row["sequence"], :3].tolist()
     full = _rows(_table.to_arrow(rec, top=3))
     assert [r["logprob_raw"] for r in rows] == [r["logprob_raw"] for r in full]  # from the stats either way
-    # More alternatives than the top-k stream holds: not recorded.
-    assert _rows(_table.to_arrow(topk, top=5))[0]["top_tokens_raw"] is None
+    # More alternatives than the top-k stream holds: the K it holds.
+    assert _rows(_table.to_arrow(topk, top=5))[0]["top_tokens_raw"] == records[0]["indices"][0].tolist()
     assert topk.logprobs(top=4)[0][0]["top_logprobs"][0]["token"] == records[0]["indices"][0, 0].item()
 
 
@@ -216,3 +216,51 @@ def test_the_table_refuses_bad_options(gpt2, tmp_path):
         _table.to_arrow(rec, chunk_steps=0)
     assert main(["export", str(tmp_path / "missing"), str(tmp_path / "out.parquet")]) == 1
     assert not (tmp_path / "out.parquet").exists()
+
+
+@pytest.mark.parametrize("command", [
+    ["export", "{run}", "{run}/manifest.json"],
+    ["view", "{run}", "-o", "{run}/page.html"],
+    ["plot", "{run}", "-o", "{run}/plots"],
+])
+def test_nothing_is_written_inside_the_recording(gpt2, tmp_path, command, capsys):
+    _two_calls(gpt2, tmp_path / "run")
+    before = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
+    assert main([part.format(run=tmp_path / "run") for part in command]) == 1
+    assert "inside the recording" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()} == before
+    open_recording(tmp_path / "run", verify=True)
+
+
+@pytest.mark.parametrize("arguments, match", [
+    (["--generations", "0,0"], "lists generation 0 twice"),
+    (["--generations", ""], "at least one generation"),
+    (["--tokenizer", "/nonexistent"], "must be a local tokenizer directory"),
+])
+def test_export_refuses_bad_options_with_a_clean_message(gpt2, tmp_path, arguments, match, capsys):
+    _two_calls(gpt2, tmp_path / "run")
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "out" / "t.parquet"), *arguments]) == 1
+    assert match in capsys.readouterr().err
+    assert not (tmp_path / "out" / "t.parquet").exists()
+
+
+@pytest.mark.parametrize("ids, match", [
+    ([2**70], "fit in 64 bits"), ([1, "1"], "1 and '1' count as the same"), ([], "at least one prompt"),
+])
+def test_set_samples_refuses_ids_a_table_cannot_hold(gpt2, ids, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        Recorder(gpt2).set_samples(ids)
+
+
+def test_an_interrupted_call_gives_the_rows_of_its_recorded_steps(gpt2, tmp_path):
+    from .test_logprobs import _FailAtStep
+    from transformers import StoppingCriteriaList
+
+    with Recorder(gpt2, spill_dir=tmp_path / "run") as rec:
+        rec.set_samples(["a", "b", "c"])
+        with pytest.raises(RuntimeError):
+            gpt2.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=8, do_sample=True,
+                          pad_token_id=PAD, stopping_criteria=StoppingCriteriaList([_FailAtStep(2)]))
+    rows = _rows(_table.to_arrow(open_recording(tmp_path / "run")))
+    assert sorted((r["sample"], r["step"]) for r in rows) == [(s, t) for s in "abc" for t in range(3)]
+    assert main(["plot", str(tmp_path / "run"), "-o", str(tmp_path / "png")]) == 0

@@ -98,6 +98,8 @@ def _indices(text: str) -> list[int]:
 def _tokenizer(path: str | None) -> Any:
     if path is None:
         return None
+    if not os.path.isdir(path):
+        raise ValueError(f"`--tokenizer` must be a local tokenizer directory (with tokenizer.json), got {path!r}.")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -258,7 +258,8 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
 
         The next call that carries this recorder takes them (also when it then fails); `samples()`,
         the per-token table's `sample` column and the viewer show them. A call without them numbers
-        its prompts after the recording's previous ones.
+        its prompts by their position among the recording's prompts (which can repeat an int id given
+        to another call: name every call's prompts, or none).
 
         Args:
             ids (`Sequence[str | int]`): one id per prompt of the call's batch, in batch order, distinct.

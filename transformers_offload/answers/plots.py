@@ -33,6 +33,8 @@ def plot_steps(generation: Any, path: str | os.PathLike, *, max_sequences: int =
         ValueError: the generation is incomplete, or records neither `logits` nor `stats`.
         ImportError: matplotlib is not installed.
     """
+    if not hasattr(generation, "layer_array"):
+        raise TypeError(f"`generation` must be one Generation (e.g. `run.generation(0)`), got {type(generation).__name__}.")
     figure = _figure(figsize=(9, 5), layout="constrained")
     logprob_axis, entropy_axis = figure.subplots(2, 1, sharex=True)
     series: dict[int, list[tuple[int, float, float]]] = {}
@@ -49,8 +51,11 @@ def plot_steps(generation: Any, path: str | os.PathLike, *, max_sequences: int =
     entropy_axis.set_ylabel("entropy (nats)")
     entropy_axis.set_xlabel("step")
     logprob_axis.set_title(f"generation {generation.index} ({generation.mode}), raw logits")
+    from matplotlib.ticker import MaxNLocator
+
+    entropy_axis.xaxis.set_major_locator(MaxNLocator(integer=True))
     if series:
-        logprob_axis.legend(fontsize=7, loc="lower left", ncol=4)
+        figure.legend(fontsize=7, loc="outside right upper")
     target = Path(path)
     figure.savefig(target, dpi=110)
     return target
@@ -71,6 +76,8 @@ def plot_attention(generation: Any, path: str | os.PathLike, *, layer: int = -1,
         IndexError: `row` is out of range.
         ImportError: matplotlib is not installed.
     """
+    if not hasattr(generation, "layer_array"):
+        raise TypeError(f"`generation` must be one Generation (e.g. `run.generation(0)`), got {type(generation).__name__}.")
     array = generation.layer_array("attentions", layer, rows=row)
     kept = (generation.layers or {}).get("heads", {}) or {}
     heads = kept.get("attentions") if isinstance(kept, dict) else None
@@ -103,19 +110,26 @@ def write_plots(source: Any, directory: str | os.PathLike, *, generations: Seque
     Raises:
         as `plot_steps` and `plot_attention`; ValueError when no selected generation is complete.
     """
-    from .table import select_generations
+    from ..read.logprobs import sources
+    from .table import output_path, select_generations
 
     _, picked = select_generations(source, generations)
     target = Path(directory)
-    target.mkdir(parents=True, exist_ok=True)
-    written = []
+    if target.exists() and not target.is_dir():
+        raise NotADirectoryError(f"`directory` {str(target)!r} is a file: name a directory to write the PNG files into.")
+    output_path(source, target / "x.png", "plots' directory")
+    written, skipped = [], []
     for generation in picked:
-        if generation.sequences is None:
+        if (generation.sequences is None and generation.is_beam) or sources(generation, "raw", 0)[0] is None:
+            skipped.append(generation.index)  # an incomplete beam search, or neither logits nor (outside beam search) stats
             continue
         written.append(plot_steps(generation, target / f"steps-g{generation.index}.png"))
         if "attentions" in generation.layer_indices:
             name = f"attention-g{generation.index}-layer{layer}-head{head}.png"
             written.append(plot_attention(generation, target / name, layer=layer, head=head, row=sequence))
     if not written:
-        raise ValueError("no selected generation is complete (each one stopped before generate() returned).")
+        raise ValueError(
+            f"nothing to plot in generation(s) {skipped}: the steps need the raw `logits` (or, outside beam search, "
+            "`stats`), and an incomplete beam search has no sequences."
+        )
     return written

@@ -81,18 +81,44 @@ def select_generations(source: Any, generations: Sequence[int] | None) -> tuple[
         )
     if generations is None:
         return every, every
+    if isinstance(generations, (str, bytes)) or not len(generations):
+        raise ValueError(f"`generations` must list at least one generation index (0 to {len(every) - 1}), got {generations!r}.")
     picked = []
     for index in generations:
         if isinstance(index, bool) or not isinstance(index, int) or not -len(every) <= index < len(every):
             raise ValueError(f"`generations` must list indices of recorded generations (0 to {len(every) - 1}), got {index!r}.")
+        if any(every[index] is seen for seen in picked):
+            raise ValueError(f"`generations` lists generation {every[index].index} twice: {list(generations)!r}.")
         picked.append(every[index])
     return every, picked
+
+
+def output_path(source: Any, path: str | os.PathLike, what: str) -> Path:
+    """`path` as a file to write `what` to: not a directory, not inside the recording it is made from
+    (which it would damage); its directory is created if missing.
+
+    Raises:
+        ValueError: `path` lies inside the recording's directory.
+        IsADirectoryError: `path` is a directory.
+    """
+    target = Path(path)
+    root = getattr(source, "path", None) or getattr(source, "spill_dir", None)
+    if root is not None and (target.resolve() == Path(root).resolve() or Path(root).resolve() in target.resolve().parents):
+        raise ValueError(
+            f"the {what} {str(target)!r} would be written inside the recording {str(root)!r}, whose files it could "
+            "replace: write it somewhere else."
+        )
+    if target.is_dir():
+        raise IsADirectoryError(f"the {what} {str(target)!r} is a directory: name a file to write, e.g. {str(target / 'out')!r}.")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return target
 
 
 def record_batches(source: Any, *, generations: Sequence[int] | None = None, top: int = 0, tokenizer: Any = None,
                    chunk_steps: int = 16) -> tuple[Any, Iterator[Any]]:
     """The table's schema, and its rows as `pyarrow.RecordBatch`es, one per chunk of steps of each
-    selected generation (incomplete generations, which returned no sequences, are left out).
+    selected generation (an incomplete generation gives its rows' recorded tokens; an incomplete beam
+    search, which returned no sequences, is left out).
 
     Args:
         source: a `Recorder`, a `Recording` or one `Generation`.
@@ -122,9 +148,9 @@ def record_batches(source: Any, *, generations: Sequence[int] | None = None, top
 
     def batches() -> Iterator[Any]:
         for generation in picked:
-            if generation.sequences is None:
-                continue
-            per_prompt = max(1, generation.sequences.shape[0] // max(1, generation.num_prompts))
+            if generation.sequences is None and generation.is_beam:
+                continue  # an incomplete beam search: no returned sequences to follow
+            per_prompt = generation.num_return_sequences
             call_ids = ids[id(generation)]
             metadata = generation.sample_metadata
             for chunk in token_chunks(generation, top=top, chunk_steps=chunk_steps, strict=False):
@@ -213,7 +239,7 @@ def write_parquet(source: Any, path: str | os.PathLike, *, generations: Sequence
     _pyarrow()
     import pyarrow.parquet as pq
 
-    target = Path(path)
+    target = output_path(source, path, "Parquet file")
     table_schema, batches = record_batches(source, generations=generations, top=top, tokenizer=tokenizer,
                                            chunk_steps=chunk_steps)
     partial = target.with_name(f".{target.name}.partial")

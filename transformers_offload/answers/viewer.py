@@ -25,6 +25,7 @@ from ..read.logprobs import token_chunks
 from ..read.samples import sample_ids
 
 _TEMPLATE = Path(__file__).with_name("viewer.html")
+MAX_TOP = 20
 
 
 def page_data(source: Any, *, generations: Sequence[int] | None = None, sequences: Sequence[int] | None = None,
@@ -39,6 +40,8 @@ def page_data(source: Any, *, generations: Sequence[int] | None = None, sequence
     for name, value, minimum in (("max_sequences", max_sequences, 1), ("max_steps", max_steps, 1), ("top", top, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ValueError(f"`{name}` must be an int of at least {minimum}, got {value!r}.")
+    if top > MAX_TOP:
+        raise ValueError(f"the viewer shows at most {MAX_TOP} alternatives per token (a page of bounded size), got `top` {top}.")
     if tokenizer is not None and not hasattr(tokenizer, "decode"):
         raise TypeError("`tokenizer` must be a Hugging Face tokenizer (with `decode`).")
     ids = dict(zip(map(id, every), sample_ids(every)))  # a lone Generation numbers its own prompts
@@ -51,14 +54,15 @@ def page_data(source: Any, *, generations: Sequence[int] | None = None, sequence
         entry: dict[str, Any] = {"index": generation.index, "mode": generation.mode, "complete": generation.complete,
                                  "num_steps": generation.num_steps, "sequences": [], "tree": None}
         shown.append(entry)
-        if generation.sequences is None:
+        if not generation.complete:
             entry["error"] = generation.error
-            continue
-        total = int(generation.sequences.shape[0])
+        if generation.sequences is None and generation.is_beam:
+            continue  # an incomplete beam search: no returned sequences to follow
+        total = int(generation.sequences.shape[0]) if generation.sequences is not None else generation.num_rows
         wanted = list(range(total)) if sequences is None else [s for s in sequences if 0 <= s < total]
         wanted = wanted[:max_sequences]
         entry["hidden_sequences"] = total - len(wanted)
-        per_prompt = max(1, total // max(1, generation.num_prompts))
+        per_prompt = generation.num_return_sequences
         tokens: dict[int, list[Any]] = {s: [] for s in wanted}
         for chunk in token_chunks(generation, top=top, chunk_steps=16, strict=False, sequences=wanted,
                                   max_steps=max_steps):
@@ -80,9 +84,10 @@ def page_data(source: Any, *, generations: Sequence[int] | None = None, sequence
             prompt = j // per_prompt
             entry["sequences"].append({
                 "sequence": j, "prompt": prompt, "sample": _jsonable_id(ids[id(generation)][prompt]),
+                "metadata": None if generation.sample_metadata is None else generation.sample_metadata[prompt],
                 "tokens": sorted(tokens[j], key=lambda item: item[0]),
             })
-        if generation.is_beam:
+        if generation.is_beam and generation.sequences is not None:
             entry["tree"] = _beam_tree(generation, wanted, max_steps, text)
     return {"generations": shown, "top": top, "max_steps": max_steps}
 
@@ -149,8 +154,10 @@ def write_html(source: Any, path: str | os.PathLike, **options: Any) -> dict[str
     Returns:
         `dict`: `bytes` (the page's size).
     """
+    from .table import output_path
+
+    target = output_path(source, path, "page")
     document = render(source, **options)
-    target = Path(path)
     partial = target.with_name(f".{target.name}.partial")
     try:
         partial.write_text(document, encoding="utf-8")

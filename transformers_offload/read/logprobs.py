@@ -16,8 +16,10 @@ logits (`out.logits[t]`) or processed scores (`out.scores[t]`), the values are t
 Where each comes from, per kind:
 - `logprob`, `rank`, `entropy`: the `stats` stream where it was recorded (outside beam search; its
   values were computed on the device the step ran on), else the full tensors (dense or sparse), on CPU.
-- `top_logprobs`: a `topk:K` stream with `K >= top` where one was recorded (its `logprobs`,
-  `values - logsumexp`, which can differ from `log_softmax` in the last bits), else the full tensors.
+- `top_logprobs`: a `topk:K` stream where one was recorded (its `logprobs`, `values - logsumexp`,
+  which can differ from `log_softmax` in the last bits; at most K of them), else the full tensors.
+An incomplete generation (`generate()` raised, or the process stopped) has no returned sequences: its
+rows' recorded tokens stand for them (outside beam search, whose beams are only known at the end).
 The full tensors are read a chunk of steps at a time (every row of `chunk_steps` steps), never every
 step at once.
 """
@@ -47,7 +49,7 @@ def sources(generation: Any, kind: str, top: int) -> tuple[str | None, str | Non
     chosen = "stats" if STATS_STREAM in generation.streams and not generation.is_beam else "full" if full else None
     alternatives = None
     if top:
-        alternatives = "topk" if width is not None and width >= top else "full" if full else None
+        alternatives = "topk" if width is not None else "full" if full else None
     return chosen, alternatives
 
 
@@ -69,10 +71,10 @@ def token_chunks(generation: Any, *, kinds: tuple[str, ...] = ("raw", "processed
             raise ValueError(f"`kind` must be 'raw' (the logits) or 'processed' (the scores), got {kind!r}.")
     _check_int("top", top, 0)
     _check_int("chunk_steps", chunk_steps, 1)
-    if generation.sequences is None:
+    if generation.sequences is None and generation.is_beam:
         raise ValueError(
-            "the per-token values need the sequences `generate()` returned, and this generation is "
-            f"incomplete ({generation.error}); its per-step tensors are still available."
+            "the per-token values of a beam search need the sequences `generate()` returned, and this "
+            f"generation is incomplete ({generation.error}); its per-step tensors are still available."
         )
     plan = {kind: sources(generation, kind, top) for kind in kinds}
     if strict:
@@ -84,7 +86,7 @@ def token_chunks(generation: Any, *, kinds: tuple[str, ...] = ("raw", "processed
                     f"`logprobs(kind={kind!r}, top={top})` needs the full {stream!r} stream (this recording has "
                     f"{have} {stream!r}{'' if STATS_STREAM in generation.streams else ' and no stats'}); record it "
                     "dense or sparse, or record `stats` and ask for `top=0` (outside beam search), with a `topk:K` "
-                    "encoding (K >= top) for the alternatives."
+                    "encoding for the alternatives."
                 )
     rows, tokens, lengths = token_positions(generation)
     if sequences is not None:
@@ -151,7 +153,7 @@ class _Chunk:
             out[f"rank_{kind}"] = (x[r] > x[r, y][:, None]).sum(-1)
             out[f"entropy_{kind}"] = torch.special.entr(torch.softmax(x, -1)).sum(-1)[r].float()
         if alternatives == "topk":
-            record = self._topk[kind][offset]
+            record = self._topk[kind][offset]  # at most K alternatives
             out[f"top_tokens_{kind}"] = record["indices"][r, :top]
             out[f"top_logprobs_{kind}"] = record["logprobs"][r, :top]
         elif alternatives == "full":
@@ -192,14 +194,19 @@ def logprobs(generation: Any, *, kind: str = "raw", top: int = 0, tokenizer: Any
 
 
 def _num_sequences(generation: Any) -> int:
-    return 0 if generation.sequences is None else int(generation.sequences.shape[0])
+    return generation.num_rows if generation.sequences is None else int(generation.sequences.shape[0])
 
 
 def token_positions(generation: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per returned sequence and step: the row whose values chose its token, the token, and each
     sequence's number of tokens (through its end-of-sequence token; no padding after it)."""
     sequences = generation.sequences
-    generated = sequences[:, generation.prompt_length:]
+    if sequences is None:  # incomplete, outside beam search: each row's recorded tokens
+        recorded = generation.tokens()
+        generated = torch.stack(recorded, dim=1) if recorded else torch.zeros((generation.num_rows, 0), dtype=torch.long)
+        sequences = generated
+    else:
+        generated = sequences[:, generation.prompt_length:]
     steps = min(generated.shape[1], generation.num_steps)
     generated = generated[:, :steps]
     if generation.is_beam:

@@ -371,9 +371,15 @@ def check_sample_ids(ids: Any, metadata: Any) -> str | None:
     str or int, the metadata None or a list of JSON objects, one per id."""
     if not isinstance(ids, list) or not all(isinstance(i, (str, int)) and not isinstance(i, bool) for i in ids):
         return f"the sample ids must be a list of str or int (one per prompt), got {ids!r}"
-    if len(set(ids)) != len(ids):
-        repeated = sorted({str(i) for i in ids if ids.count(i) > 1})
-        return f"the sample ids must be distinct within a call; repeated: {repeated}"
+    if not ids:
+        return "the sample ids must name at least one prompt"
+    wide = [i for i in ids if isinstance(i, int) and not -2**63 <= i < 2**63]
+    if wide:
+        return f"an int sample id must fit in 64 bits (a table's int64 column), got {wide[0]}"
+    as_text = [str(i) for i in ids]  # the table writes ids as text when any is a string: 1 and "1" collide
+    if len(set(as_text)) != len(ids):
+        repeated = sorted({t for t in as_text if as_text.count(t) > 1})
+        return f"the sample ids must be distinct within a call (1 and '1' count as the same); repeated: {repeated}"
     if metadata is not None:
         if not isinstance(metadata, list) or not all(isinstance(m, dict) for m in metadata):
             return f"the sample metadata must be a list of dicts (one per prompt), got {metadata!r}"
