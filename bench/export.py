@@ -12,7 +12,8 @@ processed scores spilled to disk (393 KB per row and step: 1.06 GB at 112 steps)
 - `write_parquet(run, path, top=5)`: the same with 5 alternatives per kind.
 
 Reports tokens (table rows) per second, recording bytes read per second, and each export's peak RSS
-over the baseline, next to the bytes of one chunk of steps (`--chunk-steps` x 8 rows x 2 streams x
+over the baseline, and of it the anonymous memory (`RssAnon`, sampled every 5 ms; the rest is the
+recording's shard pages the reader maps, file-backed and reclaimable), next to the bytes of one chunk of steps (`--chunk-steps` x 8 rows x 2 streams x
 vocabulary x 4); writes `export.json` under `--out`.
 """
 
@@ -67,11 +68,32 @@ def record(root: Path, new_tokens: int) -> float:
     return time.perf_counter() - start
 
 
+def _anonymous_rss() -> int:
+    """Resident anonymous memory now, in bytes (Linux: `RssAnon`): what the process allocated, without
+    the recording's shard pages that it maps (file-backed, `RssFile`, which the kernel can drop)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def child(root: str, case: str, target: str, chunk_steps: int) -> None:
+    import threading
+
     from transformers_offload import open_recording
     from transformers_offload.answers.table import write_parquet
 
     run = open_recording(root)
+    peak_anonymous = [_anonymous_rss()]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.005):
+            peak_anonymous[0] = max(peak_anonymous[0], _anonymous_rss())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     start = time.perf_counter()
     if case == "baseline":
         run.logits(0, steps=0)
@@ -79,7 +101,9 @@ def child(root: str, case: str, target: str, chunk_steps: int) -> None:
     else:
         result = write_parquet(run, target, top=5 if case == "top 5" else 0, chunk_steps=chunk_steps)
     seconds = time.perf_counter() - start
-    print(json.dumps({**result, "seconds": seconds, "peak_rss": peak_rss_bytes()}))
+    done.set()
+    sampler.join()
+    print(json.dumps({**result, "seconds": seconds, "peak_rss": peak_rss_bytes(), "peak_anonymous": peak_anonymous[0]}))
 
 
 def main() -> None:
@@ -113,9 +137,10 @@ def main() -> None:
             r = results[case]
             rows.append([case, r["rows"], f"{r['seconds']:.1f}", f"{r['rows'] / r['seconds']:,.0f}",
                          f"{size / r['seconds'] / 1e6:,.0f}", f"{(r['peak_rss'] - base) / 2**20:,.0f}",
+                         f"{(r['peak_anonymous'] - results['baseline']['peak_anonymous']) / 2**20:,.0f}",
                          f"{r['bytes'] / 1e6:.2f}"])
         print(print_table(["export", "rows", "s", "rows/s", "recording MB/s", "peak RSS over baseline (MiB)",
-                           "parquet MB"], rows))
+                           "of it anonymous (MiB)", "parquet MB"], rows))
         print(f"baseline peak RSS {base / 2**20:,.0f} MiB; one chunk of steps is {chunk_bytes / 2**20:,.0f} MiB")
         write_json(args.out / "export.json", {
             "machine": machine(), "recording_bytes": size, "record_seconds": seconds, "chunk_steps": args.chunk_steps,
