@@ -13,7 +13,7 @@ from transformers_offload.cli import main
 
 from .conftest import PAD, left_padded_batch, make_tiny
 
-pytest.importorskip("matplotlib")
+pytest.importorskip("matplotlib", exc_type=ImportError)
 PNG = b"\x89PNG\r\n\x1a\n"
 
 

@@ -16,8 +16,8 @@ from transformers_offload.cli import main
 from .conftest import PAD, left_padded_batch
 from .test_stats import _run
 
-pa = pytest.importorskip("pyarrow")
-pq = pytest.importorskip("pyarrow.parquet")
+pa = pytest.importorskip("pyarrow", exc_type=ImportError)
+pq = pytest.importorskip("pyarrow.parquet", exc_type=ImportError)
 
 MODES = ["sample_rows_finish_early", "num_return_sequences", "beam_return_sequences"]
 
@@ -181,7 +181,7 @@ def test_write_parquet_reads_a_chunk_of_steps_at_a_time_and_loads_back(gpt2, tmp
 
 
 def test_the_export_loads_in_hugging_face_datasets(gpt2, tmp_path):
-    datasets = pytest.importorskip("datasets")
+    datasets = pytest.importorskip("datasets", exc_type=ImportError)  # an old release's hub is too old for it
     _two_calls(gpt2, tmp_path / "run")
     assert main(["export", str(tmp_path / "run"), str(tmp_path / "tokens.parquet"), "--top", "2"]) == 0
     dataset = datasets.Dataset.from_parquet(str(tmp_path / "tokens.parquet"), cache_dir=str(tmp_path / "cache"))

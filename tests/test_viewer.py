@@ -123,7 +123,7 @@ def test_view_on_the_command_line(gpt2, tmp_path, capsys):
 def browser():
     """Headless Chromium through its driver (Debian's `chromium` and `chromium-driver`, which
     scripts/setup.sh installs)."""
-    webdriver = pytest.importorskip("selenium.webdriver")
+    webdriver = pytest.importorskip("selenium.webdriver", exc_type=ImportError)
     binary = shutil.which("chromium") or shutil.which("chromium-browser")
     driver_path = shutil.which("chromedriver")
     if not (binary and driver_path):
