@@ -64,7 +64,10 @@ def main(argv: list[str] | None = None) -> int:
         command.add_argument("--top", type=int, default=None, help="alternatives per token (export 0, view 5)")
         command.add_argument("--tokenizer", help="a local tokenizer directory, to add each token's text")
     export.add_argument("--chunk-steps", type=int, default=16, help="steps read at once (16)")
+    _add_record(commands)
     arguments = parser.parse_args(argv)
+    if arguments.command == "record":
+        return _record(arguments)
     try:
         recording = open_recording(arguments.path)
         if arguments.command in ("export", "view", "plot"):
@@ -85,6 +88,68 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
     _print(json.dumps(result, indent=2) if arguments.json else text)
+    return 0
+
+
+def _add_record(commands: Any) -> None:
+    record = commands.add_parser(
+        "record", help="record every prompt of a file into a recording directory, resumably",
+        description="Batches the prompts of a JSON Lines or Parquet file (or a saved dataset) through "
+        "generate() with a Recorder, keyed by sample id. Run it again on the same --out to resume: complete "
+        "samples are skipped, the rest recorded.",
+    )
+    record.add_argument("--model", required=True, help="a local model directory (from_pretrained)")
+    record.add_argument("--tokenizer", help="a local tokenizer directory (default: --model)")
+    record.add_argument("--prompts", required=True, help="a .jsonl/.parquet file or a saved dataset's directory")
+    record.add_argument("--out", required=True, help="the recording directory (created, or resumed)")
+    record.add_argument("--batch-size", type=int, default=8)
+    record.add_argument("--text-column"), record.add_argument("--messages-column")
+    record.add_argument("--id-column", default="id")
+    record.add_argument("--chat", action="store_true", help="wrap text prompts in the chat template")
+    record.add_argument("--max-new-tokens", type=int, default=64)
+    record.add_argument("--do-sample", action="store_true")
+    for name in ("--temperature", "--top-p", "--repetition-penalty"):
+        record.add_argument(name, type=float)
+    for name in ("--top-k", "--num-beams", "--num-return-sequences"):
+        record.add_argument(name, type=int)
+    record.add_argument("--seed", type=int, default=0, help="seed + the batch's first prompt position, per call")
+    record.add_argument("--streams", default="logits,scores", help="what to record, e.g. scores,stats")
+    record.add_argument("--encodings", default="", help="e.g. scores=sparse,logits=topk:20")
+    record.add_argument("--no-progress", action="store_true")
+    record.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def _record(arguments: argparse.Namespace) -> int:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .record import record
+
+    try:
+        encodings = dict(part.split("=", 1) for part in arguments.encodings.split(",") if part)
+    except ValueError:
+        print(f"error: `--encodings` must read NAME=ENCODING,..., got {arguments.encodings!r}", file=sys.stderr)
+        return 2
+    options = {name: getattr(arguments, name) for name in ("temperature", "top_p", "repetition_penalty", "top_k",
+                                                             "num_beams", "num_return_sequences")
+               if getattr(arguments, name) is not None}
+    try:
+        for what, path in (("--model", arguments.model), ("--tokenizer", arguments.tokenizer or arguments.model)):
+            if not os.path.isdir(path):
+                raise ValueError(f"`{what}` must be a local directory (save_pretrained), got {path!r}.")
+        model = AutoModelForCausalLM.from_pretrained(arguments.model, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(arguments.tokenizer or arguments.model, local_files_only=True)
+        result = record(
+            model.eval(), tokenizer, arguments.prompts, arguments.out, batch_size=arguments.batch_size,
+            text_column=arguments.text_column, messages_column=arguments.messages_column,
+            id_column=arguments.id_column, chat=arguments.chat, progress=not arguments.no_progress,
+            seed=arguments.seed, recorder_options={"streams": tuple(arguments.streams.split(",")),
+                                                   **({"encodings": encodings} if encodings else {})},
+            max_new_tokens=arguments.max_new_tokens, do_sample=arguments.do_sample, **options,
+        )
+    except (ValueError, TypeError, LookupError, ImportError, OSError, RecordingError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    _print(json.dumps(result) if arguments.json else ", ".join(f"{key} {value}" for key, value in result.items()))
     return 0
 
 

@@ -113,6 +113,10 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
             over the whole vocabulary and the probability mass outside the K, `(2K + 2) x 8` bytes per
             row and step; read with `topk()`, which `logits()` and `scores()` then point to). E.g.
             `{"scores": "sparse"}`.
+        append (`bool`, *optional*, defaults to False): with `spill_dir` holding a recording of the same
+            model, add this recorder's generations after those already there (never touching them; a
+            generation a stopped process left `"recording"` is marked `"failed"`). `generations` then
+            lists this recorder's own, whose `index` counts on from the directory's.
 
     Raises:
         TypeError: `model` has no `generate()` from transformers' `GenerationMixin`, or an option has
@@ -120,7 +124,9 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
         ValueError: an option has a wrong value, or `"attentions"` is asked of a model whose attention
             implementation is not eager (also raised by `generate()`, before it runs, if that changed).
         IndexError: `layers` or `heads` is out of range for the model's config.
-        FileExistsError: `spill_dir` exists and is not an empty directory.
+        FileExistsError: `spill_dir` exists and is not an empty directory (nor, with `append`, a recording).
+        RecordingError: with `append`, the recording in `spill_dir` is damaged.
+        BlockingIOError: another process is writing the recording in `spill_dir`.
         OSError: `spill_dir` cannot be created or written.
 
     Example:
@@ -143,6 +149,7 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
         heads: Sequence[int] | None = None,
         newest_position_only: bool = False,
         encodings: dict[str, str] | None = None,
+        append: bool = False,
     ) -> None:
         if not isinstance(model, GenerationMixin) or not callable(getattr(model, "generate", None)):
             raise TypeError(
@@ -160,6 +167,8 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
             raise ValueError(f"`ring_slots` must be at least 1, got {ring_slots}.")
         if spill_dir is not None and not isinstance(spill_dir, (str, os.PathLike)):
             raise TypeError(f"`spill_dir` must be a path (str or os.PathLike), got {spill_dir!r}.")
+        if append and spill_dir is None:
+            raise ValueError("`append` adds generations to the recording in `spill_dir`; pass `spill_dir` too.")
         if shard_bytes is not None:
             if spill_dir is None:
                 raise ValueError("`shard_bytes` sizes the shards written to `spill_dir`; pass `spill_dir` too.")
@@ -178,6 +187,7 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
                 shard_bytes=shard_bytes or DEFAULT_SHARD_BYTES,
                 model_info=_model_info(model),
                 created_by=_created_by(),
+                append=append,
             )
         self._model = model
         name_or_path = getattr(model, "name_or_path", "")
@@ -198,6 +208,8 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
         if not self._closed:
             self._closed = True
             _hooks.detach(self._model, self)
+            if self._spill is not None:
+                self._spill.close()
 
     def __enter__(self) -> Recorder:
         if self._closed:
@@ -327,7 +339,7 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
                 ring_slots=self._ring_slots,
                 assistant_model=assistant_model,
                 open_store=self._open_store,
-                index=len(self._generations),
+                index=self._spill.next_index if self._spill is not None else len(self._generations),
                 attention_mask=attention_mask,
                 threaded=_on_cuda(self._model),
                 layer_tap=_layers.LayerTap(kinds, self._selection, self._streams, self._model) if kinds else None,

@@ -169,3 +169,32 @@ def _fsync_directory(directory: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def lock_directory(root: Path) -> int | None:
+    """Take `root`'s exclusive lock (`flock` on the directory itself: no file is added); returns the
+    descriptor that holds it, None where the platform has no `flock`.
+
+    Raises:
+        BlockingIOError: another process holds it (it is writing this recording).
+    """
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock
+        return None
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise BlockingIOError(
+            f"{str(root)!r} is being written by another Recorder (its directory lock is held); wait for it "
+            "to finish, or record into another directory."
+        ) from None
+    return fd
+
+
+def unlock_directory(fd: int | None) -> None:
+    """Release a lock `lock_directory` took."""
+    if fd is not None:
+        os.close(fd)  # closing the descriptor releases its flock

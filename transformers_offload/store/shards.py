@@ -49,18 +49,40 @@ class SpillError(OSError):
 class Spill:
     """One recorder's recording directory: the manifest and where each generation's shards go.
 
+    The directory is locked (`flock`) while the `Spill` is open, so two processes never write one
+    manifest; `close()` releases it.
+
     Args:
-        root (`pathlib.Path`): the directory; created if missing, refused if it holds anything.
+        root (`pathlib.Path`): the directory; created if missing, refused if it holds anything (unless
+            `append` and it holds a recording).
         shard_bytes (`int`): target size of one shard, in bytes (a shard holds at least one step).
         model_info (`dict`): the manifest's `model` entry.
         created_by (`dict`): the manifest's `created_by` entry (package versions).
+        append (`bool`): with a recording in `root`, add new generations after its own (never
+            touching them); a generation its writer left `"recording"` (the process stopped) is marked
+            `"failed"`, its committed steps kept.
 
     Raises:
-        FileExistsError: `root` exists and is not an empty directory.
+        FileExistsError: `root` exists and is not an empty directory (nor, with `append`, a recording).
+        RecordingError: with `append`, the recording in `root` is damaged or of another format version.
+        ValueError: with `append`, the recording was made by another model (class or vocabulary).
+        BlockingIOError: another process has the recording open for writing.
         OSError: the directory or its manifest cannot be written.
     """
 
-    def __init__(self, root: Path, *, shard_bytes: int, model_info: dict, created_by: dict) -> None:
+    def __init__(self, root: Path, *, shard_bytes: int, model_info: dict, created_by: dict,
+                 append: bool = False) -> None:
+        self.root = root
+        self.shard_bytes = shard_bytes
+        self._lock: int | None = None
+        if append and (root / _files.MANIFEST).is_file():
+            self._lock = _files.lock_directory(root)
+            try:
+                self.manifest = _reopen(root, model_info)
+            except BaseException:
+                self.close()
+                raise
+            return
         if root.exists() and (not root.is_dir() or any(root.iterdir())):
             what = "is not a directory" if not root.is_dir() else "is not empty"
             raise FileExistsError(
@@ -68,8 +90,6 @@ class Spill:
                 "empty directory. Pick another path (or remove that one)."
             )
         root.mkdir(parents=True, exist_ok=True)
-        self.root = root
-        self.shard_bytes = shard_bytes
         self.manifest: dict[str, Any] = {
             "format": _format.FORMAT,
             "format_version": _format.FORMAT_VERSION,
@@ -85,6 +105,18 @@ class Spill:
                 f"`spill_dir` {str(root)!r} already holds a recording (another Recorder got there "
                 "first). Pick another path."
             ) from None
+        self._lock = _files.lock_directory(root)
+
+    @property
+    def next_index(self) -> int:
+        """The index the next generation gets (after those already in the directory)."""
+        return len(self.manifest["generations"])
+
+    def close(self) -> None:
+        """Release the directory's lock (the recording stays as written). Idempotent."""
+        if self._lock is not None:
+            _files.unlock_directory(self._lock)
+            self._lock = None
 
     def open_store(self, names: list[str], header: dict[str, Any], max_steps: int = 2**31) -> ShardStore:
         """Add a generation (status `"recording"`) to the manifest, durably, and return its store.
@@ -418,3 +450,29 @@ class ShardStore:
         self._spill.manifest["files"][name] = record
         return record["bytes"]
 
+
+
+def _reopen(root: Path, model_info: dict) -> dict[str, Any]:
+    """The manifest of the recording in `root`, to append to: checked, made by the same model, and with
+    every generation its writer left `"recording"` marked `"failed"` (durably)."""
+    from .manifest import read_manifest
+
+    manifest = read_manifest(root)
+    theirs = manifest["model"]
+    for key in ("class", "config_class", "vocab_size"):
+        if theirs.get(key) != model_info.get(key):
+            raise ValueError(
+                f"`spill_dir` {str(root)!r} holds a recording of another model ({key} {theirs.get(key)!r}, this one "
+                f"{model_info.get(key)!r}); append to a recording of the same model, or pick another directory."
+            )
+    stale = [entry for entry in manifest["generations"] if entry["status"] == "recording"]
+    for entry in stale:
+        entry["status"] = "failed"
+        entry["error"] = (
+            "the recording process stopped before this generation ended (killed): "
+            f"{entry['num_steps']} step(s) were committed"
+        )
+    manifest.setdefault("files", {})
+    if stale:
+        _files.write_manifest(root, manifest)
+    return manifest

@@ -1,0 +1,217 @@
+"""`record`: a prompts file through generate() with a Recorder, keyed by sample id, resumable after an
+exception or a SIGKILL: every sample ends up in exactly one complete generation."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast, StoppingCriteria, StoppingCriteriaList
+
+from transformers_offload import Recorder, open_recording
+from transformers_offload.cli import main
+from transformers_offload.record import read_prompts, record
+
+VOCAB = 128
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[PAD]": 0, "[EOS]": 1, "[BOS]": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    inner = Tokenizer(models.WordLevel(vocab, unk_token="[PAD]"))
+    inner.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=inner, pad_token="[PAD]", eos_token="[EOS]", bos_token="[BOS]")
+
+
+def _model():
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=256,
+                                      bos_token_id=2, eos_token_id=1, pad_token_id=0)).eval()
+
+
+def _prompts(path: Path, count: int, *, ids: bool = True) -> Path:
+    lines = [{**({"id": f"s{i:03d}"} if ids else {}), "text": " ".join(f"w{3 + (i * 7 + k) % 120}" for k in range(2 + i % 5))}
+             for i in range(count)]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def _complete_samples(out: Path) -> Counter:
+    with open_recording(out) as run:
+        return Counter(str(s) for g in run.generations if g.complete for s in g.sample_ids)
+
+
+def test_record_keys_every_row_by_its_sample_id(tmp_path):
+    prompts = _prompts(tmp_path / "prompts.jsonl", 7)
+    result = record(_model(), _tokenizer(), prompts, tmp_path / "run", batch_size=3, progress=False,
+                    max_new_tokens=4, do_sample=True)
+    assert (result["recorded"], result["skipped"], result["generations"]) == (7, 0, 3)
+    run = open_recording(tmp_path / "run")
+    assert [s["sample"] for s in run.samples()] == [f"s{i:03d}" for i in range(7)]
+    assert [len(g.sample_ids) for g in run.generations] == [3, 3, 1]
+    # Without an id column, a prompt's id is its line number.
+    record(_model(), _tokenizer(), _prompts(tmp_path / "plain.jsonl", 4, ids=False), tmp_path / "plain",
+           batch_size=4, progress=False, max_new_tokens=2)
+    assert [s["sample"] for s in open_recording(tmp_path / "plain").samples()] == [0, 1, 2, 3]
+
+
+class _FailOnCall(StoppingCriteria):
+    """Raises in the given generate() call (counted over calls), at its second step."""
+
+    calls = 0
+
+    def __init__(self, call):
+        self.call, self.steps = call, 0
+        type(self).calls += 1
+        self.mine = type(self).calls
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.steps += 1
+        if self.mine == self.call and self.steps == 2:
+            raise RuntimeError("failed on purpose")
+        return False  # transformers 4.36 wants a bool; later releases broadcast it over the rows
+
+
+def test_an_interrupted_run_resumes_and_records_each_sample_once(tmp_path, monkeypatch):
+    prompts = _prompts(tmp_path / "prompts.jsonl", 10)
+    model, tokenizer = _model(), _tokenizer()
+    original = model.generate
+    calls = []
+
+    def failing_second_call(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            kwargs["stopping_criteria"] = StoppingCriteriaList([_FailOnCall(_FailOnCall.calls + 1)])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", failing_second_call)
+    with pytest.raises(RuntimeError, match="on purpose"):
+        record(model, tokenizer, prompts, tmp_path / "run", batch_size=4, progress=False, max_new_tokens=4)
+    monkeypatch.setattr(model, "generate", original)
+    assert _complete_samples(tmp_path / "run") == Counter(f"s{i:03d}" for i in range(4))
+    result = record(model, tokenizer, prompts, tmp_path / "run", batch_size=4, progress=False, max_new_tokens=4)
+    assert (result["recorded"], result["skipped"]) == (6, 4)
+    assert _complete_samples(tmp_path / "run") == Counter(f"s{i:03d}" for i in range(10))  # each once
+    statuses = [g.complete for g in open_recording(tmp_path / "run").generations]
+    assert statuses == [True, False, True, True]  # the failed call stays, readable, beside its redo
+    # A third run finds nothing to do.
+    assert record(model, tokenizer, prompts, tmp_path / "run", batch_size=4, progress=False,
+                  max_new_tokens=4)["recorded"] == 0
+
+
+def test_a_resumed_batch_samples_as_the_first_run_would(tmp_path):
+    prompts = _prompts(tmp_path / "prompts.jsonl", 6)
+    options = dict(batch_size=3, progress=False, max_new_tokens=5, do_sample=True)
+    record(_model(), _tokenizer(), prompts, tmp_path / "whole", **options)
+    lines = prompts.read_text().splitlines()
+    (tmp_path / "first.jsonl").write_text("\n".join(lines[:3]) + "\n")
+    record(_model(), _tokenizer(), tmp_path / "first.jsonl", tmp_path / "resumed", **options)
+    record(_model(), _tokenizer(), prompts, tmp_path / "resumed", **options)
+    whole, resumed = open_recording(tmp_path / "whole"), open_recording(tmp_path / "resumed")
+    assert all(torch.equal(a.sequences, b.sequences) for a, b in zip(whole.generations, resumed.generations))
+
+
+@pytest.mark.slow
+def test_a_sigkilled_run_resumes_from_the_command_line(tmp_path):
+    model_dir = tmp_path / "model"
+    _model().save_pretrained(model_dir)
+    _tokenizer().save_pretrained(model_dir)
+    prompts = _prompts(tmp_path / "prompts.jsonl", 40)
+    command = [sys.executable, "-m", "transformers_offload", "record", "--model", str(model_dir), "--prompts",
+               str(prompts), "--out", str(tmp_path / "run"), "--batch-size", "4", "--max-new-tokens", "48",
+               "--no-progress", "--json"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    with open(tmp_path / "first.log", "wb") as log:
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=log)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and process.poll() is None:
+        manifest = tmp_path / "run" / "manifest.json"
+        if manifest.is_file():
+            entries = json.loads(manifest.read_text())["generations"]
+            if sum(e["status"] == "complete" for e in entries) >= 2:
+                break
+        time.sleep(0.02)
+    assert process.poll() is None, f"the run ended before it could be killed: {(tmp_path / 'first.log').read_text()}"
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    before = _complete_samples(tmp_path / "run")
+    assert 8 <= sum(before.values()) < 40
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    after = _complete_samples(tmp_path / "run")
+    assert after == Counter(f"s{i:03d}" for i in range(40))  # none twice, none lost
+    assert result["skipped"] == sum(before.values()) and result["recorded"] == 40 - sum(before.values())
+    open_recording(tmp_path / "run", verify=True)
+
+
+@pytest.mark.parametrize("lines, options, match", [
+    (['{"prompt": "w3"}'], {}, r"no `text` or `messages` column \(columns: \['prompt'\]\)"),
+    (['{"id": 1, "text": "w3"}', '{"id": "1", "text": "w4"}'], {}, r"repeats sample ids \['1'\]"),
+    (['{"text": ""}'], {}, "has no text or chat"),
+    (["[1, 2]"], {}, "must be a JSON object"),
+    (["not json"], {}, "line 1 is not JSON"),
+    ([], {}, "holds no prompts"),
+])
+def test_bad_prompts_are_refused_before_anything_runs(tmp_path, lines, options, match):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=match):
+        record(_model(), _tokenizer(), path, tmp_path / "run", progress=False, **options)
+    assert not (tmp_path / "run").exists()
+
+
+def test_read_prompts_takes_parquet_chats_and_lists(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet", exc_type=ImportError)
+    pa = pytest.importorskip("pyarrow", exc_type=ImportError)
+    pq.write_table(pa.table({"key": ["a", "b"], "body": ["w3 w4", "w5"]}), tmp_path / "p.parquet")
+    assert read_prompts(tmp_path / "p.parquet", text_column="body", id_column="key") == [("a", "w3 w4"), ("b", "w5")]
+    chats = [{"messages": [{"role": "user", "content": "hi"}]}]
+    assert read_prompts(chats) == [(0, chats[0]["messages"])]
+    with pytest.raises(ValueError, match=r"expected a \.jsonl"):
+        (tmp_path / "p.csv").write_text("id,text\n")
+        read_prompts(tmp_path / "p.csv")
+
+
+def test_append_refuses_another_model_and_a_second_writer(tmp_path):
+    model = _model()
+    with Recorder(model, spill_dir=tmp_path / "run") as rec:
+        model.generate(torch.tensor([[3, 4]]), logits_processor=[rec], max_new_tokens=2, pad_token_id=0)
+        with pytest.raises(BlockingIOError, match="being written by another Recorder"):
+            Recorder(model, spill_dir=tmp_path / "run", append=True)
+    other = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError, match="another model"):
+        Recorder(other, spill_dir=tmp_path / "run", append=True)
+    with Recorder(model, spill_dir=tmp_path / "run", append=True) as rec:
+        model.generate(torch.tensor([[3, 4]]), logits_processor=[rec], max_new_tokens=2, pad_token_id=0)
+        assert [g.index for g in rec.generations] == [1]
+    assert len(open_recording(tmp_path / "run", verify=True).generations) == 2
+    with pytest.raises(ValueError, match="pass `spill_dir` too"):
+        Recorder(model, append=True)
+
+
+def test_record_on_the_command_line(tmp_path, capsys):
+    model_dir = tmp_path / "model"
+    _model().save_pretrained(model_dir)
+    _tokenizer().save_pretrained(model_dir)
+    prompts = _prompts(tmp_path / "prompts.jsonl", 5)
+    argv = ["record", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(tmp_path / "run"),
+            "--batch-size", "2", "--max-new-tokens", "3", "--streams", "scores,stats", "--encodings", "scores=sparse",
+            "--do-sample", "--top-k", "5", "--no-progress", "--json"]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["recorded"], result["generations"]) == (5, 3)
+    generation = open_recording(tmp_path / "run").generation(0)
+    assert generation.encodings == {"scores": "sparse"} and "stats" in generation.streams
+    assert main([*argv[:-1], "--json"]) == 0 and json.loads(capsys.readouterr().out)["skipped"] == 5
+    assert main(["record", "--model", str(tmp_path / "nope"), "--prompts", str(prompts), "--out", str(tmp_path / "x")]) == 1
+    assert "must be a local directory" in capsys.readouterr().err

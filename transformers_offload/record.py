@@ -1,0 +1,210 @@
+"""Recording a whole prompts file: batches of left-padded prompts through a stock `generate()` with a
+`Recorder`, each row keyed by its sample id, resumable after a crash, Ctrl-C or SIGKILL.
+
+`record(model, tokenizer, prompts, out, ...)` is what `python -m transformers_offload record` runs. The
+prompts come from a JSON Lines or Parquet file, a saved Hugging Face dataset, or a list; each has a
+text or a chat (`messages`) and, optionally, an id (else its position in the file). Every batch is one
+generation of the recording in `out`, its prompts named with `Recorder.set_samples`. Run it again on
+the same `out` and it appends: the samples of every complete generation are skipped, the others
+(those of a batch a crash interrupted included) are recorded, so each sample ends up in exactly one
+complete generation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from .read.reader import open_recording
+from .recorder import Recorder
+from .store.format import MANIFEST
+
+
+def read_prompts(source: str | os.PathLike | Sequence[Any], *, text_column: str | None = None,
+                 messages_column: str | None = None, id_column: str = "id") -> list[tuple[Any, Any]]:
+    """The prompts of `source` as `(sample id, prompt)` pairs, in order; a prompt is a string or a chat
+    (a list of `{"role", "content"}` messages).
+
+    Args:
+        source: a `.jsonl` / `.json` file (one JSON object per line), a `.parquet` file, a directory saved
+            by `datasets.Dataset.save_to_disk`, or a list of dicts (or of strings).
+        text_column (`str`, *optional*): the column holding text prompts (default `text`).
+        messages_column (`str`, *optional*): the column holding chats (default `messages`); used when
+            there is no text column.
+        id_column (`str`): the column of sample ids (str or int); without one, a prompt's id is its
+            position (0-based line number).
+
+    Raises:
+        FileNotFoundError: `source` does not exist.
+        ValueError: an unknown file type, a line that is not a JSON object, no prompt column (the
+            message lists the columns found), an empty prompt, or repeated ids.
+    """
+    rows = _rows(source)
+    if not rows:
+        raise ValueError(f"`prompts` {_name(source)} holds no prompts.")
+    columns = set().union(*(row.keys() for row in rows)) if isinstance(rows[0], dict) else set()
+    if not isinstance(rows[0], dict):
+        column = None
+    elif text_column is not None or messages_column is not None:
+        column = text_column or messages_column
+    else:
+        column = "text" if "text" in columns else "messages" if "messages" in columns else None
+        if column is None:
+            raise ValueError(
+                f"`prompts` {_name(source)} has no `text` or `messages` column (columns: {sorted(columns)}); name "
+                "yours with `text_column=` / `messages_column=` (`--text-column`, `--messages-column`)."
+            )
+    found = []
+    for number, row in enumerate(rows):
+        prompt = row if column is None else row.get(column)
+        if isinstance(prompt, str) and prompt:
+            pass
+        elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "content" in m for m in prompt):
+            pass
+        else:
+            raise ValueError(f"prompt {number} of {_name(source)} has no text or chat in `{column}`: {prompt!r}.")
+        sample = row.get(id_column, number) if isinstance(row, dict) else number
+        if isinstance(sample, bool) or not isinstance(sample, (str, int)):
+            raise ValueError(f"prompt {number} of {_name(source)}: its id `{id_column}` must be a str or int, got {sample!r}.")
+        found.append((sample, prompt))
+    ids = [str(sample) for sample, _ in found]
+    if len(set(ids)) != len(ids):
+        repeated = sorted({i for i in ids if ids.count(i) > 1})[:5]
+        raise ValueError(f"`prompts` {_name(source)} repeats sample ids {repeated}: each prompt needs its own id.")
+    return found
+
+
+def _name(source: Any) -> str:
+    return repr(str(source)) if isinstance(source, (str, os.PathLike)) else f"(a {type(source).__name__})"
+
+
+def _rows(source: Any) -> list[Any]:
+    if not isinstance(source, (str, os.PathLike)):
+        return list(source)
+    path = Path(source)
+    if not path.exists():
+        raise FileNotFoundError(f"`prompts` {str(path)!r} does not exist.")
+    if path.is_dir():
+        try:
+            import datasets
+        except ImportError as error:
+            raise ImportError("reading a saved dataset needs `datasets`: `pip install datasets`.") from error
+        return list(datasets.load_from_disk(str(path)))
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    if path.suffix in (".jsonl", ".json"):
+        rows = []
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as error:
+                raise ValueError(f"{str(path)!r} line {number + 1} is not JSON ({error}).") from None
+            if not isinstance(row, (dict, str)):
+                raise ValueError(f"{str(path)!r} line {number + 1} must be a JSON object, got {type(row).__name__}.")
+            rows.append(row)
+        return rows
+    raise ValueError(f"`prompts` {str(path)!r}: expected a .jsonl, .json or .parquet file, or a saved dataset's directory.")
+
+
+def recorded_samples(out: str | os.PathLike) -> set[str]:
+    """The sample ids (as text) of every complete generation in the recording at `out` (empty if none)."""
+    if not (Path(out) / MANIFEST).is_file():
+        return set()
+    with open_recording(out) as run:
+        return {str(sample) for generation in run.generations if generation.complete
+                for sample in (generation.sample_ids or ())}
+
+
+def record(model: Any, tokenizer: Any, prompts: str | os.PathLike | Sequence[Any], out: str | os.PathLike, *,
+           batch_size: int = 8, text_column: str | None = None, messages_column: str | None = None,
+           id_column: str = "id", chat: bool = False, progress: bool = True, seed: int | None = 0,
+           recorder_options: dict[str, Any] | None = None, **generate_options: Any) -> dict[str, Any]:
+    """Record every prompt of `prompts` into the recording at `out`, `batch_size` prompts per
+    `generate()` call, resuming where an earlier run stopped.
+
+    Args:
+        model: a causal LM (`GenerationMixin`). tokenizer: its tokenizer (set to pad on the left).
+        prompts, text_column, messages_column, id_column: see `read_prompts`.
+        out (`str | os.PathLike`): the recording directory: created, or appended to when it holds one.
+        batch_size (`int`): prompts per call.
+        chat (`bool`): wrap text prompts as a user message in the tokenizer's chat template (chats
+            always are).
+        progress (`bool`): show a progress bar (tqdm) with prompts and new tokens per second.
+        seed (`int | None`): `torch.manual_seed(seed + first prompt's position)` before each call, so a
+            resumed run samples each batch as the first run would (None: leave the seed alone).
+        recorder_options (`dict`): the Recorder's options (`streams`, `encodings`, `layers`...).
+        **generate_options: passed to every `generate()` call (`max_new_tokens=64`, `do_sample=True`...).
+
+    Returns:
+        `dict`: `recorded` (samples recorded now), `skipped` (already complete), `generations` (calls
+        made now), `new_tokens` (tokens generated now) and `seconds`.
+
+    Raises:
+        ValueError: bad prompts (see `read_prompts`) or `batch_size`; `recorder_options` naming
+            `spill_dir` or `append` (record sets them).
+        BlockingIOError: another process is writing `out`.
+    """
+    import torch
+
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"`batch_size` must be a positive int, got {batch_size!r}.")
+    options = dict(recorder_options or {})
+    if {"spill_dir", "append"} & set(options):
+        raise ValueError("`recorder_options` must not name `spill_dir` or `append`: `record` writes to `out`.")
+    found = read_prompts(prompts, text_column=text_column, messages_column=messages_column, id_column=id_column)
+    done = recorded_samples(out)
+    positions = {str(sample): number for number, (sample, _) in enumerate(found)}
+    pending = [(sample, prompt) for sample, prompt in found if str(sample) not in done]
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    bar = _bar(len(found), len(found) - len(pending), progress)
+    start, new_tokens, calls = time.perf_counter(), 0, 0
+    with Recorder(model, spill_dir=out, append=True, **options) as rec:
+        for first in range(0, len(pending), batch_size):
+            batch = pending[first:first + batch_size]
+            texts = [_text(tokenizer, prompt, chat) for _, prompt in batch]
+            templated = chat or any(isinstance(prompt, list) for _, prompt in batch)  # the template adds them
+            enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not templated)
+            enc = {name: value.to(model.device) for name, value in enc.items()}
+            rec.set_samples([sample for sample, _ in batch])
+            if seed is not None:
+                torch.manual_seed(seed + positions[str(batch[0][0])])
+            sequences = model.generate(**enc, logits_processor=[rec], pad_token_id=tokenizer.pad_token_id,
+                                       **generate_options)
+            sequences = getattr(sequences, "sequences", sequences)
+            generated = sequences[:, enc["input_ids"].shape[1]:]
+            new_tokens += int((generated != tokenizer.pad_token_id).sum())
+            calls += 1
+            if bar is not None:
+                elapsed = max(time.perf_counter() - start, 1e-9)
+                bar.update(len(batch))
+                bar.set_postfix_str(f"{(first + len(batch)) / elapsed:.2f} prompts/s, {new_tokens / elapsed:.1f} tokens/s")
+    if bar is not None:
+        bar.close()
+    return {"recorded": len(pending), "skipped": len(found) - len(pending), "generations": calls,
+            "new_tokens": new_tokens, "seconds": time.perf_counter() - start}
+
+
+def _text(tokenizer: Any, prompt: Any, chat: bool) -> str:
+    if isinstance(prompt, str) and not chat:
+        return prompt
+    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("this tokenizer has no chat template: give text prompts without `chat`.")
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def _bar(total: int, done: int, show: bool) -> Any:
+    if not show:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=done, unit="prompt", desc="record")
