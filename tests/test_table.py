@@ -263,4 +263,5 @@ def test_an_interrupted_call_gives_the_rows_of_its_recorded_steps(gpt2, tmp_path
                           pad_token_id=PAD, stopping_criteria=StoppingCriteriaList([_FailAtStep(2)]))
     rows = _rows(_table.to_arrow(open_recording(tmp_path / "run")))
     assert sorted((r["sample"], r["step"]) for r in rows) == [(s, t) for s in "abc" for t in range(3)]
+    assert not any(r["complete"] for r in rows)
     assert main(["plot", str(tmp_path / "run"), "-o", str(tmp_path / "png")]) == 0

@@ -19,6 +19,9 @@ Columns, in order (a column whose stream was not recorded holds nulls):
     entropy_processed   float32
     top_tokens_raw, top_logprobs_raw, top_tokens_processed, top_logprobs_processed
                         list<int64>, list<float32>   the `top` alternatives (only with `top > 0`)
+    complete            bool     False in a generation `generate()` did not finish (an exception, a
+                                 kill): its rows hold the tokens recorded before (`record` then
+                                 records its samples again; keep `complete` rows for one per sample)
     metadata            string   the sample's metadata as JSON (only when the recording has any)
 
 The values are those of `Generation.logprobs` (see `read.logprobs` for their torch expressions and
@@ -63,6 +66,7 @@ def schema(*, top: int = 0, text: bool = False, sample_type: Any = None, metadat
     if top:
         for k in KINDS_ORDER:
             fields += [(f"top_tokens_{k}", pa.list_(pa.int64())), (f"top_logprobs_{k}", pa.list_(pa.float32()))]
+    fields.append(("complete", pa.bool_()))
     if metadata:
         fields.append(("metadata", pa.string()))
     return pa.schema(fields)
@@ -174,6 +178,7 @@ def record_batches(source: Any, *, generations: Sequence[int] | None = None, top
                     for kind in KINDS_ORDER:
                         for name, kind_type in (("top_tokens", pa.int64()), ("top_logprobs", pa.float32())):
                             columns[f"{name}_{kind}"] = _list_column(pa, chunk.get(f"{name}_{kind}"), kind_type, n)
+                columns["complete"] = pa.array([generation.complete] * n, pa.bool_())
                 if has_metadata:
                     texts = [json.dumps(m, sort_keys=True) for m in metadata] if metadata else None
                     columns["metadata"] = pa.array([texts[p] if texts else None for p in prompt], pa.string())
