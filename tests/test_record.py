@@ -29,7 +29,8 @@ def _tokenizer():
     vocab = {"[PAD]": 0, "[EOS]": 1, "[BOS]": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
     inner = Tokenizer(models.WordLevel(vocab, unk_token="[PAD]"))
     inner.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=inner, pad_token="[PAD]", eos_token="[EOS]", bos_token="[BOS]")
+    return PreTrainedTokenizerFast(tokenizer_object=inner, pad_token="[PAD]", eos_token="[EOS]", bos_token="[BOS]",
+                                   clean_up_tokenization_spaces=False)  # 4.44 warns when it is not set
 
 
 def _model():
