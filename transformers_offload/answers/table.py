@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from ..read.logprobs import KINDS, token_chunks
+from ..store.files import write_atomically
 from ..read.samples import sample_ids
 
 KINDS_ORDER = tuple(KINDS)
@@ -247,15 +248,14 @@ def write_parquet(source: Any, path: str | os.PathLike, *, generations: Sequence
     target = output_path(source, path, "Parquet file")
     table_schema, batches = record_batches(source, generations=generations, top=top, tokenizer=tokenizer,
                                            chunk_steps=chunk_steps)
-    partial = target.with_name(f".{target.name}.partial")
     rows = 0
-    try:
-        with pq.ParquetWriter(partial, table_schema) as writer:
+
+    def write(temporary: Path) -> None:
+        nonlocal rows
+        with pq.ParquetWriter(temporary, table_schema) as writer:
             for batch in batches:
                 writer.write_batch(batch)
                 rows += batch.num_rows
-        os.replace(partial, target)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
-    return {"rows": rows, "bytes": target.stat().st_size}
+
+    record = write_atomically(target, write)
+    return {"rows": rows, "bytes": record["bytes"]}

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 from ..read import display
 from ..read.logprobs import token_chunks
 from ..read.samples import sample_ids
+from ..store.files import write_atomically
 
 _TEMPLATE = Path(__file__).with_name("viewer.html")
 MAX_TOP = 20
@@ -158,14 +159,7 @@ def write_html(source: Any, path: str | os.PathLike, **options: Any) -> dict[str
 
     target = output_path(source, path, "page")
     document = render(source, **options)
-    partial = target.with_name(f".{target.name}.partial")
-    try:
-        partial.write_text(document, encoding="utf-8")
-        os.replace(partial, target)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
-    return {"bytes": target.stat().st_size}
+    return {"bytes": write_atomically(target, lambda temporary: temporary.write_text(document, encoding="utf-8"))["bytes"]}
 
 
 display.register(fragment)
