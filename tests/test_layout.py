@@ -16,12 +16,13 @@ PACKAGE = Path(__file__).resolve().parent.parent / "transformers_offload"
 
 # Folder (or top-level module) -> what it must never import.
 FORBIDDEN = {
-    "capture": ("read", "answers", "recorder", "record", "cli"),
-    "store": ("capture", "read", "answers", "recorder", "record", "cli"),
-    "read": ("capture", "answers", "recorder", "record", "cli"),
-    "answers": ("capture", "recorder", "record", "cli"),
-    "_compat": ("capture", "store", "read", "answers", "recorder", "record", "cli", "_interrupts"),
-    "_interrupts": ("capture", "store", "read", "answers", "recorder", "record", "cli", "_compat"),
+    "capture": ("read", "answers", "recorder", "record", "parallel", "cli"),
+    "store": ("capture", "read", "answers", "recorder", "record", "parallel", "cli"),
+    "read": ("capture", "answers", "recorder", "record", "parallel", "cli"),
+    "answers": ("capture", "recorder", "record", "parallel", "cli"),
+    "parallel": ("capture", "store", "read", "answers", "recorder", "record", "cli"),
+    "_compat": ("capture", "store", "read", "answers", "recorder", "record", "parallel", "cli", "_interrupts"),
+    "_interrupts": ("capture", "store", "read", "answers", "recorder", "record", "parallel", "cli", "_compat"),
 }
 
 

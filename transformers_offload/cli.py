@@ -115,6 +115,8 @@ def _add_record(commands: Any) -> None:
     record.add_argument("--seed", type=int, default=0, help="seed + the batch's first prompt position, per call")
     record.add_argument("--streams", default="logits,scores", help="what to record, e.g. scores,stats")
     record.add_argument("--encodings", default="", help="e.g. scores=sparse,logits=topk:20")
+    record.add_argument("--device", default="auto", help="where the model runs (default: under torchrun "
+                        "the rank's own GPU, cuda:LOCAL_RANK, when there is one; else cuda, else cpu)")
     record.add_argument("--no-progress", action="store_true")
     record.add_argument("--json", action="store_true", help="print the result as JSON")
 
@@ -136,7 +138,7 @@ def _record(arguments: argparse.Namespace) -> int:
         for what, path in (("--model", arguments.model), ("--tokenizer", arguments.tokenizer or arguments.model)):
             if not os.path.isdir(path):
                 raise ValueError(f"`{what}` must be a local directory (save_pretrained), got {path!r}.")
-        model = AutoModelForCausalLM.from_pretrained(arguments.model, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(arguments.model, local_files_only=True).to(_device(arguments.device))
         tokenizer = AutoTokenizer.from_pretrained(arguments.tokenizer or arguments.model, local_files_only=True)
         result = record(
             model.eval(), tokenizer, arguments.prompts, arguments.out, batch_size=arguments.batch_size,
@@ -151,6 +153,16 @@ def _record(arguments: argparse.Namespace) -> int:
         return 1
     _print(json.dumps(result) if arguments.json else ", ".join(f"{key} {value}" for key, value in result.items()))
     return 0
+
+
+def _device(name: str) -> Any:
+    import torch
+
+    if name != "auto":
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.device("cpu")
 
 
 def _indices(text: str) -> list[int]:
@@ -211,14 +223,15 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"model {model.get('class')}{name} ({model.get('config_class')}), vocabulary {model.get('vocab_size')}",
         "checksums: CRC-32C per file (check every byte: `python -m transformers_offload verify PATH`)"
         if summary["checksums"] else "checksums: none (written before they were added)",
-        f"{len(summary['generations'])} generation(s)",
+        f"{len(summary['generations'])} generation(s)"
+        + (f" from {len(summary['ranks'])} rank(s): {_short_list(summary['ranks'])}" if "ranks" in summary else ""),
     ]
     for generation in summary["generations"]:
         state = "complete" if generation["complete"] else f"INCOMPLETE ({generation['status']}): {generation['error']}"
         beams = f", {generation['num_beams']} beams" if generation["num_beams"] > 1 else ""
         lines += [
             "",
-            f"generation {generation['index']}: {generation['mode']}, {state}",
+            f"generation {generation['index']}{_rank_of(generation)}: {generation['mode']}, {state}",
             f"  {generation['num_steps']} steps x {generation['num_rows']} rows{beams}, prompt "
             f"{generation['prompt_length']} tokens, {generation['num_shards']} shard(s), "
             f"{_size(generation['file_bytes'])} on disk",
@@ -247,6 +260,10 @@ def format_summary(summary: dict[str, Any]) -> str:
                 f"{_size(info['bytes']):>12}{ratio}"
             )
     return "\n".join(lines)
+
+
+def _rank_of(generation: dict[str, Any]) -> str:
+    return f" (rank {generation['rank']}, its generation {generation['rank_index']})" if "rank" in generation else ""
 
 
 # Generation-config keys that say nothing about how tokens were chosen (bookkeeping, ids shown elsewhere).

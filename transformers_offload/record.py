@@ -8,6 +8,9 @@ generation of the recording in `out`, its prompts named with `Recorder.set_sampl
 the same `out` and it appends: the samples of every complete generation are skipped, the others
 (those of a batch a crash interrupted included) are recorded, so each sample ends up in exactly one
 complete generation.
+
+Under `torchrun` or `accelerate launch` each process records its own share of the prompts into
+`out/rank-R` (`parallel`); `open_recording(out)` reads every rank as one recording.
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from .parallel import process_rank, share, wait_for_every_rank
 from .read.reader import open_recording
 from .recorder import Recorder
-from .store.format import MANIFEST
+from .store.format import MANIFEST, rank_directories, rank_directory
 
 
 def read_prompts(source: str | os.PathLike | Sequence[Any], *, text_column: str | None = None,
@@ -114,8 +118,9 @@ def _rows(source: Any) -> list[Any]:
 
 
 def recorded_samples(out: str | os.PathLike) -> set[str]:
-    """The sample ids (as text) of every complete generation in the recording at `out` (empty if none)."""
-    if not (Path(out) / MANIFEST).is_file():
+    """The sample ids (as text) of every complete generation in the recording at `out`, every rank's
+    included (empty if none)."""
+    if not (Path(out) / MANIFEST).is_file() and not rank_directories(Path(out)):
         return set()
     with open_recording(out) as run:
         return {str(sample) for generation in run.generations if generation.complete
@@ -125,7 +130,8 @@ def recorded_samples(out: str | os.PathLike) -> set[str]:
 def record(model: Any, tokenizer: Any, prompts: str | os.PathLike | Sequence[Any], out: str | os.PathLike, *,
            batch_size: int = 8, text_column: str | None = None, messages_column: str | None = None,
            id_column: str = "id", chat: bool = False, progress: bool = True, seed: int | None = 0,
-           recorder_options: dict[str, Any] | None = None, **generate_options: Any) -> dict[str, Any]:
+           recorder_options: dict[str, Any] | None = None, rank: int | None = None, world_size: int | None = None,
+           **generate_options: Any) -> dict[str, Any]:
     """Record every prompt of `prompts` into the recording at `out`, `batch_size` prompts per
     `generate()` call, resuming where an earlier run stopped.
 
@@ -140,15 +146,22 @@ def record(model: Any, tokenizer: Any, prompts: str | os.PathLike | Sequence[Any
         seed (`int | None`): `torch.manual_seed(seed + first prompt's position)` before each call, so a
             resumed run samples each batch as the first run would (None: leave the seed alone).
         recorder_options (`dict`): the Recorder's options (`streams`, `encodings`, `layers`...).
+        rank, world_size (`int`, *optional*): this process's data-parallel rank and the number of
+            processes; by default from torch.distributed or torchrun's environment (`parallel.process_rank`),
+            else a single process. With more than one, this rank records its block of the prompts
+            (`parallel.share`) into `out/rank-R`, skipping those any rank already completed, then waits
+            for the others when a process group is initialised.
         **generate_options: passed to every `generate()` call (`max_new_tokens=64`, `do_sample=True`...).
 
     Returns:
         `dict`: `recorded` (samples recorded now), `skipped` (already complete), `generations` (calls
-        made now), `new_tokens` (tokens generated now) and `seconds`.
+        made now), `new_tokens` (tokens generated now) and `seconds`, counted over this rank's share;
+        `rank` and `world_size`.
 
     Raises:
         ValueError: bad prompts (see `read_prompts`) or `batch_size`; `recorder_options` naming
-            `spill_dir` or `append` (record sets them).
+            `spill_dir` or `append` (record sets them); a bad rank (see `parallel.process_rank`); several
+            ranks over an `out` that one process recorded into directly.
         BlockingIOError: another process is writing `out`.
     """
     import torch
@@ -158,16 +171,20 @@ def record(model: Any, tokenizer: Any, prompts: str | os.PathLike | Sequence[Any
     options = dict(recorder_options or {})
     if {"spill_dir", "append"} & set(options):
         raise ValueError("`recorder_options` must not name `spill_dir` or `append`: `record` writes to `out`.")
+    rank, world_size = process_rank(rank, world_size)
     found = read_prompts(prompts, text_column=text_column, messages_column=messages_column, id_column=id_column)
+    target = _target(Path(out), rank, world_size)
     done = recorded_samples(out)
     positions = {str(sample): number for number, (sample, _) in enumerate(found)}
-    pending = [(sample, prompt) for sample, prompt in found if str(sample) not in done]
+    mine = [found[position] for position in share(len(found), rank, world_size)]
+    pending = [(sample, prompt) for sample, prompt in mine if str(sample) not in done]
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    bar = _bar(len(found), len(found) - len(pending), progress)
+    bar = _bar(len(mine), len(mine) - len(pending), progress and rank == 0,
+               "record" if world_size == 1 else f"record (rank 0 of {world_size})")
     start, new_tokens, calls = time.perf_counter(), 0, 0
-    with Recorder(model, spill_dir=out, append=True, **options) as rec:
+    with Recorder(model, spill_dir=target, append=True, **options) as rec:
         for first in range(0, len(pending), batch_size):
             batch = pending[first:first + batch_size]
             texts = [_text(tokenizer, prompt, chat) for _, prompt in batch]
@@ -189,8 +206,23 @@ def record(model: Any, tokenizer: Any, prompts: str | os.PathLike | Sequence[Any
                 bar.set_postfix_str(f"{(first + len(batch)) / elapsed:.2f} prompts/s, {new_tokens / elapsed:.1f} tokens/s")
     if bar is not None:
         bar.close()
-    return {"recorded": len(pending), "skipped": len(found) - len(pending), "generations": calls,
-            "new_tokens": new_tokens, "seconds": time.perf_counter() - start}
+    seconds = time.perf_counter() - start
+    wait_for_every_rank()
+    return {"recorded": len(pending), "skipped": len(mine) - len(pending), "generations": calls,
+            "new_tokens": new_tokens, "seconds": seconds, "rank": rank, "world_size": world_size}
+
+
+def _target(out: Path, rank: int, world_size: int) -> Path:
+    """Where this rank writes: `out` itself for a single process (unless ranks already wrote there),
+    else `out/rank-R`."""
+    if world_size == 1 and not rank_directories(out):
+        return out
+    if (out / MANIFEST).is_file():
+        raise ValueError(
+            f"`out` {str(out)!r} holds a recording one process wrote; {world_size} ranks record into "
+            "rank sub-directories of a new `out`: resume this one with a single process, or pick another `out`."
+        )
+    return out / rank_directory(rank)
 
 
 def _text(tokenizer: Any, prompt: Any, chat: bool) -> str:
@@ -202,9 +234,9 @@ def _text(tokenizer: Any, prompt: Any, chat: bool) -> str:
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
-def _bar(total: int, done: int, show: bool) -> Any:
+def _bar(total: int, done: int, show: bool, desc: str) -> Any:
     if not show:
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=done, unit="prompt", desc="record")
+    return tqdm(total=total, initial=done, unit="prompt", desc=desc)

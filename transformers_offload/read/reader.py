@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 
 from ..store import files as _files
@@ -15,9 +15,13 @@ from ..store.format import RecordingError
 from ..store.shard_reader import ShardSource, stored_generation
 from .generation import Generation, Readable, generation_of, pick
 
+if TYPE_CHECKING:
+    from .ranks import RankedRecording
 
-def open_recording(path: str | os.PathLike, *, verify: bool = False) -> Recording:
-    """Open a recording directory written by `Recorder(model, spill_dir=path)`.
+
+def open_recording(path: str | os.PathLike, *, verify: bool = False) -> Recording | RankedRecording:
+    """Open a recording directory written by `Recorder(model, spill_dir=path)`, or the directory of a
+    data-parallel `record` run, whose ranks it reads as one recording (`read.ranks.RankedRecording`).
 
     The manifest and every shard's header are checked at once; tensor data is read only when asked
     for, and only the selected steps and rows. With `verify=True` every byte of every file is read
@@ -29,7 +33,9 @@ def open_recording(path: str | os.PathLike, *, verify: bool = False) -> Recordin
             the manifest before returning (reads the whole recording: about the disk's read speed).
 
     Returns:
-        `Recording`: the recording's generations, with the recorder's accessors.
+        `Recording`: the recording's generations, with the recorder's accessors; for a directory with no
+        manifest of its own but rank sub-directories (`rank-0`, `rank-1`...), a `RankedRecording` with
+        the same accessors over every rank's generations, ordered by sample id.
 
     Raises:
         RecordingError: the directory is missing, not a recording, of an unknown format version,
@@ -43,7 +49,13 @@ def open_recording(path: str | os.PathLike, *, verify: bool = False) -> Recordin
         >>> run.logits(steps=slice(0, 4), rows=[0])[0].shape  # doctest: +SKIP
         torch.Size([1, 49152])
     """
-    recording = Recording(Path(path))
+    root = Path(path)
+    if not (root / _format.MANIFEST).exists() and _format.rank_directories(root):
+        from .ranks import RankedRecording  # which builds on Recording
+
+        recording: Recording | RankedRecording = RankedRecording(root)
+    else:
+        recording = Recording(root)
     if verify:
         recording.verify()
     return recording

@@ -102,6 +102,27 @@ def dtype_of(name: str) -> torch.dtype | None:
     return _DTYPES.get(name)
 
 
+RANK_DIRECTORY = re.compile(r"rank-(0|[1-9][0-9]{0,5})")  # a data-parallel rank's recording, inside the run's
+
+
+def rank_directory(rank: int) -> str:
+    """The sub-directory data-parallel rank `rank` records into (`rank-0`, `rank-1`...)."""
+    return f"rank-{rank}"
+
+
+def rank_directories(root: Path) -> list[tuple[int, Path]]:
+    """The rank sub-directories of `root` that hold a manifest, by rank (a rank killed before its first
+    manifest left none: it recorded nothing)."""
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = RANK_DIRECTORY.fullmatch(child.name)
+        if match and (child / MANIFEST).is_file():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
 def shard_name(generation: int, shard: int) -> str:
     return f"g{generation:04d}-s{shard:05d}.safetensors"
 

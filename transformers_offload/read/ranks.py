@@ -1,0 +1,124 @@
+"""A data-parallel recording read as one: every rank's sub-directory (`rank-0`, `rank-1`...) merged,
+its generations ordered by sample id."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Iterator
+
+from ..store.format import RecordingError, rank_directories
+from .generation import Generation, Readable, pick
+from .reader import Recording
+
+
+class RankedRecording(Readable):
+    """The recordings of several data-parallel ranks (`record` under torchrun or accelerate), as one.
+
+    Its generations are every rank's, ordered by their first (smallest) sample id, then by rank and
+    position (ints before strings; a generation without sample ids last), and numbered again from 0 in
+    that order; each reads from its own rank's shards. The accessors, `samples()`, the per-token table
+    and the viewer take it as they take a `Recording`.
+
+    Attributes:
+        path (`pathlib.Path`): the run's directory, which holds the rank sub-directories.
+        ranks (`tuple[int, ...]`): the ranks found (those that wrote a manifest).
+        parts (`tuple[Recording, ...]`): each rank's recording, in rank order.
+        format_version, created_by, model: as `Recording`'s (of rank `ranks[0]`; every rank recorded
+            the same model).
+        generation_ranks (`tuple[int, ...]`): the rank behind each generation, in order.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        found = rank_directories(path)
+        if not found:
+            raise RecordingError(path, "holds no rank sub-directory with a manifest.")
+        self.ranks = tuple(rank for rank, _ in found)
+        parts = []
+        try:
+            for _, directory in found:
+                parts.append(Recording(directory))
+        except BaseException:
+            for part in parts:
+                part.close()
+            raise
+        self.parts = tuple(parts)
+        first = self.parts[0]
+        for part in self.parts[1:]:
+            if part.model != first.model:
+                self.close()
+                raise RecordingError(part.path, f"recorded another model ({part.model}) than {first.path.name} "
+                                                f"({first.model}): the ranks of one recording share their model.")
+        self.format_version, self.created_by, self.model = first.format_version, first.created_by, first.model
+        order = sorted(
+            ((rank, generation) for rank, part in zip(self.ranks, self.parts) for generation in part.generations),
+            key=lambda item: (_first_sample(item[1]), item[0], item[1].index),
+        )
+        self._order = tuple((rank, generation.index) for rank, generation in order)
+        self.generation_ranks = tuple(rank for rank, _ in order)
+        self._generations = tuple(dataclasses.replace(generation, index=index)
+                                  for index, (_, generation) in enumerate(order))
+
+    @property
+    def generations(self) -> tuple[Generation, ...]:
+        """Every rank's generations, in sample order (incomplete ones included)."""
+        return self._generations
+
+    def generation(self, index: int = -1) -> Generation:
+        """One generation by its index in sample order (default: the last).
+
+        Raises:
+            LookupError: no rank recorded a generation, or `index` is out of range.
+        """
+        return pick(self._generations, index, f"no rank of the recording in {str(self.path)!r} holds a generation.")
+
+    def __iter__(self) -> Iterator[Generation]:
+        return iter(self._generations)
+
+    def __len__(self) -> int:
+        return len(self._generations)
+
+    def describe(self) -> dict[str, Any]:
+        """`Recording.describe()` over every rank: `ranks`, and the generations in sample order, each with
+        its `rank` and its `rank_index` (its index in that rank's own recording)."""
+        described = {rank: part.describe() for rank, part in zip(self.ranks, self.parts)}
+        generations = []
+        for index, (rank, own) in enumerate(self._order):
+            entry = dict(described[rank]["generations"][own])
+            entry.update(index=index, rank=rank, rank_index=own)
+            generations.append(entry)
+        first = described[self.ranks[0]]
+        return {**first, "path": str(self.path), "ranks": list(self.ranks),
+                "checksums": all(summary["checksums"] for summary in described.values()), "generations": generations}
+
+    def verify(self) -> dict[str, int]:
+        """`Recording.verify()` on every rank: `{"files", "bytes"}` summed over them.
+
+        Raises:
+            RecordingError: as `Recording.verify()`, naming the damaged rank's file.
+        """
+        checked = [part.verify() for part in self.parts]
+        return {"files": sum(c["files"] for c in checked), "bytes": sum(c["bytes"] for c in checked)}
+
+    def close(self) -> None:
+        """Drop every rank's shard mappings."""
+        for part in self.parts:
+            part.close()
+
+    def __enter__(self) -> RankedRecording:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"RankedRecording({str(self.path)!r}, {len(self.ranks)} rank(s), {len(self._generations)} generation(s))"
+
+
+def _first_sample(generation: Generation) -> tuple:
+    """Sort key of a generation: its smallest sample id (ints, then strings), or last without ids."""
+    ids = generation.sample_ids
+    if not ids:
+        return (2, 0, "")
+    return min((0, sample, "") if isinstance(sample, int) else (1, 0, str(sample)) for sample in ids)
