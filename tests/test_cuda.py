@@ -369,3 +369,24 @@ def test_encodings_make_no_synchronising_call_in_the_step_path(kwargs, encoding,
         model.generate(**batch, logits_processor=[rec], max_new_tokens=24, min_new_tokens=24, **kwargs)
     assert rec.generation().num_steps == 24
     assert len(rec.scores() if encoding == "sparse" else rec.topk("scores")) == 24
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(do_sample=True, top_k=20, num_return_sequences=2), dict(num_beams=3)])
+def test_prompt_logprobs_on_cuda_make_no_synchronising_call_and_equal_a_plain_forward(kwargs, tmp_path, monkeypatch):
+    for name in ("on_forward", "on_base_output", "on_raw", "on_processed", "on_stopping"):
+        monkeypatch.setattr(_capture.Capture, name, _strict(getattr(_capture.Capture, name)))
+    monkeypatch.setattr(_transfer.HostRing, "put", _strict(_transfer.HostRing.put))
+    model = make_tiny("llama").to("cuda")
+    batch = {k: v.to("cuda") for k, v in left_padded_batch().items()}
+    with Recorder(model, prompt_logprobs=3, prompt_chunk=2, spill_dir=tmp_path / "run", shard_bytes=20_000) as rec:
+        model.generate(**batch, logits_processor=[rec], max_new_tokens=8, min_new_tokens=8, **kwargs)
+    found = open_recording(tmp_path / "run").generation().prompt_tensors()
+    for prompt, (ids, mask) in enumerate(zip(batch["input_ids"], batch["attention_mask"])):
+        real = ids[mask.bool()][None]
+        with torch.no_grad():
+            x = model(real).logits.float()[0, :-1]
+        expected = torch.log_softmax(x, -1).gather(-1, real[0, 1:, None])[:, 0].cpu()
+        n = expected.shape[0]
+        # A forward of one prompt against the batch's prefill: on CUDA the kernels may differ by a few ulps.
+        assert torch.allclose(found["prompt_logprobs"][prompt, -n:], expected, rtol=0, atol=1e-5)
+        assert torch.equal(found["prompt_tokens"][prompt, -n:], real[0, 1:].cpu())

@@ -551,7 +551,7 @@ LAYER_DAMAGE = {
     "an encoder stream that is not one": (
         lambda root: _edit_layers_manifest(root, lambda g: g["encoder"]["streams"].update(
             {"logits": g["encoder"]["streams"].pop("encoder_hidden_states.0")})),
-        "manifest.json", "not an encoder output stream", False,
+        "manifest.json", "not a stream recorded once per call", False,
     ),
 }
 

@@ -207,12 +207,13 @@ def test_record_on_the_command_line(tmp_path, capsys):
     prompts = _prompts(tmp_path / "prompts.jsonl", 5)
     argv = ["record", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(tmp_path / "run"),
             "--batch-size", "2", "--max-new-tokens", "3", "--streams", "scores,stats", "--encodings", "scores=sparse",
-            "--do-sample", "--top-k", "5", "--no-progress", "--json"]
+            "--do-sample", "--top-k", "5", "--prompt-logprobs", "2", "--no-progress", "--json"]
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     assert (result["recorded"], result["generations"]) == (5, 3)
     generation = open_recording(tmp_path / "run").generation(0)
     assert generation.encodings == {"scores": "sparse"} and "stats" in generation.streams
+    assert len(generation.prompt_logprobs()[0][0]["top_logprobs"]) == 2
     assert main([*argv[:-1], "--json"]) == 0 and json.loads(capsys.readouterr().out)["skipped"] == 5
     assert main(["record", "--model", str(tmp_path / "nope"), "--prompts", str(prompts), "--out", str(tmp_path / "x")]) == 1
     assert "must be a local directory" in capsys.readouterr().err

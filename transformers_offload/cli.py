@@ -115,6 +115,8 @@ def _add_record(commands: Any) -> None:
     record.add_argument("--seed", type=int, default=0, help="seed + the batch's first prompt position, per call")
     record.add_argument("--streams", default="logits,scores", help="what to record, e.g. scores,stats")
     record.add_argument("--encodings", default="", help="e.g. scores=sparse,logits=topk:20")
+    record.add_argument("--prompt-logprobs", type=int, nargs="?", const=0, default=None, metavar="K",
+                        help="also score each prompt's own tokens (with K: the top-K alternatives too)")
     record.add_argument("--device", default="auto", help="where the model runs (default: under torchrun "
                         "the rank's own GPU, cuda:LOCAL_RANK, when there is one; else cuda, else cpu)")
     record.add_argument("--no-progress", action="store_true")
@@ -144,8 +146,10 @@ def _record(arguments: argparse.Namespace) -> int:
             model.eval(), tokenizer, arguments.prompts, arguments.out, batch_size=arguments.batch_size,
             text_column=arguments.text_column, messages_column=arguments.messages_column,
             id_column=arguments.id_column, chat=arguments.chat, progress=not arguments.no_progress,
-            seed=arguments.seed, recorder_options={"streams": tuple(arguments.streams.split(",")),
-                                                   **({"encodings": encodings} if encodings else {})},
+            seed=arguments.seed, recorder_options={
+                "streams": tuple(arguments.streams.split(",")), **({"encodings": encodings} if encodings else {}),
+                **({} if arguments.prompt_logprobs is None else {"prompt_logprobs": arguments.prompt_logprobs or True}),
+            },
             max_new_tokens=arguments.max_new_tokens, do_sample=arguments.do_sample, **options,
         )
     except (ValueError, TypeError, LookupError, ImportError, OSError, RecordingError) as error:

@@ -20,6 +20,7 @@ from . import _compat
 from .capture import encodings as _encodings
 from .capture import hooks as _hooks
 from .capture import layers as _layers
+from .capture import prompt_logprobs as _prompt_logprobs
 from .capture.capture import Capture
 from .capture.hooks import CallRecorder
 from .capture.modes import UnsupportedModeError
@@ -117,6 +118,14 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
             model, add this recorder's generations after those already there (never touching them; a
             generation a stopped process left `"recording"` is marked `"failed"`). `generations` then
             lists this recorder's own, whose `index` counts on from the directory's.
+        prompt_logprobs (`bool | int`, *optional*, defaults to False): score each call's prompt too: per
+            prompt and position, the logprob and rank of the prompt's own next token (an int `k` adds
+            the top-k alternatives), computed on the device from the prefill forward's final hidden
+            states, `prompt_chunk` positions at a time (`capture.prompt_logprobs` gives the
+            expressions); read with `prompt_logprobs()`. Decoder-only models.
+        prompt_chunk (`int`, *optional*): with `prompt_logprobs`, prompt positions scored at once (the
+            extra device memory is about `9 x prompts x prompt_chunk x vocab_size` bytes); default: as
+            many as keep one chunk's logits within 2**24 values (64 MiB).
 
     Raises:
         TypeError: `model` has no `generate()` from transformers' `GenerationMixin`, or an option has
@@ -150,6 +159,8 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
         newest_position_only: bool = False,
         encodings: dict[str, str] | None = None,
         append: bool = False,
+        prompt_logprobs: bool | int = False,
+        prompt_chunk: int | None = None,
     ) -> None:
         if not isinstance(model, GenerationMixin) or not callable(getattr(model, "generate", None)):
             raise TypeError(
@@ -178,6 +189,7 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
                 raise ValueError(f"`shard_bytes` must be at least 1 (byte), got {shard_bytes}.")
         self._selection = _layers.selection(model, tuple(streams), layers, heads, newest_position_only)
         self._encodings = _encodings.check(encodings, tuple(streams), _model_info(model)["vocab_size"])
+        self._prompt_scoring = _prompt_logprobs.scoring_for(model, prompt_logprobs, prompt_chunk)
         if "attentions" in streams:
             _layers.require_eager(model)
         self._spill: Spill | None = None
@@ -345,6 +357,7 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
                 layer_tap=_layers.LayerTap(kinds, self._selection, self._streams, self._model) if kinds else None,
                 encodings=self._encodings,
                 samples=samples,
+                prompt_scoring=self._prompt_scoring,
             )
             return self._active
 

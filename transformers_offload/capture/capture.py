@@ -24,6 +24,7 @@ from ..store.stored import StoredGeneration
 from . import encodings as _encodings
 from . import layers as _layers
 from .modes import check_mode
+from .prompt_logprobs import PromptScoring
 from .stats import StepStats
 from .transfer import HostRing
 
@@ -39,7 +40,7 @@ class Capture:
     def __init__(self, *, streams: tuple[str, ...], ring_slots: int, assistant_model: Any,
                  open_store: OpenStore, index: int, attention_mask: Any = None, threaded: bool = False,
                  layer_tap: _layers.LayerTap | None = None, encodings: dict[str, str] | None = None,
-                 samples: dict[str, Any] | None = None) -> None:
+                 samples: dict[str, Any] | None = None, prompt_scoring: PromptScoring | None = None) -> None:
         self.streams = streams
         self.encodings = dict(encodings or {})  # logits/scores not recorded dense (`encodings`)
         self._sparse = _encodings.Sparse()
@@ -79,6 +80,12 @@ class Capture:
         self._late_error: BaseException | None = None
         # Per-token statistics: each step's full tensors, kept on the device until its tokens are known.
         self._stats = StepStats() if _format.STATS_STREAM in streams else None
+        # Prompt logprobs: the first forward's final hidden states, kept until the first step's processors.
+        self.prompt_scoring = prompt_scoring
+        self._prompt_hidden: torch.Tensor | None = None
+        self._prompt_mask: torch.Tensor | None = None
+        self._prompt_scored = prompt_scoring is None
+        self._rows_per_prompt = 1
 
     # -- set-up, from the processor-list hook, before the decoding loop ------------------------------
     def start(self, generation_config: Any, prompt_length: int) -> None:
@@ -99,6 +106,9 @@ class Capture:
         self.kept_on_device = _compat.outputs_kept_on_device(generation_config)
         mask = self.attention_mask
         self.attention_mask = None
+        if self.prompt_scoring is not None:
+            self._prompt_mask = mask
+            self._rows_per_prompt = self.num_beams if self.is_beam else int(generation_config.num_return_sequences or 1)
         self.header.update(
             layers=None,  # filled at the first forward, when attentions or hidden states are recorded
             encodings=dict(self.encodings),
@@ -220,6 +230,34 @@ class Capture:
         if self.layer_tap is not None:
             self.layer_tap.remove()
 
+    def on_base_output(self, output: Any) -> None:
+        """The decoder's own output (the head's input) in a forward: the first one's final hidden
+        states are kept for the prompt logprobs."""
+        if self._prompt_scored or self._prompt_hidden is not None or self._in_lists or not self.started:
+            return
+        hidden = getattr(output, "last_hidden_state", None)
+        if hidden is None and isinstance(output, (tuple, list)) and output:
+            hidden = output[0]
+        if isinstance(hidden, torch.Tensor) and hidden.dim() == 3:
+            self._prompt_hidden = hidden.detach()
+
+    def _score_prompt(self, input_ids: torch.Tensor) -> None:
+        """At the first step's processors: the prompt logprobs, put into the ring as step 0 streams
+        recorded once per call."""
+        hidden, self._prompt_hidden = self._prompt_hidden, None
+        self._prompt_scored = True
+        if hidden is None:
+            raise RuntimeError(
+                f"transformers-offload saw no decoder output before the first {self.mode!r} step, so it cannot "
+                "score the prompt (`prompt_logprobs`); please report this with your transformers version."
+            )
+        found = self.prompt_scoring.score(hidden, input_ids[:, : self.prompt_length], self._prompt_mask,
+                                          self._rows_per_prompt)
+        self._prompt_mask = None
+        self.store.add_once(list(found))
+        for name, tensor in found.items():
+            self.ring.put(0, name, tensor)
+
     def on_encoder(self, output: Any) -> None:
         """An encoder-decoder model's encoder ran (before the decoding loop): its outputs are recorded
         at the first step, when the ring exists."""
@@ -229,6 +267,8 @@ class Capture:
     def on_raw(self, input_ids: torch.Tensor, scores: torch.Tensor, group: int | None = None) -> None:
         """Called with what the first processor receives, before it runs (once per beam group, with
         that group's rows only, in group beam search)."""
+        if not self._prompt_scored and self._prompt_hidden is not None:
+            self._score_prompt(input_ids)
         if self.is_group:
             if not group:  # the first group of a step
                 self._step += 1

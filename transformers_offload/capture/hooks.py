@@ -25,6 +25,7 @@ import torch
 from .. import _compat, _interrupts
 from .capture import Capture
 from .modes import check_mode
+from . import prompt_logprobs as _prompt_logprobs
 
 _ABSENT = object()
 _LOCK = threading.Lock()
@@ -173,6 +174,10 @@ class ModelHooks:
                 self._pre_handles.append(module.register_forward_pre_hook(self._ask_outputs, with_kwargs=True))
         if encoder is not None:
             self._pre_handles.append(encoder.register_forward_hook(self._on_encoder_forward))
+        else:
+            base = _prompt_logprobs.base_model_of(model)
+            if base is not None:  # its output is the head's input: the prompt logprobs' hidden states
+                self._pre_handles.append(base.register_forward_hook(self._on_base_forward))
 
     def uninstall(self) -> None:
         model = self._model_ref()
@@ -289,6 +294,11 @@ class ModelHooks:
         capture = _active_capture(self._model_ref())
         if capture is not None:
             capture.on_encoder(output)
+
+    def _on_base_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        capture = _active_capture(self._model_ref())
+        if capture is not None and capture.prompt_scoring is not None:
+            capture.on_base_output(output)
 
     def _on_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         capture = _active_capture(module)

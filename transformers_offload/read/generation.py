@@ -19,6 +19,8 @@ from . import display
 from .encoded_reading import EncodedReading, ReadableEncoded
 from .layer_reading import LayerReading, ReadableLayers
 from .logprobs import logprobs as _logprobs
+from .prompt_logprobs import prompt_logprobs as _prompt_logprobs
+from .prompt_logprobs import prompt_tensors as _prompt_tensors
 from .samples import samples as _samples
 from .transition_scores import transition_scores as _transition_scores
 
@@ -296,6 +298,34 @@ class Generation(LayerReading, EncodedReading):
         """
         return _logprobs(self, kind=kind, top=top, tokenizer=tokenizer, chunk_steps=chunk_steps)
 
+    def prompt_logprobs(self, *, tokenizer: Any = None) -> list[list[dict[str, Any]]]:
+        """Per prompt (batch order), per prompt token after the first: `position`, `token`, `logprob`
+        (nats), `rank` (0 = the most likely) and, when recorded with top-k, `top_logprobs`; with a
+        `tokenizer`, `text`. Recorded with `Recorder(..., prompt_logprobs=True | k)`; equal to
+        `log_softmax(model(input_ids).logits)` where the model computes its head the same way (see
+        `capture.prompt_logprobs` for the expressions).
+
+        Raises:
+            KeyError: recorded without `prompt_logprobs`.
+            TypeError: `tokenizer` has no `convert_ids_to_tokens`.
+
+        Example:
+            >>> rec.generation().prompt_logprobs()[0][:1]  # doctest: +SKIP
+            [{'position': 1, 'token': 1812, 'logprob': -7.9, 'rank': 112}]
+        """
+        return _prompt_logprobs(self, tokenizer=tokenizer)
+
+    def prompt_tensors(self, *, framework: str = "pt") -> dict[str, Any]:
+        """The prompt logprobs as tensors of the padded prompt: `prompt_tokens`, `prompt_logprobs`,
+        `prompt_ranks` `(prompts, prompt_length - 1)` (int64, float32, int64; position p scores the
+        prompt's token p + 1; -1 / NaN where it or its context is padding) and, with top-k,
+        `prompt_top_tokens` and `prompt_top_logprobs` `(prompts, prompt_length - 1, k)`; on CPU.
+
+        Raises:
+            KeyError: recorded without `prompt_logprobs`.
+        """
+        return _prompt_tensors(self, framework)
+
     @property
     def is_beam(self) -> bool:
         """Whether this generation is a beam search (`beam_parents()` and `beam_indices()` exist)."""
@@ -381,6 +411,10 @@ class Readable(ReadableLayers, ReadableEncoded):
                  chunk_steps: int = 16) -> list[list[dict[str, Any]]]:
         """Per returned sequence and token: logprob, rank and top alternatives; see `Generation.logprobs`."""
         return self.generation(generation).logprobs(kind=kind, top=top, tokenizer=tokenizer, chunk_steps=chunk_steps)
+
+    def prompt_logprobs(self, generation: int = -1, *, tokenizer: Any = None) -> list[list[dict[str, Any]]]:
+        """Per prompt and prompt token: logprob, rank and top alternatives; see `Generation.prompt_logprobs`."""
+        return self.generation(generation).prompt_logprobs(tokenizer=tokenizer)
 
     def samples(self) -> list[dict[str, Any]]:
         """Every prompt of every generation, in order, mapped to its rows and returned sequences.

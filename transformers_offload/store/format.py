@@ -135,6 +135,15 @@ def encoder_name(generation: int) -> str:
     return f"g{generation:04d}-encoder.safetensors"
 
 
+def prompt_name(generation: int) -> str:
+    return f"g{generation:04d}-prompt.safetensors"
+
+
+# Recorded once per call with `prompt_logprobs` (in the generation's `encoder` entry, a file of their
+# own): per prompt and position p, the prompt's token p + 1, its logprob and rank, and the top-k.
+PROMPT_STREAMS = ("prompt_tokens", "prompt_logprobs", "prompt_ranks", "prompt_top_tokens", "prompt_top_logprobs")
+
+
 def shard_metadata(generation: int, first_step: int) -> dict[str, str]:
     """The safetensors `__metadata__` of a shard: lets the reader check that a file is the one named.
 

@@ -22,6 +22,7 @@ from .format import (
     FORMAT_VERSION,
     LAYER_KINDS,
     MANIFEST,
+    PROMPT_STREAMS,
     STATS_COLUMNS,
     STATS_STREAM,
     STATUSES,
@@ -215,8 +216,10 @@ def _check_layers(entry: dict[str, Any], root: Path, path: Path, where: str, fil
         for name, stream in _field(encoder, "streams", dict, path, where + ", `encoder`").items():
             _check_stream(name, stream, path, where)
             split = split_layer_stream(name)
-            if split is None or split[0] not in ENCODER_KINDS or stream["encoding"] != "dense":
-                raise RecordingError(path, f"{where}: {name!r} is not an encoder output stream.")
+            known = name in PROMPT_STREAMS or (split is not None and split[0] in ENCODER_KINDS)
+            if not known or stream["encoding"] != "dense":
+                raise RecordingError(path, f"{where}: {name!r} is not a stream recorded once per call "
+                                           "(an encoder output or a prompt logprob).")
             streams[name] = stream
     # Every per-layer stream is a layer the model has, and holds as many heads as were kept.
     for name, stream in streams.items():

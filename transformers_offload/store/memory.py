@@ -78,6 +78,10 @@ class MemoryStore:
         self._steps: dict[str, dict[int, torch.Tensor]] = {}
         self._chunks: dict[str, _Chunks] = {}
 
+    def add_once(self, once: list[str]) -> None:
+        """More streams recorded at step 0 only (prompt logprobs)."""
+        self._once.update(once)
+
     def add_streams(self, names: list[str], once: list[str], layers: dict[str, Any]) -> None:
         """More streams, before the first drain: per-step `names`, and `once` (recorded at step 0 only,
         the encoder's outputs). `layers` (the selection) reaches the `Generation` through the header."""

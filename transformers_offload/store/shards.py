@@ -196,6 +196,10 @@ class ShardStore:
         self._thread.start()
 
     # -- the generate() thread ---------------------------------------------------------------------------
+    def add_once(self, once: list[str]) -> None:
+        """More streams recorded at step 0 only, in the call's once-per-call file (prompt logprobs)."""
+        self._once.update(once)
+
     def add_streams(self, names: list[str], once: list[str], layers: dict[str, Any]) -> None:
         """More streams, before the first drain: per-layer `names` recorded every step (ragged), and
         `once` (the encoder's outputs, at step 0, written to a file of their own); `layers` is the
@@ -423,14 +427,15 @@ class ShardStore:
 
     def _write_encoder(self, tensors: dict[str, torch.Tensor]) -> None:
         entry = self._entry
-        name = _format.encoder_name(entry["index"])
+        prompt_only = all(key in _format.PROMPT_STREAMS for key in tensors)
+        name = (_format.prompt_name if prompt_only else _format.encoder_name)(entry["index"])
         tensors = {key: tensor.contiguous() for key, tensor in tensors.items()}
         self._commit(name, tensors, _format.shard_metadata(entry["index"], 0))
         entry["encoder"] = {
             "file": name,
             "streams": {
                 key: {"dtype": _format.dtype_name(tensor.dtype), "shape": list(tensor.shape), "encoding": "dense"}
-                for key, tensor in sorted(tensors.items(), key=lambda item: _format.split_layer_stream(item[0]))
+                for key, tensor in sorted(tensors.items(), key=lambda item: _once_order(item[0]))
             },
         }
         _files.write_manifest(self._spill.root, self._spill.manifest)
@@ -476,3 +481,11 @@ def _reopen(root: Path, model_info: dict) -> dict[str, Any]:
     if stale:
         _files.write_manifest(root, manifest)
     return manifest
+
+
+def _once_order(name: str) -> tuple:
+    """Once-per-call streams in the manifest: encoder layers by output and layer, then the prompt's."""
+    split = _format.split_layer_stream(name)
+    if split is not None:
+        return (0, split, 0)
+    return (1, ("", 0), _format.PROMPT_STREAMS.index(name))

@@ -1,0 +1,176 @@
+"""Prompt logprobs: `Recorder(..., prompt_logprobs=True | k)` scores each prompt token given the tokens
+before it, from the prefill's final hidden states, a chunk of positions at a time; the values equal
+`log_softmax(model(prompt).logits)` on the unpadded prompt (tiny models, CPU) and the peak is bounded
+by the chunk, not the prompt."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from transformers_offload import Recorder, open_recording
+
+from .conftest import make_tiny, left_padded_batch
+
+ROOT = Path(__file__).resolve().parent.parent
+MODES = {
+    "greedy": dict(do_sample=False),
+    "sampling": dict(do_sample=True, top_k=5, num_return_sequences=2),
+    "beam_search": dict(num_beams=3, num_return_sequences=2),
+}
+
+
+def _reference(model, batch):
+    """Per prompt, from a plain forward of the same padded batch with the position ids generate() gives
+    it (`cumsum(attention_mask) - 1`): its tokens after the first, their logprobs, ranks and every
+    position's log-softmax. (Against a forward of each prompt without padding the values are equal too
+    from 4.46 on; on 4.36, GPT-2's left-padded prompt differed by 4.8e-7: the padding changes the
+    attention's sums.)"""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits.float()[:, :-1]
+    found = []
+    for row, length in enumerate(mask.sum(-1).tolist()):
+        n = length - 1
+        x, y = logits[row, -n:], ids[row, -n:]
+        found.append({"tokens": y, "logprobs": torch.log_softmax(x, -1).gather(-1, y[:, None])[:, 0],
+                      "ranks": (x > x.gather(-1, y[:, None])).sum(-1), "log_softmax": torch.log_softmax(x, -1)})
+    return found
+
+
+@pytest.mark.parametrize("store", ["memory", "spill"])
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_prompt_logprobs_equal_a_plain_forward_of_each_prompt(name, mode, store, tmp_path):
+    model = make_tiny(name)
+    batch = left_padded_batch()
+    options = {"spill_dir": tmp_path / "run"} if store == "spill" else {}
+    with Recorder(model, prompt_logprobs=4, prompt_chunk=3, **options) as rec:
+        torch.manual_seed(0)
+        model.generate(**batch, logits_processor=[rec], max_new_tokens=3, pad_token_id=0, **MODES[mode])
+    run = open_recording(tmp_path / "run") if store == "spill" else rec
+    found = run.generation().prompt_tensors()
+    width = batch["input_ids"].shape[1]
+    assert {k: tuple(v.shape) for k, v in found.items()} == {
+        "prompt_tokens": (3, width - 1), "prompt_logprobs": (3, width - 1), "prompt_ranks": (3, width - 1),
+        "prompt_top_tokens": (3, width - 1, 4), "prompt_top_logprobs": (3, width - 1, 4)}
+    listed = run.prompt_logprobs()
+    for prompt, reference in enumerate(_reference(model, batch)):
+        n = len(reference["tokens"])
+        assert torch.equal(found["prompt_tokens"][prompt, -n:], reference["tokens"])
+        assert torch.equal(found["prompt_logprobs"][prompt, -n:], reference["logprobs"])
+        assert torch.equal(found["prompt_ranks"][prompt, -n:], reference["ranks"])
+        top = torch.topk(reference["log_softmax"], 4, -1)
+        assert torch.equal(found["prompt_top_logprobs"][prompt, -n:], top.values)
+        assert torch.equal(found["prompt_top_tokens"][prompt, -n:], top.indices)
+        # Padding, and the first real token (its context is padding), hold -1 and NaN.
+        assert (found["prompt_tokens"][prompt, :-n] == -1).all() and found["prompt_logprobs"][prompt, :-n].isnan().all()
+        assert [e["position"] for e in listed[prompt]] == list(range(1, n + 1))
+        assert [e["token"] for e in listed[prompt]] == reference["tokens"].tolist()
+        assert [e["logprob"] for e in listed[prompt]] == reference["logprobs"].tolist()
+        assert listed[prompt][0]["top_logprobs"][0] == {"token": int(top.indices[0, 0]), "logprob": float(top.values[0, 0])}
+
+
+def test_prompt_logprobs_without_top_k_and_with_a_tokenizer(tmp_path):
+    model = make_tiny("gpt2")
+    with Recorder(model, prompt_logprobs=True, spill_dir=tmp_path / "run") as rec:
+        model.generate(torch.tensor([[5, 6, 7, 8]]), logits_processor=[rec], max_new_tokens=2, pad_token_id=0)
+    run = open_recording(tmp_path / "run", verify=True)
+    assert sorted(run.generation().prompt_tensors()) == ["prompt_logprobs", "prompt_ranks", "prompt_tokens"]
+    assert (tmp_path / "run" / "g0000-prompt.safetensors").is_file()
+    entries = run.prompt_logprobs()[0]
+    assert [e["token"] for e in entries] == [6, 7, 8] and "top_logprobs" not in entries[0]
+
+    class Names:
+        def convert_ids_to_tokens(self, ids):
+            return [f"t{i}" for i in ids]
+
+    assert [e["text"] for e in run.prompt_logprobs(tokenizer=Names())[0]] == ["t6", "t7", "t8"]
+    summary = run.describe()["generations"][0]["streams"]
+    assert summary["prompt_logprobs"]["shape"] == [1, 3]
+    # Without the option there is nothing to read, and the message says how to record them.
+    with Recorder(model) as plain:
+        model.generate(torch.tensor([[5, 6]]), logits_processor=[plain], max_new_tokens=1, pad_token_id=0)
+    with pytest.raises(KeyError, match="prompt_logprobs=True"):
+        plain.prompt_logprobs()
+
+
+def test_prompt_logprobs_leave_the_recording_unchanged():
+    model = make_tiny("llama")
+    batch = left_padded_batch()
+    runs = []
+    for option in (False, 3):
+        with Recorder(model, prompt_logprobs=option) as rec:
+            torch.manual_seed(0)
+            out = model.generate(**batch, logits_processor=[rec], max_new_tokens=4, do_sample=True, pad_token_id=0)
+        runs.append((out, rec))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1].scores(), runs[1][1].scores()))
+
+
+@pytest.mark.parametrize("options, error, match", [
+    ({"prompt_logprobs": "yes"}, ValueError, "must be True or the number of alternatives"),
+    ({"prompt_logprobs": -1}, ValueError, "must be True or the number of alternatives"),
+    ({"prompt_logprobs": True, "prompt_chunk": 0}, ValueError, "`prompt_chunk` must be a positive"),
+])
+def test_bad_prompt_options_are_refused(options, error, match):
+    with pytest.raises(error, match=match):
+        Recorder(make_tiny("gpt2"), **options)
+
+
+def test_an_encoder_decoder_model_is_refused():
+    with pytest.raises(ValueError, match="decoder-only"):
+        Recorder(make_tiny("t5"), prompt_logprobs=True)
+
+
+def _peak(case: str, **options) -> dict:
+    command = [sys.executable, str(ROOT / "bench" / "prompt_peak.py"), "--case", case, "--tokens", "2048",
+               "--vocab", "32000", "--top", "5", "--chunk", str(options.get("chunk", 64))]
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        steady = __import__("_common").STEADY_MALLOC
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", **steady})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_a_2048_token_prompt_over_32k_tokens_peaks_by_the_chunk_not_the_prompt():
+    """A one-layer Llama with a 32,000-token vocabulary, a 2,048-token prompt, 64 positions a chunk: the
+    full `(prompt, vocab)` logits are 250 MiB, a chunk's 7.8 MiB; the extra peak over stock generate()
+    stays within 4 chunks + 8 MiB (the chunk's logits, their log-softmax, a comparison, the results),
+    and the values equal a full forward's."""
+    stock, scored, full = _peak("stock"), _peak("prompt_logprobs"), _peak("full_forward")
+    chunk_mib = 64 * 32000 * 4 / 2**20
+    print(json.dumps({"stock": stock, "prompt_logprobs": scored, "full_forward": full}))
+    assert scored["equal"], scored
+    assert scored["growth_mib"] - stock["growth_mib"] <= 4 * chunk_mib + 8, (stock, scored)
+    assert full["growth_mib"] >= full["full_logits_mib"], full  # what the chunks avoid
+    assert not math.isnan(scored["max_abs_difference"])
+
+
+def test_prompt_logprobs_under_prompt_lookup_score_the_prompt_alone():
+    """Prompt lookup's first forward holds the prompt and its first candidates: only the prompt is scored."""
+    from transformers import GenerationConfig
+
+    if not hasattr(GenerationConfig(), "prompt_lookup_num_tokens"):
+        pytest.skip("this transformers release has no prompt lookup")
+    model = make_tiny("llama")
+    prompt = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]])
+    with Recorder(model, prompt_logprobs=True) as rec:
+        model.generate(prompt, logits_processor=[rec], max_new_tokens=6, prompt_lookup_num_tokens=3, pad_token_id=0)
+    found = rec.generation().prompt_tensors()
+    reference = _reference(model, {"input_ids": prompt, "attention_mask": torch.ones_like(prompt)})[0]
+    assert torch.equal(found["prompt_tokens"][0], reference["tokens"])
+    assert torch.equal(found["prompt_logprobs"][0], reference["logprobs"])

@@ -1,0 +1,148 @@
+"""Prompt logprobs: how likely the model found each token of the prompt, from the prefill's own forward.
+
+With `Recorder(..., prompt_logprobs=True)` (or an int `k`: the top-k too), the capture keeps the final
+hidden states `h` of the call's first forward (the decoder's output after its last norm, the input of
+the language-model head: `(rows, length, hidden)`) and, when the first step's processors run, scores
+every prompt position `p` against the prompt's own next token `y = input_ids[:, p + 1]`, a chunk of
+positions at a time, on the device the states are on, so no `(prompt, vocab)` tensor exists at once:
+
+    x = head(h[:, p0:p1]).float()                       # (rows, chunk, vocab), float32
+    x = tanh(x / cap) * cap                              # only where the config sets final_logit_softcapping
+    logprob = torch.log_softmax(x, -1).gather(-1, y[..., None])[..., 0]
+    rank    = (x > x.gather(-1, y[..., None])).sum(-1)   # 0 = the most likely
+    top_logprobs, top_tokens = torch.topk(torch.log_softmax(x, -1), k, -1)
+
+One row per prompt (the first of its `num_beams` / `num_return_sequences` copies, which are equal).
+Positions whose token or context is padding (`attention_mask` 0) hold `token` -1, a NaN logprob and a
+rank of -1. The extra device memory is the kept states plus about `9 x rows x chunk x vocab` bytes
+(the chunk's logits, their log-softmax, a comparison); nothing here waits for the device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..store.format import PROMPT_STREAMS
+
+CHUNK_ELEMENTS = 2**24  # default chunk: at most this many logits (64 MiB of float32) at once
+
+
+@dataclass(frozen=True)
+class PromptScoring:
+    """What scores the prompt: the model's output embeddings (`head`), `top` alternatives per position
+    (0: none), `chunk` positions at a time (None: `CHUNK_ELEMENTS` logits), the config's softcap."""
+
+    head: torch.nn.Module
+    top: int
+    chunk: int | None
+    softcap: float | None
+
+    def names(self) -> list[str]:
+        """The once-per-call streams it records."""
+        return list(PROMPT_STREAMS if self.top else PROMPT_STREAMS[:3])
+
+    def score(self, hidden: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor | None,
+              rows_per_prompt: int) -> dict[str, torch.Tensor]:
+        """The prompt streams of one call, on the states' device.
+
+        Args:
+            hidden: `(rows, >= length, hidden)` final hidden states of the first forward.
+            input_ids: `(rows, length)` the prompt (`length` = prompt length; later columns ignored).
+            mask: `(prompts, length)` the call's attention mask, or None (no padding).
+            rows_per_prompt: copies of each prompt among the rows (`num_beams` or `num_return_sequences`).
+
+        Returns:
+            `prompt_tokens` `(prompts, length - 1)` int64, `prompt_logprobs` float32, `prompt_ranks`
+            int64 and, with `top`, `prompt_top_tokens` `(prompts, length - 1, top)` int64 and
+            `prompt_top_logprobs` float32.
+        """
+        ids = input_ids[::rows_per_prompt]
+        length = ids.shape[1]
+        states = hidden[::rows_per_prompt, :length]
+        prompts, positions = ids.shape[0], max(length - 1, 0)
+        vocab = int(getattr(self.head, "out_features", 0) or next(self.head.parameters()).shape[0])
+        chunk = self.chunk or max(1, CHUNK_ELEMENTS // max(1, prompts * vocab))
+        parts: dict[str, list[torch.Tensor]] = {name: [] for name in ("ranks", "logprobs", "top_logprobs", "top_tokens")}
+        top = min(self.top, vocab)
+        with torch.no_grad():
+            # The head runs where it is (a `device_map` may put it on another device than the states, or
+            # offload its weights: accelerate's hooks move what it needs); the rest follows its output.
+            for start in range(0, positions, chunk):
+                end = min(positions, start + chunk)
+                x = self.head(states[:, start:end]).float()
+                if self.softcap:
+                    x = torch.tanh(x / self.softcap) * self.softcap
+                y = ids[:, start + 1:end + 1, None].to(x.device)
+                parts["ranks"].append((x > x.gather(-1, y)).sum(-1))
+                x = torch.log_softmax(x, -1)
+                parts["logprobs"].append(x.gather(-1, y)[..., 0])
+                if top:
+                    values, indices = torch.topk(x, top, -1)
+                    parts["top_logprobs"].append(values)
+                    parts["top_tokens"].append(indices)
+                del x
+        device = parts["ranks"][0].device if positions else hidden.device
+        targets = ids[:, 1:].to(device)
+
+        def joined(name: str, dtype: torch.dtype, *shape: int) -> torch.Tensor:
+            found = parts[name]
+            return torch.cat(found, 1) if found else torch.empty((prompts, 0, *shape), dtype=dtype, device=device)
+
+        ranks, logprobs = joined("ranks", torch.long), joined("logprobs", torch.float32)
+        top_logprobs, top_tokens = joined("top_logprobs", torch.float32, top), joined("top_tokens", torch.long, top)
+        if mask is not None:
+            mask = mask.to(device).bool()
+            valid = mask[:, 1:length] & mask[:, : length - 1]
+            targets = torch.where(valid, targets, torch.full_like(targets, -1))
+            logprobs = torch.where(valid, logprobs, torch.full_like(logprobs, math.nan))
+            ranks = torch.where(valid, ranks, torch.full_like(ranks, -1))
+            if top:
+                top_tokens = torch.where(valid[..., None], top_tokens, torch.full_like(top_tokens, -1))
+                top_logprobs = torch.where(valid[..., None], top_logprobs, torch.full_like(top_logprobs, math.nan))
+        found = {"prompt_tokens": targets.contiguous(), "prompt_logprobs": logprobs, "prompt_ranks": ranks}
+        if top:
+            found.update(prompt_top_tokens=top_tokens, prompt_top_logprobs=top_logprobs)
+        return found
+
+
+def scoring_for(model: Any, prompt_logprobs: Any, chunk: Any) -> PromptScoring | None:
+    """The `PromptScoring` for a Recorder's `prompt_logprobs` option (False/None: none).
+
+    Raises:
+        ValueError: a bad option; an encoder-decoder model (its decoder's prompt is its start token);
+            a model without output embeddings, or one that scales its logits (`logit_scale`,
+            `logits_scaling`), whose head alone does not give its logits.
+    """
+    if prompt_logprobs is None or prompt_logprobs is False:
+        return None
+    if prompt_logprobs is True:
+        top = 0
+    elif isinstance(prompt_logprobs, int) and prompt_logprobs >= 0:
+        top = prompt_logprobs
+    else:
+        raise ValueError(f"`prompt_logprobs` must be True or the number of alternatives per position "
+                         f"(an int >= 0), got {prompt_logprobs!r}.")
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"`prompt_chunk` must be a positive number of positions, got {chunk!r}.")
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError("`prompt_logprobs` scores a decoder-only model's prompt; an encoder-decoder model's "
+                         "decoder prompt is its start token. Leave it off for this model.")
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None or next(head.parameters(), None) is None:
+        raise ValueError(f"`prompt_logprobs` needs the model's output embeddings; {type(model).__name__} has none.")
+    for name in ("logit_scale", "logits_scaling"):
+        if getattr(config, name, 1) not in (1, 1.0, None):
+            raise ValueError(f"`prompt_logprobs`: {type(model).__name__} scales its logits (`{name}`), which "
+                             "prompt logprobs do not reproduce yet. Leave it off for this model.")
+    return PromptScoring(head=head, top=top, chunk=chunk, softcap=getattr(config, "final_logit_softcapping", None))
+
+
+def base_model_of(model: Any) -> Any:
+    """The decoder whose output is the head's input (`model.model`, `model.transformer`...), or None."""
+    base = getattr(model, "base_model", None)
+    return base if isinstance(base, torch.nn.Module) and base is not model else None
