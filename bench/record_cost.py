@@ -1,6 +1,7 @@
 """What `record` costs over a plain loop of generate() on the same prompts, single process, CPU.
 
     .venv/bin/python bench/record_cost.py [--prompts 24] [--batch-size 8] [--new-tokens 32] [--repeats 3]
+                                          [--ranks 2]
 
 SmolLM2-135M-Instruct (CPU, float32), `--prompts` chat prompts (from bench/export.py), sampled
 (temperature 0.7, top_p 0.9) with `min_new_tokens` = `max_new_tokens`, in batches of `--batch-size`.
@@ -13,6 +14,11 @@ Three cases, interleaved, `--repeats` times, each the wall time of the whole run
 
 Reports prompts/s and tokens/s of each and `record`'s time over each loop (target: <= 1.05x the loop
 that records the same thing); writes `record_cost.json` under `--out`.
+
+With `--ranks N` it relaunches itself under `torchrun --nproc_per_node N` (gloo, the machine's cores
+shared out as torch threads): each rank runs every case over its own share of the prompts
+(`parallel.share`; `record` finds its rank itself and writes `rank-R`), the ranks start each case
+together (a barrier), and a case's time is the slowest rank's. Writes `record_cost_ranksN.json`.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import subprocess
 import time
 from pathlib import Path
 
@@ -37,6 +44,7 @@ from _common import RESULTS, machine, print_table, write_json  # noqa: E402
 from export import PROMPTS  # noqa: E402
 from transformers_offload import Recorder  # noqa: E402
 from transformers_offload.demo_model import load  # noqa: E402
+from transformers_offload.parallel import share  # noqa: E402
 from transformers_offload.record import record  # noqa: E402
 
 SAMPLING = dict(do_sample=True, temperature=0.7, top_p=0.9)
@@ -49,17 +57,29 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--ranks", type=int, default=1, help="data-parallel processes (torchrun, gloo)")
+    parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)  # set for the ranks by the launcher
     args = parser.parse_args()
+    if args.ranks > 1 and "RANK" not in os.environ:
+        return launch(args)
+    rank, world_size = 0, 1
+    if args.ranks > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        rank, world_size = dist.get_rank(), dist.get_world_size()
     model, tokenizer = load()
     prompts = (PROMPTS * (1 + args.prompts // len(PROMPTS)))[: args.prompts]
-    chats = [[{"role": "user", "content": p}] for p in prompts]
+    all_chats = [[{"role": "user", "content": p}] for p in prompts]
+    chats = [all_chats[i] for i in share(len(all_chats), rank, world_size)]
     generate = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, **SAMPLING)
-    work = Path(tempfile.mkdtemp(prefix="bench-record-"))
+    work = args.work or Path(tempfile.mkdtemp(prefix="bench-record-"))
     source = work / "prompts.jsonl"
-    source.write_text("".join(json.dumps({"id": f"p{i}", "messages": chat}) + "\n" for i, chat in enumerate(chats)))
+    if rank == 0:
+        source.write_text("".join(json.dumps({"id": f"p{i}", "messages": chat}) + "\n" for i, chat in enumerate(all_chats)))
 
     def loop(recorded: bool, out: Path) -> None:
-        rec = Recorder(model, spill_dir=out) if recorded else None
+        rec = Recorder(model, spill_dir=out / f"rank-{rank}") if recorded else None
         for first in range(0, len(chats), args.batch_size):
             texts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
                      for c in chats[first:first + args.batch_size]]
@@ -79,19 +99,59 @@ def main() -> None:
         for repeat in range(args.repeats):
             for name, run in cases.items():
                 out = work / f"{name.replace(' ', '-')}-{repeat}"
+                barrier(world_size)
                 start = time.perf_counter()
                 run(out)
-                times[name].append(time.perf_counter() - start)
-                shutil.rmtree(out, ignore_errors=True)
+                times[name].append(slowest(time.perf_counter() - start, world_size))
+                barrier(world_size)
+                if rank == 0:
+                    shutil.rmtree(out, ignore_errors=True)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if rank == 0 and args.work is None:
+            shutil.rmtree(work, ignore_errors=True)
+    if rank != 0:
+        return
     medians = {name: statistics.median(values) for name, values in times.items()}
     tokens = args.prompts * args.new_tokens
     rows = [[name, f"{medians[name]:.2f}", f"{args.prompts / medians[name]:.2f}", f"{tokens / medians[name]:.1f}",
              f"{medians['record'] / medians[name]:.3f}x"] for name in cases]
-    print(print_table(["case", "median s", "prompts/s", "tokens/s", "record over it"], rows))
-    write_json(args.out / "record_cost.json", {"machine": machine(), "args": vars(args) | {"out": str(args.out)},
-                                               "times": times, "medians": medians})
+    print_table(["case", "median s", "prompts/s", "tokens/s", "record over it"], rows)
+    name = "record_cost.json" if world_size == 1 else f"record_cost_ranks{world_size}.json"
+    write_json(args.out / name, {"machine": machine(), "args": vars(args) | {"out": str(args.out), "work": None},
+                                 "ranks": world_size, "threads_per_rank": torch.get_num_threads(),
+                                 "times": times, "medians": medians})
+
+
+def barrier(world_size: int) -> None:
+    if world_size > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def slowest(seconds: float, world_size: int) -> float:
+    """The slowest rank's time for a case (every rank's, through an all-reduce)."""
+    if world_size == 1:
+        return seconds
+    import torch.distributed as dist
+
+    value = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value[0])
+
+
+def launch(args: argparse.Namespace) -> None:
+    """Run this script under torchrun with `--ranks` processes, the cores shared out between them."""
+    work = Path(tempfile.mkdtemp(prefix="bench-record-ranks-"))
+    threads = max(1, (os.cpu_count() or 1) // args.ranks)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.ranks),
+               __file__, "--prompts", str(args.prompts), "--batch-size", str(args.batch_size), "--new-tokens",
+               str(args.new_tokens), "--repeats", str(args.repeats), "--out", str(args.out), "--ranks", str(args.ranks),
+               "--work", str(work)]
+    try:
+        subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
