@@ -4,7 +4,8 @@
 
 With KILL_RANK_1_IN_CALL=N, rank 1 SIGKILLs itself at the third step of its N-th generate() call, once
 its manifest names a committed step of that call (so the test does not depend on how fast the writer
-is); torchrun then stops the other rank. Each rank writes its result to `result-RANK.json` in the working directory.
+is); torchrun then stops the other rank. With USE_ACCELERATE=1 the process group comes from
+accelerate's `PartialState` instead of `init_process_group`. Each rank writes its result to `result-RANK.json` in the working directory.
 """
 
 from __future__ import annotations
@@ -38,7 +39,12 @@ class _KillAtStep(StoppingCriteria):
 
 def main() -> None:
     model_dir, prompts, out = sys.argv[1:4]
-    dist.init_process_group("gloo")
+    if os.environ.get("USE_ACCELERATE") == "1":
+        from accelerate import PartialState
+
+        PartialState(cpu=True)  # what a script under `accelerate launch` does: a gloo group on CPU
+    else:
+        dist.init_process_group("gloo")
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     kill = os.environ.get("KILL_RANK_1_IN_CALL", "")
