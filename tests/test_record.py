@@ -217,3 +217,13 @@ def test_record_on_the_command_line(tmp_path, capsys):
     assert main([*argv[:-1], "--json"]) == 0 and json.loads(capsys.readouterr().out)["skipped"] == 5
     assert main(["record", "--model", str(tmp_path / "nope"), "--prompts", str(prompts), "--out", str(tmp_path / "x")]) == 1
     assert "must be a local directory" in capsys.readouterr().err
+
+
+def test_record_reads_a_saved_dataset(tmp_path):
+    datasets = pytest.importorskip("datasets", exc_type=ImportError)
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list([{"id": f"d{i}", "text": f"w{3 + i} w{4 + i}"} for i in range(5)]).save_to_disk(str(saved))
+    assert read_prompts(saved)[1] == ("d1", "w4 w5")
+    result = record(_model(), _tokenizer(), saved, tmp_path / "run", batch_size=2, progress=False, max_new_tokens=2)
+    assert result["recorded"] == 5
+    assert [s["sample"] for s in open_recording(tmp_path / "run").samples()] == [f"d{i}" for i in range(5)]
