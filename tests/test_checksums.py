@@ -50,7 +50,7 @@ def test_every_file_carries_its_size_and_checksum_and_verifies(recording):
 def test_a_spilled_call_verifies(tmp_path):
     model = make_tiny("t5", attn_implementation="eager")
     batch = left_padded_batch()
-    with Recorder(model, streams=("logits", "scores", "attentions"), spill_dir=tmp_path / "run", shard_bytes=20_000) as rec:
+    with Recorder(model, streams=("logits", "scores", "attentions"), spill_dir=tmp_path / "run", shard_bytes=10_000) as rec:
         model.generate(**batch, logits_processor=[rec], max_new_tokens=6)
     result = open_recording(tmp_path / "run").verify()
     assert result["files"] == len(list((tmp_path / "run").glob("*.safetensors"))) > 3

@@ -30,8 +30,10 @@ def _reference(model, **kwargs):
     return hf_reference(model, **{**left_padded_batch(), "max_new_tokens": NEW_TOKENS, **kwargs})
 
 
-def _step_bytes(rows: int, vocab: int = 128) -> int:
-    return rows * vocab * 4 * 2 + rows * (8 + 1)  # logits, scores, tokens, finished
+def _step_bytes(rows: int, vocab: int = 128, *, scores: bool = True) -> int:
+    """Bytes a step stores: logits, scores, tokens, finished (`scores=False`: a call with no processor,
+    whose scores are stored once, as the logits)."""
+    return rows * vocab * 4 * (1 + scores) + rows * (8 + 1)
 
 
 @pytest.mark.parametrize("steps_per_shard", [1, 5, 12, 50])
@@ -157,7 +159,7 @@ def test_a_full_disk_gives_a_clear_error_and_keeps_earlier_shards(gpt2, tmp_path
 
     monkeypatch.setattr(_shard_store, "save_file", save_file_until_full)
     reference = _reference(gpt2)
-    with Recorder(gpt2, spill_dir=tmp_path / "run", shard_bytes=3 * _step_bytes(3)) as rec:
+    with Recorder(gpt2, spill_dir=tmp_path / "run", shard_bytes=3 * _step_bytes(3, scores=False)) as rec:
         torch.manual_seed(0)
         with pytest.raises(SpillError, match="No space left on device.*intact and readable") as raised:
             gpt2.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=NEW_TOKENS)
@@ -261,7 +263,7 @@ def test_any_failure_of_the_store_closes_the_generation_as_failed(gpt2, tmp_path
         real(self, index, capacity)
 
     monkeypatch.setattr(_shard_buffer.ShardBuffer, "reset", reset_until_out_of_memory)
-    with Recorder(gpt2, spill_dir=tmp_path / "run", shard_bytes=3 * _step_bytes(3)) as rec:
+    with Recorder(gpt2, spill_dir=tmp_path / "run", shard_bytes=3 * _step_bytes(3, scores=False)) as rec:
         with pytest.raises(RuntimeError, match="not enough memory"):
             gpt2.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=NEW_TOKENS)
     assert len(rec.generations) == 1 and not rec.generation().complete

@@ -113,7 +113,10 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
             (lossy, by your choice: per row the K largest values and their token ids, the logsumexp
             over the whole vocabulary and the probability mass outside the K, `(2K + 2) x 8` bytes per
             row and step; read with `topk()`, which `logits()` and `scores()` then point to). E.g.
-            `{"scores": "sparse"}`.
+            `{"scores": "sparse"}`. A call with no processor (greedy search, or sampling without any
+            processor or warper) stores `scores` once with the logits, whose very tensor they are
+            (`"same_as_logits"` in the manifest; `scores()` returns the same tensors); name
+            `{"scores": "dense"}` to store them twice.
         append (`bool`, *optional*, defaults to False): with `spill_dir` holding a recording of the same
             model, add this recorder's generations after those already there (never touching them; a
             generation a stopped process left `"recording"` is marked `"failed"`). `generations` then
@@ -190,6 +193,8 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
         self._selection = _layers.selection(model, tuple(streams), layers, heads, newest_position_only)
         self._encodings = _encodings.check(encodings, tuple(streams), _model_info(model)["vocab_size"])
         self._prompt_scoring = _prompt_logprobs.scoring_for(model, prompt_logprobs, prompt_chunk)
+        # Scores equal to the logits (no processor) are stored once, unless asked for dense by name.
+        self._scores_once = not (isinstance(encodings, dict) and encodings.get("scores") == "dense")
         if "attentions" in streams:
             _layers.require_eager(model)
         self._spill: Spill | None = None
@@ -358,6 +363,7 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
                 encodings=self._encodings,
                 samples=samples,
                 prompt_scoring=self._prompt_scoring,
+                scores_once=self._scores_once,
             )
             return self._active
 

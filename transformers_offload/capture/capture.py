@@ -40,7 +40,8 @@ class Capture:
     def __init__(self, *, streams: tuple[str, ...], ring_slots: int, assistant_model: Any,
                  open_store: OpenStore, index: int, attention_mask: Any = None, threaded: bool = False,
                  layer_tap: _layers.LayerTap | None = None, encodings: dict[str, str] | None = None,
-                 samples: dict[str, Any] | None = None, prompt_scoring: PromptScoring | None = None) -> None:
+                 samples: dict[str, Any] | None = None, prompt_scoring: PromptScoring | None = None,
+                 scores_once: bool = True) -> None:
         self.streams = streams
         self.encodings = dict(encodings or {})  # logits/scores not recorded dense (`encodings`)
         self._sparse = _encodings.Sparse()
@@ -61,6 +62,9 @@ class Capture:
         self.mode = ""
         self.do_sample = False
         self.prompt_length = 0
+        self.scores_as_logits = False
+        self._scores_once = scores_once  # False: `encodings={"scores": "dense"}` asked for them stored anyway
+        self._raw_scores: torch.Tensor | None = None  # this step's raw logits, with `scores_as_logits`
         self.num_beams = 1
         self.num_beam_groups = 1
         self.num_rows = 0
@@ -88,7 +92,9 @@ class Capture:
         self._rows_per_prompt = 1
 
     # -- set-up, from the processor-list hook, before the decoding loop ------------------------------
-    def start(self, generation_config: Any, prompt_length: int) -> None:
+    def start(self, generation_config: Any, prompt_length: int, *, no_processors: bool = False) -> None:
+        """Set up the call's recording, before its decoding loop: `no_processors` when the processor
+        list generate() built holds nothing (besides the recorder)."""
         mode = check_mode(generation_config, self.assistant_model, self.streams)
         self.mode = mode
         self.do_sample = bool(generation_config.do_sample)
@@ -104,6 +110,13 @@ class Capture:
         if eos_list:
             self.eos_ids = torch.tensor(eos_list)
         self.kept_on_device = _compat.outputs_kept_on_device(generation_config)
+        # Greedy search or sampling with no processor (nor, 4.36-4.44, a warper list, not built yet):
+        # the processed scores are the raw logits, the very tensor: `scores` is stored once, as them.
+        self.scores_as_logits = (
+            self._scores_once and no_processors and mode in ("greedy_search", "sample")
+            and not _compat.final_tap_on_warper_list(mode, self.do_sample)
+            and "logits" in self.streams and "scores" in self.streams and not self.encodings
+        )
         mask = self.attention_mask
         self.attention_mask = None
         if self.prompt_scoring is not None:
@@ -111,7 +124,7 @@ class Capture:
             self._rows_per_prompt = self.num_beams if self.is_beam else int(generation_config.num_return_sequences or 1)
         self.header.update(
             layers=None,  # filled at the first forward, when attentions or hidden states are recorded
-            encodings=dict(self.encodings),
+            encodings={**self.encodings, **({"scores": _format.SAME_AS_LOGITS} if self.scores_as_logits else {})},
             mode=mode,
             prompt_length=self.prompt_length,
             prompt_lengths=None if mask is None else tuple(int(n) for n in mask.sum(-1).tolist()),
@@ -142,7 +155,8 @@ class Capture:
     @property
     def names(self) -> list[str]:
         """Every stream this call records, in the order they are stored."""
-        names = [*(s for s in ("logits", "scores") if s in self.streams), "tokens", "finished"]
+        names = [*(s for s in ("logits", "scores") if s in self.streams and not (s == "scores" and self.scores_as_logits)),
+                 "tokens", "finished"]
         names += ["beam_parents"] * self.is_beam + [_format.STATS_STREAM] * bool(self._stats)
         return names + self._layer_names
 
@@ -311,6 +325,8 @@ class Capture:
                 self._put_full(self._step, "logits", scores)
             if self._stats is not None:
                 self._stats.raw(self._step, scores)
+        if self.scores_as_logits:
+            self._raw_scores = scores
         self.ring.put(self._step, "finished", self._finished)
 
     def _put_running_beams_finished(self, step: int, rows: int) -> None:
@@ -356,7 +372,15 @@ class Capture:
             return
         # 4.36-4.44 assisted decoding runs the warpers after all positions went through the processors.
         step = self._step if self.is_beam else input_ids.shape[-1] - self.prompt_length
-        if "scores" in self.streams:
+        if self.scores_as_logits:
+            raw, self._raw_scores = self._raw_scores, None
+            if raw is not scores:
+                raise RuntimeError(
+                    "transformers-offload stored this call's scores as its logits (no processor ran), but the "
+                    f"decoding loop's processed scores at step {step} are another tensor; please report this with "
+                    "your transformers version (record with `encodings={'scores': 'dense'}` meanwhile)."
+                )
+        elif "scores" in self.streams:
             self._put_full(step, "scores", scores)
         if self._stats is not None:
             self._stats.processed(step, scores)

@@ -254,10 +254,11 @@ class ModelHooks:
                 # No recorded call, or a nested generate() that bypassed the wrapper: leave it alone.
                 return processors
             arguments = _bind(original, args, kwargs)
-            with _interrupts.held():
-                capture.start(arguments["generation_config"], arguments.get("input_ids_seq_length") or 0)
-            on_warpers = _compat.final_tap_on_warper_list(capture.mode, capture.do_sample)
             kept = [p for p in processors if not _is_recorder(p)]
+            with _interrupts.held():
+                capture.start(arguments["generation_config"], arguments.get("input_ids_seq_length") or 0,
+                              no_processors=not kept)
+            on_warpers = _compat.final_tap_on_warper_list(capture.mode, capture.do_sample)
             return _TappedProcessorList(kept, capture, raw=True, processed=not on_warpers)
 
         return _get_logits_processor

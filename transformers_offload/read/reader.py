@@ -112,7 +112,8 @@ class Recording(Readable):
 
         Each stream gives its `dtype`, `encoding`, per-step `shape` and `bytes` (of the readable
         steps), and an encoded one (`"sparse"`, `"topk:K"`) also `dense_bytes`, what the same steps would take as
-        float32 `(rows, vocab_size)` tensors; each generation its `file_bytes` on disk (shards and
+        float32 `(rows, vocab_size)` tensors (`scores` stored once with the logits, `"same_as_logits"`, take
+        0 bytes of their own); each generation its `file_bytes` on disk (shards and
         sequences), its `prompt_lengths` (non-padding tokens per prompt; None without an attention
         mask), its `sample_ids` (from `Recorder.set_samples`, or None) and its `generation_config` (the settings that differ from the defaults,
         `GenerationConfig.to_diff_dict()`).
@@ -123,7 +124,9 @@ class Recording(Readable):
             encoder = entry.get("encoder") or {}
             for name, stream in [*entry["streams"].items(), *encoder.get("streams", {}).items()]:
                 itemsize = _format.dtype_of(stream["dtype"]).itemsize
-                if stream["encoding"] in _format.FLAT_ENCODINGS:
+                if stream["encoding"] == _format.SAME_AS_LOGITS:
+                    elements = 0  # stored once, as the logits
+                elif stream["encoding"] in _format.FLAT_ENCODINGS:
                     elements = generation._source.ragged_elements(name, generation.num_steps)
                 elif name in encoder.get("streams", {}):
                     elements = math.prod(stream["shape"])  # once per generation

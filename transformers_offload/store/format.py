@@ -224,6 +224,10 @@ def topk_columns(record: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
 # kept, so the dense tensor is the record's entries over a fill of -inf, bit for bit. The manifest's
 # stream entry names the dense dtype and per-step shape (`dense`); every record's header must agree.
 SPARSE = "sparse"
+# `scores` stored once with the logits: a call whose processed scores are its raw logits, the very tensor
+# (greedy or sampling with no processor or warper), records `scores` with this encoding and no data of
+# its own; its steps are the `logits` stream's.
+SAME_AS_LOGITS = "same_as_logits"
 SPARSE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # index = the dtype code
 SPARSE_HEADER = 3
 SPARSE_MAX_VOCAB = 2**24  # a record claiming more tokens is refused (a damaged record must not allocate GBs)

@@ -23,6 +23,7 @@ from .format import (
     LAYER_KINDS,
     MANIFEST,
     PROMPT_STREAMS,
+    SAME_AS_LOGITS,
     STATS_COLUMNS,
     STATS_STREAM,
     STATUSES,
@@ -259,6 +260,12 @@ def _check_stream_set(entry: dict[str, Any], path: Path, where: str) -> None:
         raise RecordingError(path, f"{where}: {rows} rows are not a whole number of prompts of {entry['num_beams']} beams.")
     for name, stream in streams.items():
         shape = stream["shape"]
+        if stream["encoding"] == SAME_AS_LOGITS:
+            logits = streams.get("logits")
+            if logits is None or logits["encoding"] != "dense" or (logits["dtype"], logits["shape"]) != (stream["dtype"], shape):
+                raise RecordingError(path, f"{where}: stream {name!r} is stored as the dense `logits` stream, which "
+                                           f"it must then match in dtype and shape ({logits!r}).")
+            continue
         if stream["encoding"] == SPARSE:
             if stream["dense"]["shape"][0] != rows:
                 raise RecordingError(
@@ -313,6 +320,9 @@ def _check_stream(name: str, stream: Any, path: Path, where: str) -> None:
                 f"got {stream['dtype']} {stream['shape']!r}, dense {dense!r}.",
             )
         return
+    elif stream["encoding"] == SAME_AS_LOGITS:
+        if name != "scores":
+            raise RecordingError(path, f"{where}: stream {name!r} cannot use {SAME_AS_LOGITS!r} (only `scores` can).")
     elif stream["encoding"] not in ENCODINGS:
         raise RecordingError(
             path,

@@ -48,6 +48,8 @@ class ShardSource:
         self.close()
 
     def read(self, name: str, steps: range, rows: Any) -> tuple[torch.Tensor, ...]:
+        if self._stream_info[name]["encoding"] == _format.SAME_AS_LOGITS:
+            name = "logits"  # stored once: the scores were the logits
         if steps.step < 0:
             return tuple(reversed(self.read(name, steps[::-1], rows)))
         ragged = self._stream_info[name]["encoding"] in _format.FLAT_ENCODINGS
@@ -191,6 +193,8 @@ def _open_shard(path: Path, generation: int, shard: dict[str, Any], streams: dic
             )
     ragged = {}
     for name, stream in streams.items():
+        if stream["encoding"] == _format.SAME_AS_LOGITS:
+            continue  # no tensor of its own
         if name not in header:
             raise RecordingError(path, f"holds no {name!r} tensor, which the manifest lists.")
         if stream["encoding"] in _format.FLAT_ENCODINGS:
@@ -276,7 +280,7 @@ def stored_generation(root: Path, entry: dict[str, Any], *, stats: TransferStats
         stats=stats,
         layers=entry.get("layers"),
         encodings={name: stream["encoding"] for name, stream in entry["streams"].items()
-                   if stream["encoding"] not in _format.ENCODINGS},
+                   if stream["encoding"] not in (*_format.ENCODINGS, _format.SAME_AS_LOGITS)},
         sample_ids=None if entry.get("sample_ids") is None else tuple(entry["sample_ids"]),
         sample_metadata=None if entry.get("sample_metadata") is None else tuple(entry["sample_metadata"]),
     )

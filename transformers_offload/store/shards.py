@@ -413,6 +413,8 @@ class ShardStore:
             for stream in self._sparse:  # one flat int32 record per step, and what it decodes to
                 header = buffer.records[stream][buffer.first_step][: _format.SPARSE_HEADER].tolist()
                 entry["streams"][stream].update(shape=[None], dense=_format.sparse_dense(header))
+            if self._encodings.get("scores") == _format.SAME_AS_LOGITS:  # no data of its own: the logits'
+                entry["streams"] = _with_scores_as_logits(entry["streams"])
             for stream in sorted(self._ragged, key=self._names.index):
                 entry["streams"][stream] = {
                     "dtype": _format.dtype_name(tensors[stream].dtype),
@@ -489,3 +491,13 @@ def _once_order(name: str) -> tuple:
     if split is not None:
         return (0, split, 0)
     return (1, ("", 0), _format.PROMPT_STREAMS.index(name))
+
+
+def _with_scores_as_logits(streams: dict[str, Any]) -> dict[str, Any]:
+    """The manifest's streams with `scores` right after `logits`, stored as them (`SAME_AS_LOGITS`)."""
+    found: dict[str, Any] = {}
+    for name, stream in streams.items():
+        found[name] = stream
+        if name == "logits":
+            found["scores"] = dict(stream, encoding=_format.SAME_AS_LOGITS)
+    return found
