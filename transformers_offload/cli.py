@@ -257,6 +257,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         for stream, info in generation["streams"].items():
             # A ragged stream's varying dimensions (null in the manifest) show as "*".
             shape = "(" + ", ".join("*" if n is None else str(n) for n in info["shape"]) + ("," if len(info["shape"]) == 1 else "") + ")"
+            shape += " once" if info.get("once") else ""
             dense = info.get("dense_bytes")
             ratio = f"  {info['bytes'] / dense:.2%}" if dense else ""
             lines.append(

@@ -110,7 +110,7 @@ class Recording(Readable):
         """A JSON-able summary: versions, model, whether its files carry checksums, and per generation
         its state, sizes and streams.
 
-        Each stream gives its `dtype`, `encoding`, per-step `shape` and `bytes` (of the readable
+        Each stream gives its `dtype`, `encoding`, per-step `shape` (`once`: true for a stream recorded once per call: encoder outputs, prompt logprobs) and `bytes` (of the readable
         steps), and an encoded one (`"sparse"`, `"topk:K"`) also `dense_bytes`, what the same steps would take as
         float32 `(rows, vocab_size)` tensors (`scores` stored once with the logits, `"same_as_logits"`, take
         0 bytes of their own); each generation its `file_bytes` on disk (shards and
@@ -138,6 +138,8 @@ class Recording(Readable):
                     "shape": stream["shape"],
                     "bytes": elements * itemsize,
                 }
+                if name in encoder.get("streams", {}):
+                    streams[name]["once"] = True  # recorded once per call, not per step
                 vocab = self.model.get("vocab_size")
                 encoded = stream["encoding"] == _format.SPARSE or _format.topk_width(stream["encoding"]) is not None
                 if encoded and isinstance(vocab, int):
