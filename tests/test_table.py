@@ -13,7 +13,7 @@ from transformers_offload import Generation, Recorder, open_recording
 from transformers_offload.answers import table as _table
 from transformers_offload.cli import main
 
-from .conftest import PAD, left_padded_batch
+from .conftest import PAD, left_padded_batch, make_tiny
 from .test_stats import _run
 
 pa = pytest.importorskip("pyarrow", exc_type=ImportError)
@@ -265,3 +265,23 @@ def test_an_interrupted_call_gives_the_rows_of_its_recorded_steps(gpt2, tmp_path
     assert sorted((r["sample"], r["step"]) for r in rows) == [(s, t) for s in "abc" for t in range(3)]
     assert not any(r["complete"] for r in rows)
     assert main(["plot", str(tmp_path / "run"), "-o", str(tmp_path / "png")]) == 0
+
+
+def test_a_generation_stopped_before_its_first_step_exports_as_no_rows(tmp_path):
+    """A process killed before a call's first shard leaves a generation of 0 steps: the table and the
+    viewer take the others and give it no row."""
+    from transformers_offload.answers.table import to_arrow
+
+    model = make_tiny("gpt2")
+    with Recorder(model, spill_dir=tmp_path / "run") as rec:
+        model.generate(torch.tensor([[5, 6]]), logits_processor=[rec], max_new_tokens=2, pad_token_id=0)
+        handle = model.register_forward_hook(lambda *args: (_ for _ in ()).throw(RuntimeError("killed in the prefill")))
+        with pytest.raises(RuntimeError, match="killed in the prefill"):
+            model.generate(torch.tensor([[5, 6]]), logits_processor=[rec], max_new_tokens=2, pad_token_id=0)
+        handle.remove()
+    run = open_recording(tmp_path / "run")
+    assert run.generation(1).num_steps == 0 and not run.generation(1).complete
+    table = to_arrow(run)
+    assert set(table.column("generation").to_pylist()) == {0} and table.num_rows == 2
+    assert run.logprobs(1) == []  # no row was recorded
+    assert "<html" in pytest.importorskip("transformers_offload.answers.viewer").render(run)[:200].lower()

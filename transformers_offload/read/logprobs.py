@@ -71,6 +71,8 @@ def token_chunks(generation: Any, *, kinds: tuple[str, ...] = ("raw", "processed
             raise ValueError(f"`kind` must be 'raw' (the logits) or 'processed' (the scores), got {kind!r}.")
     _check_int("top", top, 0)
     _check_int("chunk_steps", chunk_steps, 1)
+    if generation.num_steps == 0 and not generation.complete:
+        return  # stopped before its first step was committed (killed, or failed in the prefill): no token
     if generation.sequences is None and generation.is_beam:
         raise ValueError(
             "the per-token values of a beam search need the sequences `generate()` returned, and this "
@@ -218,5 +220,8 @@ def token_positions(generation: Any) -> tuple[torch.Tensor, torch.Tensor, torch.
         finished = generation.finished(steps=slice(0, steps))
         done = torch.stack(finished, dim=1) if finished else torch.zeros((sequences.shape[0], 0), dtype=torch.bool)
         # A row's tokens run until the first step it had already finished before.
-        lengths = torch.where(done.any(-1), done.to(torch.int8).argmax(-1), torch.tensor(steps))
+        if steps == 0:
+            lengths = torch.zeros(sequences.shape[0], dtype=torch.long)
+        else:
+            lengths = torch.where(done.any(-1), done.to(torch.int8).argmax(-1), torch.tensor(steps))
     return rows, generated, lengths
