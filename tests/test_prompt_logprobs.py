@@ -174,3 +174,60 @@ def test_prompt_logprobs_under_prompt_lookup_score_the_prompt_alone():
     reference = _reference(model, {"input_ids": prompt, "attention_mask": torch.ones_like(prompt)})[0]
     assert torch.equal(found["prompt_tokens"][0], reference["tokens"])
     assert torch.equal(found["prompt_logprobs"][0], reference["logprobs"])
+
+
+def test_a_call_whose_prefill_does_not_see_the_whole_prompt_is_refused():
+    """A cache that already holds part of the prompt, or a chunked prefill: the first forward does not
+    see every position, so prompt logprobs would be shifted; refused before anything runs."""
+    from transformers import GenerationConfig
+
+    model = make_tiny("llama")
+    ids = torch.tensor([[5, 9, 11, 40, 7]])
+    with torch.no_grad():
+        cache = model(ids[:, :1], use_cache=True).past_key_values
+    with Recorder(model, prompt_logprobs=True) as rec:
+        with pytest.raises(ValueError, match="already holding 1 token"):
+            model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=2, logits_processor=[rec], pad_token_id=0)
+        if hasattr(GenerationConfig(), "prefill_chunk_size"):
+            with pytest.raises(ValueError, match="prefill_chunk_size"):
+                model.generate(input_ids=ids, prefill_chunk_size=2, max_new_tokens=2, logits_processor=[rec], pad_token_id=0)
+
+
+def test_a_causal_lm_calling_its_decoder_directly_is_scored():
+    """OPT (and BART's, Marian's `*ForCausalLM`) call `self.model.decoder`, not their base model."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(0)
+    model = OPTForCausalLM(OPTConfig(vocab_size=128, hidden_size=16, num_hidden_layers=1, ffn_dim=32,
+                                     num_attention_heads=2, max_position_embeddings=64, word_embed_proj_dim=16,
+                                     pad_token_id=0, bos_token_id=2, eos_token_id=1)).eval()
+    ids = torch.tensor([[5, 9, 11, 40, 7]])
+    with Recorder(model, prompt_logprobs=True) as rec:
+        model.generate(ids, max_new_tokens=2, logits_processor=[rec], pad_token_id=0)
+    with torch.no_grad():
+        x = model(ids).logits.float()[0, :-1]  # (4.36's OPT takes no position ids)
+    expected = torch.log_softmax(x, -1).gather(-1, ids[0, 1:, None])[:, 0]
+    assert torch.equal(rec.generation().prompt_tensors()["prompt_logprobs"][0], expected)
+
+
+def test_padding_without_an_attention_mask_is_inferred_as_generate_does():
+    model = make_tiny("gpt2")
+    ids = torch.tensor([[5, 9, 11, 40], [0, 0, 0, 7]])
+    with Recorder(model, prompt_logprobs=True) as rec:
+        model.generate(input_ids=ids, max_new_tokens=1, logits_processor=[rec], pad_token_id=0)
+    assert [len(p) for p in rec.prompt_logprobs()] == [3, 0]
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"prompt_chunk": 4}, "pass `prompt_logprobs=True`"),
+    ({"prompt_logprobs": 500}, "more alternatives than the vocabulary"),
+])
+def test_more_bad_prompt_options(options, match):
+    with pytest.raises(ValueError, match=match):
+        Recorder(make_tiny("gpt2"), **options)
+
+
+def test_numpy_and_torch_integers_are_taken():
+    import numpy as np
+
+    assert Recorder(make_tiny("gpt2"), prompt_logprobs=np.int64(2), prompt_chunk=torch.tensor(3))._prompt_scoring.top == 2

@@ -82,6 +82,14 @@ def test_ranks_record_their_blocks_and_read_back_as_one_recording(tmp_path):
     assert _complete_samples(out) == Counter(f"s{i:03d}" for i in range(9))
 
 
+def test_ranks_come_back_in_the_natural_order_of_their_ids(tmp_path):
+    lines = [{"id": f"q{i}", "text": f"w{3 + i}"} for i in range(12)]  # q0..q11: "q10" sorts before "q4" as text
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    for rank in (0, 1):
+        _record(tmp_path / "p.jsonl", tmp_path / "run", rank, 2)
+    assert [s["sample"] for s in open_recording(tmp_path / "run").samples()] == [f"q{i}" for i in range(12)]
+
+
 def test_a_rerun_with_more_ranks_records_only_what_is_missing(tmp_path):
     prompts = _prompts(tmp_path / "prompts.jsonl", 10)
     out = tmp_path / "run"

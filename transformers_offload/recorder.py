@@ -325,7 +325,7 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
 
     # -- called by the hooks ---------------------------------------------------------------------------
     def _begin_generation(self, *, assistant_model: Any, custom_generate: Any, attention_mask: Any,
-                          inputs: Any = None) -> Capture:
+                          inputs: Any = None, past_key_values: Any = None) -> Capture:
         with self._lock:
             samples, self._pending_samples = self._pending_samples, None
         if samples is not None:
@@ -335,6 +335,13 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
                     f"`set_samples` named {len(samples['sample_ids'])} prompt(s), but this generate() call has a "
                     f"batch of {batch}; nothing was run. Call `set_samples` again with one id per prompt."
                 )
+        cached = _prompt_logprobs.cache_length(past_key_values) if self._prompt_scoring is not None else 0
+        if cached:
+            raise ValueError(
+                f"`prompt_logprobs` scores the prompt from the call's own prefill, but this call was given a "
+                f"`past_key_values` already holding {cached} token(s), whose forward ran before it; nothing was run. "
+                "Score the whole prompt in one call (without the cache), or record this one without `prompt_logprobs`."
+            )
         if custom_generate is not None:
             raise UnsupportedModeError(
                 "`custom_generate` replaces transformers' decoding loop, which the Recorder cannot see "

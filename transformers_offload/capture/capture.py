@@ -89,6 +89,7 @@ class Capture:
         self._prompt_hidden: torch.Tensor | None = None
         self._prompt_mask: torch.Tensor | None = None
         self._prompt_scored = prompt_scoring is None
+        self._prompt_pad: int | None = None  # without an attention mask: the pad token id it is inferred from
         self._rows_per_prompt = 1
 
     # -- set-up, from the processor-list hook, before the decoding loop ------------------------------
@@ -120,7 +121,15 @@ class Capture:
         mask = self.attention_mask
         self.attention_mask = None
         if self.prompt_scoring is not None:
+            if getattr(generation_config, "prefill_chunk_size", None):
+                raise ValueError(
+                    "`prompt_logprobs` scores the prompt from the prefill's one forward, and `prefill_chunk_size` "
+                    "splits it into several; nothing was run. Drop one of them for this call."
+                )
             self._prompt_mask = mask
+            pad = generation_config.pad_token_id
+            if mask is None and pad is not None and int(pad) not in eos_list:
+                self._prompt_pad = int(pad)  # as generate() infers the mask: padding is the pad token
             self._rows_per_prompt = self.num_beams if self.is_beam else int(generation_config.num_return_sequences or 1)
         self.header.update(
             layers=None,  # filled at the first forward, when attentions or hidden states are recorded
@@ -263,10 +272,20 @@ class Capture:
         if hidden is None:
             raise RuntimeError(
                 f"transformers-offload saw no decoder output before the first {self.mode!r} step, so it cannot "
-                "score the prompt (`prompt_logprobs`); please report this with your transformers version."
+                f"score the prompt (`prompt_logprobs`): this {self.prompt_scoring.model_name}'s forward does not "
+                "call its base model (or decoder). Record without `prompt_logprobs`, and please report it."
             )
-        found = self.prompt_scoring.score(hidden, input_ids[:, : self.prompt_length], self._prompt_mask,
-                                          self._rows_per_prompt)
+        if hidden.shape[1] < self.prompt_length:
+            raise RuntimeError(
+                f"transformers-offload: the call's first forward saw {hidden.shape[1]} of the prompt's "
+                f"{self.prompt_length} positions (a cache or a chunked prefill), so `prompt_logprobs` cannot "
+                "score the prompt. Record without it, or score the whole prompt in one forward."
+            )
+        prompt = input_ids[:, : self.prompt_length]
+        mask = self._prompt_mask
+        if mask is None and self._prompt_pad is not None:
+            mask = (prompt[:: self._rows_per_prompt] != self._prompt_pad).long()
+        found = self.prompt_scoring.score(hidden, prompt, mask, self._rows_per_prompt)
         self._prompt_mask = None
         self.store.add_once(list(found))
         for name, tensor in found.items():
@@ -281,8 +300,8 @@ class Capture:
     def on_raw(self, input_ids: torch.Tensor, scores: torch.Tensor, group: int | None = None) -> None:
         """Called with what the first processor receives, before it runs (once per beam group, with
         that group's rows only, in group beam search)."""
-        if not self._prompt_scored and self._prompt_hidden is not None:
-            self._score_prompt(input_ids)
+        if not self._prompt_scored and (self._target_forward or not self.is_assisted):
+            self._score_prompt(input_ids)  # (not at prompt lookup's probes, before the model's first forward)
         if self.is_group:
             if not group:  # the first group of a step
                 self._step += 1

@@ -122,9 +122,11 @@ class CallRecorder:
     _model_name: str
 
     def _begin_generation(self, *, assistant_model: Any, custom_generate: Any,
-                          attention_mask: torch.Tensor | None, inputs: torch.Tensor | None = None) -> Capture:
+                          attention_mask: torch.Tensor | None, inputs: torch.Tensor | None = None,
+                          past_key_values: Any = None) -> Capture:
         """Start recording one call (before its decoding loop); returns the call's capture. `inputs`:
-        the call's prompt ids or embeddings (batch first), where it passed them."""
+        the call's prompt ids or embeddings (batch first), where it passed them; `past_key_values`: the
+        cache it was given."""
         raise NotImplementedError
 
     def _end_generation(self, capture: Capture, output: Any, error: BaseException | None) -> None:
@@ -174,10 +176,9 @@ class ModelHooks:
                 self._pre_handles.append(module.register_forward_pre_hook(self._ask_outputs, with_kwargs=True))
         if encoder is not None:
             self._pre_handles.append(encoder.register_forward_hook(self._on_encoder_forward))
-        else:
-            base = _prompt_logprobs.base_model_of(model)
-            if base is not None:  # its output is the head's input: the prompt logprobs' hidden states
-                self._pre_handles.append(base.register_forward_hook(self._on_base_forward))
+        else:  # their output is the head's input: the prompt logprobs' hidden states
+            for decoder in _prompt_logprobs.decoders_of(model):
+                self._pre_handles.append(decoder.register_forward_hook(self._on_base_forward))
 
     def uninstall(self) -> None:
         model = self._model_ref()
@@ -230,6 +231,7 @@ class ModelHooks:
                             attention_mask=_tensor_or_none(extra.get("attention_mask")),
                             inputs=_first_tensor(arguments.get("inputs"), extra.get("input_ids"),
                                                  extra.get("inputs_embeds")),
+                            past_key_values=extra.get("past_key_values"),
                         )
                     with _active(model, capture):
                         output = original(*args, **kwargs)

@@ -21,14 +21,15 @@ rank of -1. The extra device memory is the kept states plus about `9 x rows x ch
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..store.format import PROMPT_STREAMS
-
 CHUNK_ELEMENTS = 2**24  # default chunk: at most this many logits (64 MiB of float32) at once
+# Config fields of models whose forward scales the head's output (Cohere, Granite, Falcon-H1): refused.
+LOGIT_TRANSFORMS = ("logit_scale", "logits_scaling", "lm_head_multiplier")
 
 
 @dataclass(frozen=True)
@@ -40,10 +41,7 @@ class PromptScoring:
     top: int
     chunk: int | None
     softcap: float | None
-
-    def names(self) -> list[str]:
-        """The once-per-call streams it records."""
-        return list(PROMPT_STREAMS if self.top else PROMPT_STREAMS[:3])
+    model_name: str = "model"
 
     def score(self, hidden: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor | None,
               rows_per_prompt: int) -> dict[str, torch.Tensor]:
@@ -118,31 +116,67 @@ def scoring_for(model: Any, prompt_logprobs: Any, chunk: Any) -> PromptScoring |
             `logits_scaling`), whose head alone does not give its logits.
     """
     if prompt_logprobs is None or prompt_logprobs is False:
+        if chunk is not None:
+            raise ValueError("`prompt_chunk` sizes the prompt logprobs' chunks: pass `prompt_logprobs=True` (or an int) too.")
         return None
     if prompt_logprobs is True:
         top = 0
-    elif isinstance(prompt_logprobs, int) and prompt_logprobs >= 0:
-        top = prompt_logprobs
     else:
-        raise ValueError(f"`prompt_logprobs` must be True or the number of alternatives per position "
-                         f"(an int >= 0), got {prompt_logprobs!r}.")
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-        raise ValueError(f"`prompt_chunk` must be a positive number of positions, got {chunk!r}.")
+        top = _integer(prompt_logprobs)
+        if top is None or top < 0:
+            raise ValueError(f"`prompt_logprobs` must be True or the number of alternatives per position "
+                             f"(an int >= 0; 0 gives the logprob and rank alone, as True), got {prompt_logprobs!r}.")
+    if chunk is not None:
+        chunk = _integer(chunk)
+        if chunk is None or chunk < 1:
+            raise ValueError(f"`prompt_chunk` must be a positive number of positions, got {chunk!r}.")
     config = getattr(model, "config", None)
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError("`prompt_logprobs` scores a decoder-only model's prompt; an encoder-decoder model's "
                          "decoder prompt is its start token. Leave it off for this model.")
+    vocab = getattr(config, "vocab_size", None)
+    if isinstance(vocab, int) and top > vocab:
+        raise ValueError(f"`prompt_logprobs={top}` asks for more alternatives than the vocabulary's {vocab} tokens.")
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None or next(head.parameters(), None) is None:
         raise ValueError(f"`prompt_logprobs` needs the model's output embeddings; {type(model).__name__} has none.")
-    for name in ("logit_scale", "logits_scaling"):
+    for name in LOGIT_TRANSFORMS:
         if getattr(config, name, 1) not in (1, 1.0, None):
             raise ValueError(f"`prompt_logprobs`: {type(model).__name__} scales its logits (`{name}`), which "
                              "prompt logprobs do not reproduce yet. Leave it off for this model.")
-    return PromptScoring(head=head, top=top, chunk=chunk, softcap=getattr(config, "final_logit_softcapping", None))
+    return PromptScoring(head=head, top=top, chunk=chunk, softcap=getattr(config, "final_logit_softcapping", None),
+                         model_name=type(model).__name__)
 
 
-def base_model_of(model: Any) -> Any:
-    """The decoder whose output is the head's input (`model.model`, `model.transformer`...), or None."""
+def decoders_of(model: Any) -> list[torch.nn.Module]:
+    """The modules whose output is the head's input: the base model (`model.model`, `model.transformer`...)
+    and, where the causal-LM class calls it directly (OPT, BART's and Marian's `*ForCausalLM`), its
+    `decoder`. The first forward of the call that reaches either gives the prompt's hidden states."""
     base = getattr(model, "base_model", None)
-    return base if isinstance(base, torch.nn.Module) and base is not model else None
+    if not isinstance(base, torch.nn.Module) or base is model:
+        return []
+    decoder = getattr(base, "decoder", None)
+    return [base, *([decoder] if isinstance(decoder, torch.nn.Module) else [])]
+
+
+def cache_length(past_key_values: Any) -> int:
+    """Tokens already in a `past_key_values` given to generate() (0 for none), read on the host."""
+    if past_key_values is None:
+        return 0
+    length = getattr(past_key_values, "get_seq_length", None)
+    if callable(length):
+        return int(length())
+    try:
+        return int(past_key_values[0][0].shape[-2])  # the legacy tuple of (key, value) per layer
+    except (TypeError, IndexError, AttributeError):
+        return 0
+
+
+def _integer(value: Any) -> int | None:
+    """`value` as an int when it is one (a Python, NumPy or 0-d torch integer; not a bool), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None

@@ -36,7 +36,7 @@ def prompt_logprobs(generation: Any, *, tokenizer: Any = None) -> list[list[dict
     token that is not padding has none, as serving engines give None for it): `position` (its index
     among the prompt's tokens without padding: 1 for the second), `token`, `logprob` (float, nats), `rank` (0 = the most
     likely) and, when recorded with top-k, `top_logprobs` (`[{"token", "logprob"}]`, most likely first);
-    with a `tokenizer`, `text` (each token's own, `convert_ids_to_tokens`).
+    with a `tokenizer`, `text` (each token's own, `convert_ids_to_tokens`), in the alternatives too.
 
     Raises:
         StreamNotRecorded: recorded without `prompt_logprobs`.
@@ -63,6 +63,9 @@ def prompt_logprobs(generation: Any, *, tokenizer: Any = None) -> list[list[dict
             texts = tokenizer.convert_ids_to_tokens([e["token"] for e in entries])
             for entry, text in zip(entries, texts):
                 entry["text"] = text
+                alternatives = entry.get("top_logprobs") or []
+                for alternative, name in zip(alternatives, tokenizer.convert_ids_to_tokens([a["token"] for a in alternatives])):
+                    alternative["text"] = name
         prompts.append(entries)
     return prompts
 

@@ -4,6 +4,7 @@ its generations ordered by sample id."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -15,8 +16,9 @@ from .reader import Recording
 class RankedRecording(Readable):
     """The recordings of several data-parallel ranks (`record` under torchrun or accelerate), as one.
 
-    Its generations are every rank's, ordered by their first (smallest) sample id, then by rank and
-    position (ints before strings; a generation without sample ids last), and numbered again from 0 in
+    Its generations are every rank's, ordered by their first (smallest) sample id in natural order
+    (ints by value; strings with their digits compared as numbers, so "q4" comes before "q10"), then by
+    rank and position (ints before strings; a generation without sample ids last), and numbered again from 0 in
     that order; each reads from its own rank's shards. The accessors, `samples()`, the per-token table
     and the viewer take it as they take a `Recording`.
 
@@ -117,8 +119,14 @@ class RankedRecording(Readable):
 
 
 def _first_sample(generation: Generation) -> tuple:
-    """Sort key of a generation: its smallest sample id (ints, then strings), or last without ids."""
+    """Sort key of a generation: its smallest sample id in natural order (ints by value; strings with
+    their runs of digits compared as numbers, so "q4" before "q10"), ints first; last without ids."""
     ids = generation.sample_ids
     if not ids:
-        return (2, 0, "")
-    return min((0, sample, "") if isinstance(sample, int) else (1, 0, str(sample)) for sample in ids)
+        return (2, ())
+    return min((0, (sample,)) if isinstance(sample, int) else (1, _natural(str(sample))) for sample in ids)
+
+
+def _natural(text: str) -> tuple:
+    """`text` split into digit runs (as ints) and the rest, for natural order: "q10" -> ("q", 10)."""
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.findall(r"\d+|\D+", text))
