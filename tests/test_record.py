@@ -227,3 +227,21 @@ def test_record_reads_a_saved_dataset(tmp_path):
     result = record(_model(), _tokenizer(), saved, tmp_path / "run", batch_size=2, progress=False, max_new_tokens=2)
     assert result["recorded"] == 5
     assert [s["sample"] for s in open_recording(tmp_path / "run").samples()] == [f"d{i}" for i in range(5)]
+
+
+def test_a_named_column_that_is_not_there_is_refused(tmp_path):
+    path = _prompts(tmp_path / "p.jsonl", 2)
+    with pytest.raises(ValueError, match=r"no id column 'uid' \(columns: \['id', 'text'\]\)"):
+        read_prompts(path, id_column="uid")
+    with pytest.raises(ValueError, match=r"no column 'txt' \(columns: \['id', 'text'\]\)"):
+        read_prompts(path, text_column="txt")
+
+
+def test_append_refuses_another_checkpoint_of_the_same_architecture(tmp_path):
+    model = _model()
+    with Recorder(model, spill_dir=tmp_path / "run") as rec:
+        model.generate(torch.tensor([[3, 4]]), logits_processor=[rec], max_new_tokens=1, pad_token_id=0)
+    other = _model()
+    other.name_or_path = "/somewhere/else"
+    with pytest.raises(ValueError, match="another model \\(name_or_path"):
+        Recorder(other, spill_dir=tmp_path / "run", append=True)

@@ -104,7 +104,7 @@ def _add_record(commands: Any) -> None:
     record.add_argument("--out", required=True, help="the recording directory (created, or resumed)")
     record.add_argument("--batch-size", type=int, default=8)
     record.add_argument("--text-column"), record.add_argument("--messages-column")
-    record.add_argument("--id-column", default="id")
+    record.add_argument("--id-column", help="the column of sample ids (default: `id` where there is one, else line numbers)")
     record.add_argument("--chat", action="store_true", help="wrap text prompts in the chat template")
     record.add_argument("--max-new-tokens", type=int, default=64)
     record.add_argument("--do-sample", action="store_true")

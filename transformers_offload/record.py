@@ -28,7 +28,7 @@ from .store.format import MANIFEST, rank_directories, rank_directory
 
 
 def read_prompts(source: str | os.PathLike | Sequence[Any], *, text_column: str | None = None,
-                 messages_column: str | None = None, id_column: str = "id") -> list[tuple[Any, Any]]:
+                 messages_column: str | None = None, id_column: str | None = None) -> list[tuple[Any, Any]]:
     """The prompts of `source` as `(sample id, prompt)` pairs, in order; a prompt is a string or a chat
     (a list of `{"role", "content"}` messages).
 
@@ -38,13 +38,14 @@ def read_prompts(source: str | os.PathLike | Sequence[Any], *, text_column: str 
         text_column (`str`, *optional*): the column holding text prompts (default `text`).
         messages_column (`str`, *optional*): the column holding chats (default `messages`); used when
             there is no text column.
-        id_column (`str`): the column of sample ids (str or int); without one, a prompt's id is its
-            position (0-based line number).
+        id_column (`str`, *optional*): the column of sample ids (str or int); by default `id` where the
+            rows have one, else a prompt's id is its position (0-based line number). A column named
+            here must exist.
 
     Raises:
         FileNotFoundError: `source` does not exist.
-        ValueError: an unknown file type, a line that is not a JSON object, no prompt column (the
-            message lists the columns found), an empty prompt, or repeated ids.
+        ValueError: an unknown file type, a line that is not a JSON object, no prompt column or a named
+            column missing (the message lists the columns found), an empty prompt, or repeated ids.
     """
     rows = _rows(source)
     if not rows:
@@ -54,6 +55,8 @@ def read_prompts(source: str | os.PathLike | Sequence[Any], *, text_column: str 
         column = None
     elif text_column is not None or messages_column is not None:
         column = text_column or messages_column
+        if column not in columns:
+            raise ValueError(f"`prompts` {_name(source)} has no column {column!r} (columns: {sorted(columns)}).")
     else:
         column = "text" if "text" in columns else "messages" if "messages" in columns else None
         if column is None:
@@ -61,6 +64,10 @@ def read_prompts(source: str | os.PathLike | Sequence[Any], *, text_column: str 
                 f"`prompts` {_name(source)} has no `text` or `messages` column (columns: {sorted(columns)}); name "
                 "yours with `text_column=` / `messages_column=` (`--text-column`, `--messages-column`)."
             )
+    if id_column is not None and isinstance(rows[0], dict) and id_column not in columns:
+        raise ValueError(f"`prompts` {_name(source)} has no id column {id_column!r} (columns: {sorted(columns)}); "
+                         "leave `id_column` out to number the prompts by line.")
+    id_column = id_column or "id"
     found = []
     for number, row in enumerate(rows):
         prompt = row if column is None else row.get(column)
@@ -129,7 +136,7 @@ def recorded_samples(out: str | os.PathLike) -> set[str]:
 
 def record(model: Any, tokenizer: Any, prompts: str | os.PathLike | Sequence[Any], out: str | os.PathLike, *,
            batch_size: int = 8, text_column: str | None = None, messages_column: str | None = None,
-           id_column: str = "id", chat: bool = False, progress: bool = True, seed: int | None = 0,
+           id_column: str | None = None, chat: bool = False, progress: bool = True, seed: int | None = 0,
            recorder_options: dict[str, Any] | None = None, rank: int | None = None, world_size: int | None = None,
            **generate_options: Any) -> dict[str, Any]:
     """Record every prompt of `prompts` into the recording at `out`, `batch_size` prompts per

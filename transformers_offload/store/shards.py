@@ -65,7 +65,8 @@ class Spill:
     Raises:
         FileExistsError: `root` exists and is not an empty directory (nor, with `append`, a recording).
         RecordingError: with `append`, the recording in `root` is damaged or of another format version.
-        ValueError: with `append`, the recording was made by another model (class or vocabulary).
+        ValueError: with `append`, the recording was made by another model (class, vocabulary, or the
+            checkpoint it was loaded from: `name_or_path`).
         BlockingIOError: another process has the recording open for writing.
         OSError: the directory or its manifest cannot be written.
     """
@@ -466,7 +467,9 @@ def _reopen(root: Path, model_info: dict) -> dict[str, Any]:
 
     manifest = read_manifest(root)
     theirs = manifest["model"]
-    for key in ("class", "config_class", "vocab_size"):
+    # The checkpoint too (`name_or_path`, the directory or Hub id it was loaded from): another model of
+    # the same architecture would otherwise be appended without a word.
+    for key in ("class", "config_class", "vocab_size", "name_or_path"):
         if theirs.get(key) != model_info.get(key):
             raise ValueError(
                 f"`spill_dir` {str(root)!r} holds a recording of another model ({key} {theirs.get(key)!r}, this one "
