@@ -245,3 +245,11 @@ def test_append_refuses_another_checkpoint_of_the_same_architecture(tmp_path):
     other.name_or_path = "/somewhere/else"
     with pytest.raises(ValueError, match="another model \\(name_or_path"):
         Recorder(other, spill_dir=tmp_path / "run", append=True)
+
+
+def test_new_tokens_count_each_sequence_through_its_end_of_sequence_token():
+    from transformers_offload.record import _new_tokens
+
+    generated = torch.tensor([[5, 0, 1, 1, 1], [5, 6, 7, 8, 9], [1, 1, 1, 1, 1]])  # 0 is a sampled token, 1 EOS
+    assert _new_tokens(generated, (1,)) == 3 + 5 + 1
+    assert _new_tokens(generated, ()) == 15

@@ -43,9 +43,9 @@ def test_samples_map_rows_and_sequences_back_to_the_users_ids(gpt2, reader, tmp_
     found = source.samples()
     assert [s["sample"] for s in found] == ["q-a", "q-b", "q-c", 3, 4, 5]  # then the recording's running count
     assert found[1] == {"sample": "q-b", "generation": 0, "prompt": 1, "rows": [2, 3], "sequences": [2, 3],
-                        "prompt_length": 6, "metadata": {"row": 11}}
+                        "prompt_length": 6, "metadata": {"row": 11}, "complete": True}
     assert found[5] == {"sample": 5, "generation": 1, "prompt": 2, "rows": [4, 5], "sequences": [2],
-                        "prompt_length": 8, "metadata": None}
+                        "prompt_length": 8, "metadata": None, "complete": True}
     first = source.generation(0)
     assert first.sample_ids == ("q-a", "q-b", "q-c") and first.sample_metadata[2] == {"row": 12, "tags": ["x"]}
     assert (first.num_prompts, first.num_return_sequences, first.rows_per_prompt) == (3, 2, 2)

@@ -140,6 +140,10 @@ def _record(arguments: argparse.Namespace) -> int:
         for what, path in (("--model", arguments.model), ("--tokenizer", arguments.tokenizer or arguments.model)):
             if not os.path.isdir(path):
                 raise ValueError(f"`{what}` must be a local directory (save_pretrained), got {path!r}.")
+        if arguments.no_progress:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()  # transformers' own bars (loading the weights)
         model = AutoModelForCausalLM.from_pretrained(arguments.model, local_files_only=True).to(_device(arguments.device))
         tokenizer = AutoTokenizer.from_pretrained(arguments.tokenizer or arguments.model, local_files_only=True)
         result = record(
@@ -155,6 +159,10 @@ def _record(arguments: argparse.Namespace) -> int:
     except (ValueError, TypeError, LookupError, ImportError, OSError, RecordingError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"interrupted: every complete batch is kept in {arguments.out!r}; run the same command again to "
+              "record the rest.", file=sys.stderr)
+        return 130
     _print(json.dumps(result) if arguments.json else ", ".join(f"{key} {value}" for key, value in result.items()))
     return 0
 

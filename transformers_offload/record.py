@@ -204,8 +204,7 @@ def record(model: Any, tokenizer: Any, prompts: str | os.PathLike | Sequence[Any
             sequences = model.generate(**enc, logits_processor=[rec], pad_token_id=tokenizer.pad_token_id,
                                        **generate_options)
             sequences = getattr(sequences, "sequences", sequences)
-            generated = sequences[:, enc["input_ids"].shape[1]:]
-            new_tokens += int((generated != tokenizer.pad_token_id).sum())
+            new_tokens += _new_tokens(sequences[:, enc["input_ids"].shape[1]:], rec.generation().eos_token_id)
             calls += 1
             if bar is not None:
                 elapsed = max(time.perf_counter() - start, 1e-9)
@@ -217,6 +216,18 @@ def record(model: Any, tokenizer: Any, prompts: str | os.PathLike | Sequence[Any
     wait_for_every_rank()
     return {"recorded": len(pending), "skipped": len(mine) - len(pending), "generations": calls,
             "new_tokens": new_tokens, "seconds": seconds, "rank": rank, "world_size": world_size}
+
+
+def _new_tokens(generated: Any, eos: tuple[int, ...]) -> int:
+    """Tokens generated per returned sequence through its first end-of-sequence token (the padding
+    after it not counted, whatever its id)."""
+    import torch
+
+    if not eos or generated.shape[1] == 0:
+        return int(generated.numel())
+    is_eos = torch.isin(generated, torch.tensor(eos, device=generated.device))
+    after = (is_eos.cumsum(1) - is_eos.long()) > 0  # past the first one
+    return int((~after).sum())
 
 
 def _target(out: Path, rank: int, world_size: int) -> Path:

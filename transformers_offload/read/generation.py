@@ -425,7 +425,8 @@ class Readable(ReadableLayers, ReadableEncoded):
             position in that call's batch), `rows` (its rows in each step: `num_beams` or
             `num_return_sequences` of them), `sequences` (its rows of `out.sequences`; empty for an
             incomplete generation), `prompt_length` (tokens without padding, or None without an
-            attention mask) and `metadata` (what `set_samples` gave with it, or None).
+            attention mask), `metadata` (what `set_samples` gave with it, or None) and `complete` (its
+            generation's: after a resumed `record`, keep the complete entries for one per sample).
 
         Example:
             >>> run.samples()[0]  # doctest: +SKIP

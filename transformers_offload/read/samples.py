@@ -40,5 +40,6 @@ def samples(generations: Sequence[Any]) -> list[dict[str, Any]]:
                 if generation.sequences is not None else [],
                 "prompt_length": None if lengths is None else lengths[prompt],
                 "metadata": None if metadata is None else metadata[prompt],
+                "complete": generation.complete,
             })
     return found
