@@ -231,3 +231,33 @@ def test_numpy_and_torch_integers_are_taken():
     import numpy as np
 
     assert Recorder(make_tiny("gpt2"), prompt_logprobs=np.int64(2), prompt_chunk=torch.tensor(3))._prompt_scoring.top == 2
+
+
+def test_the_prompt_table_has_one_row_per_scored_prompt_token(tmp_path, capsys):
+    pa = pytest.importorskip("pyarrow", exc_type=ImportError)  # noqa: F841
+    from transformers_offload.answers.prompt_table import prompt_arrow
+    from transformers_offload.cli import main
+
+    model = make_tiny("gpt2")
+    batch = left_padded_batch()
+    with Recorder(model, prompt_logprobs=2, spill_dir=tmp_path / "run") as rec:
+        rec.set_samples(["a", "b", "c"])
+        model.generate(**batch, logits_processor=[rec], max_new_tokens=2, pad_token_id=0)
+        model.generate(**batch, logits_processor=[rec], max_new_tokens=2, pad_token_id=0)  # numbered 3, 4, 5
+    run = open_recording(tmp_path / "run")
+    table = prompt_arrow(run)
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    assert table.num_rows == 2 * sum(n - 1 for n in lengths)
+    assert table.column("sample").to_pylist()[: lengths[0] - 1] == ["a"] * (lengths[0] - 1)
+    first = [r for r in table.to_pylist() if r["generation"] == 0 and r["prompt"] == 1]
+    listed = run.prompt_logprobs(0)[1]
+    assert [r["position"] for r in first] == [e["position"] for e in listed]
+    assert [r["token"] for r in first] == [e["token"] for e in listed]
+    assert [r["logprob"] for r in first] == pytest.approx([e["logprob"] for e in listed], abs=0)
+    assert [len(r["top_tokens"]) for r in first] == [2] * len(first)
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "p.parquet"), "--prompt"]) == 0
+    assert "rows %d" % table.num_rows in capsys.readouterr().out
+    with Recorder(model) as plain:
+        model.generate(torch.tensor([[5, 6]]), logits_processor=[plain], max_new_tokens=1, pad_token_id=0)
+    with pytest.raises(ValueError, match="no selected generation holds prompt logprobs"):
+        prompt_arrow(plain)

@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         command.add_argument("--top", type=int, default=None, help="alternatives per token (export 0, view 5)")
         command.add_argument("--tokenizer", help="a local tokenizer directory, to add each token's text")
     export.add_argument("--chunk-steps", type=int, default=16, help="steps read at once (16)")
+    export.add_argument("--prompt", action="store_true",
+                        help="write the prompt-token table instead: each prompt token's logprob and rank "
+                        "(recorded with prompt_logprobs / record --prompt-logprobs)")
     _add_record(commands)
     arguments = parser.parse_args(argv)
     if arguments.command == "record":
@@ -196,6 +199,12 @@ def _tokenizer(path: str | None) -> Any:
 
 def _answer(arguments: argparse.Namespace, recording: Any) -> dict[str, Any]:
     """Run `export`, `view` or `plot` on an open recording; returns what it wrote."""
+    if arguments.command == "export" and arguments.prompt:
+        from .answers.prompt_table import write_prompt_parquet
+
+        result = write_prompt_parquet(recording, arguments.out, generations=arguments.generations,
+                                      tokenizer=_tokenizer(arguments.tokenizer))
+        return {"wrote": arguments.out, **result}
     if arguments.command == "export":
         from .answers.table import write_parquet
 

@@ -243,11 +243,17 @@ def write_parquet(source: Any, path: str | os.PathLike, *, generations: Sequence
         as `record_batches`; `OSError` when the file cannot be written (nothing is left behind).
     """
     _pyarrow()
-    import pyarrow.parquet as pq
-
     target = output_path(source, path, "Parquet file")
     table_schema, batches = record_batches(source, generations=generations, top=top, tokenizer=tokenizer,
                                            chunk_steps=chunk_steps)
+    return write_batches(target, table_schema, batches)
+
+
+def write_batches(target: Path, table_schema: Any, batches: Iterator[Any]) -> dict[str, int]:
+    """Write record batches to the Parquet file `target` as they come, whole or not at all (beside it,
+    then renamed). Returns `rows` and `bytes`."""
+    import pyarrow.parquet as pq
+
     rows = 0
 
     def write(temporary: Path) -> None:
