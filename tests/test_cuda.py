@@ -356,7 +356,7 @@ def test_sparse_on_cuda_equals_hugging_face(kwargs, store, dtype, capacity, tmp_
     assert_steps_equal(rec.scores(), reference.scores, "scores")
 
 
-@pytest.mark.parametrize("encoding", ["sparse", "topk:5"])
+@pytest.mark.parametrize("encoding", ["sparse", "topk:5", "native"])
 @pytest.mark.parametrize("kwargs", [dict(do_sample=True, top_k=20), dict(num_beams=3)])
 def test_encodings_make_no_synchronising_call_in_the_step_path(kwargs, encoding, tmp_path, monkeypatch):
     for name in ("on_forward", "on_raw", "on_processed", "on_stopping"):
@@ -368,7 +368,7 @@ def test_encodings_make_no_synchronising_call_in_the_step_path(kwargs, encoding,
                   shard_bytes=20_000) as rec:
         model.generate(**batch, logits_processor=[rec], max_new_tokens=24, min_new_tokens=24, **kwargs)
     assert rec.generation().num_steps == 24
-    assert len(rec.scores() if encoding == "sparse" else rec.topk("scores")) == 24
+    assert len(rec.topk("scores") if encoding.startswith("topk") else rec.scores()) == 24
 
 
 @pytest.mark.parametrize("kwargs", [dict(), dict(do_sample=True, top_k=20, num_return_sequences=2), dict(num_beams=3)])
@@ -390,3 +390,27 @@ def test_prompt_logprobs_on_cuda_make_no_synchronising_call_and_equal_a_plain_fo
         # A forward of one prompt against the batch's prefill: on CUDA the kernels may differ by a few ulps.
         assert torch.allclose(found["prompt_logprobs"][prompt, -n:], expected, rtol=0, atol=1e-5)
         assert torch.equal(found["prompt_tokens"][prompt, -n:], real[0, 1:].cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("store", ["memory", "spill"])
+@pytest.mark.parametrize("kwargs", [dict(), dict(do_sample=True, top_k=20), dict(do_sample=True, temperature=0.7),
+                                    dict(num_beams=3)])
+def test_native_on_cuda_equals_hugging_face(kwargs, store, dtype, tmp_path):
+    """bf16/fp16 logits stored in the model's dtype where they round-trip, float32 where they do not
+    (a temperature's scores): equal to HF's float32 tensors either way."""
+    model = make_tiny("llama").to("cuda", dtype)
+    batch = {k: v.to("cuda") for k, v in left_padded_batch().items()}
+    torch.manual_seed(0)
+    reference = model.generate(
+        **batch, max_new_tokens=16, return_dict_in_generate=True, output_scores=True, output_logits=True, **kwargs
+    )
+    options = {"spill_dir": tmp_path / "run", "shard_bytes": 20_000} if store == "spill" else {}
+    with Recorder(model, encodings={"logits": "native", "scores": "native"}, **options) as rec:
+        torch.manual_seed(0)
+        sequences = model.generate(**batch, logits_processor=[rec], max_new_tokens=16, **kwargs)
+    if store == "spill":
+        rec = open_recording(tmp_path / "run")
+    assert torch.equal(sequences, reference.sequences)
+    assert_steps_equal(rec.logits(), reference.logits, "logits")
+    assert_steps_equal(rec.scores(), reference.scores, "scores")

@@ -108,7 +108,7 @@ def test_full_accessors_point_to_topk(gpt2, tmp_path):
         ({"scores": 3}, TypeError, "must be a dict"),
         ({"tokens": "topk:3"}, ValueError, "only \\('logits', 'scores'\\) can be encoded"),
         ({"attentions": "topk:3"}, ValueError, "only"),
-        ({"scores": "native"}, ValueError, "the encodings are \"dense\", \"sparse\" and \"topk:K\""),
+        ({"scores": "fp8"}, ValueError, "the encodings are \"dense\", \"sparse\", \"native\" and \"topk:K\""),
         ({"scores": "Sparse"}, ValueError, "the encodings are"),
         ({"scores": "topk:0"}, ValueError, "K must be at least 1"),
         ({"scores": "topk:1e3"}, ValueError, "written in digits"),

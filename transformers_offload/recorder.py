@@ -109,7 +109,9 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
             device inside the step, before the copy: `"dense"` (the default, the whole `(rows,
             vocab_size)` tensor), `"sparse"` (lossless: per row only the entries that are not -inf, 4
             bytes a row plus 8 a kept entry, never more than dense plus `12 + 4 x rows` bytes a step;
-            `logits()`/`scores()` return the dense tensors, `sparse()` the entries) or `"topk:K"`
+            `logits()`/`scores()` return the dense tensors, `sparse()` the entries), `"native"` (lossless:
+            a bfloat16/float16 model's float32 logits stored in the model's dtype, 2 bytes a value, for
+            each step whose every value converts back bit for bit; other steps as they are) or `"topk:K"`
             (lossy, by your choice: per row the K largest values and their token ids, the logsumexp
             over the whole vocabulary and the probability mass outside the K, `(2K + 2) x 8` bytes per
             row and step; read with `topk()`, which `logits()` and `scores()` then point to). E.g.
@@ -371,6 +373,7 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
                 samples=samples,
                 prompt_scoring=self._prompt_scoring,
                 scores_once=self._scores_once,
+                model_dtype=getattr(self._model, "dtype", torch.float32),
             )
             return self._active
 

@@ -41,10 +41,11 @@ class Capture:
                  open_store: OpenStore, index: int, attention_mask: Any = None, threaded: bool = False,
                  layer_tap: _layers.LayerTap | None = None, encodings: dict[str, str] | None = None,
                  samples: dict[str, Any] | None = None, prompt_scoring: PromptScoring | None = None,
-                 scores_once: bool = True) -> None:
+                 scores_once: bool = True, model_dtype: torch.dtype = torch.float32) -> None:
         self.streams = streams
         self.encodings = dict(encodings or {})  # logits/scores not recorded dense (`encodings`)
         self._sparse = _encodings.Sparse()
+        self._native = _encodings.Native(model_dtype)
         self.layer_tap = layer_tap  # attentions and hidden states, when the recorder records them
         self._layer_names: list[str] = []  # per-step layer streams, known from the first forward
         self._layers_fired = 0  # selected layers the module hooks put in the current forward
@@ -362,6 +363,8 @@ class Capture:
             self.ring.put(step, name, tensor)
         elif encoding == _format.SPARSE:
             self.ring.put(step, name, tensor, encoder=self._sparse)
+        elif encoding == _format.NATIVE:
+            self.ring.put(step, name, tensor, encoder=self._native)
         else:
             self.ring.put(step, name, _encodings.encode(encoding, tensor))
 

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..store.format import ENCODED_STREAMS, SPARSE, SPARSE_DTYPES, topk_width
+from ..store.format import ENCODED_STREAMS, NATIVE, SPARSE, SPARSE_DTYPES, topk_width
 
 SPARSE_CAPACITY = 256  # entries per row the device part keeps; a row with more is copied whole
 
@@ -47,14 +47,14 @@ def check(encodings: Any, streams: tuple[str, ...], vocab_size: int | None) -> d
             raise ValueError(f"`encodings` encodes {stream!r}, which `streams` does not record: add it to `streams`.")
         if encoding == "dense":
             continue
-        if encoding == SPARSE:
+        if encoding in (SPARSE, NATIVE):
             chosen[stream] = encoding
             continue
         k = topk_width(encoding)
         if k is None:
             hint = " K must be at least 1." if encoding.startswith("topk:") else ""
             raise ValueError(
-                f"`encodings[{stream!r}]` is {encoding!r}; the encodings are \"dense\", \"sparse\" and \"topk:K\" "
+                f"`encodings[{stream!r}]` is {encoding!r}; the encodings are \"dense\", \"sparse\", \"native\" and \"topk:K\" "
                 f"(K a positive int written in digits, e.g. \"topk:20\").{hint}"
             )
         if isinstance(vocab_size, int) and k > vocab_size:
@@ -181,3 +181,65 @@ def _row_parts(row: torch.Tensor, parts: list[torch.Tensor]) -> int:
 def _words(values: torch.Tensor) -> torch.Tensor:
     wide = values if values.dtype == torch.float64 else values.float()
     return wide.contiguous().view(torch.int32).reshape(-1)
+
+
+class Native:
+    """The native encoding (lossless): a step of float32 logits or scores of a bfloat16/float16 model
+    (transformers upcasts them from 4.45) stored in the model's dtype when every value converts back
+    bit for bit, else as it is (`store.format` describes the record; a step already in the model's
+    dtype, or a float32 model's, is stored as it is).
+
+    On CUDA, `on_device` runs on the side stream over the step's staging copy and gives a flat int16
+    tensor, `[all values round-trip (0/1), the model-dtype values' bits...]`; `on_host`, once that is on
+    the host (in the drainer thread), packs the record, fetching the step whole from the staging copy
+    when a value did not round-trip. Nothing waits for the device in the step.
+    """
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype  # the model's
+
+    def _narrow(self, dtype: torch.dtype) -> torch.dtype | None:
+        """The dtype a step of `dtype` may be stored in, or None when it is stored as it is."""
+        if dtype == torch.float32 and self.dtype in (torch.bfloat16, torch.float16):
+            return self.dtype
+        return None
+
+    def on_device(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.detach()
+        narrow = self._narrow(x.dtype)
+        if narrow is None:
+            flag = torch.ones(1, dtype=torch.int16, device=x.device)
+            return torch.cat([flag, x.contiguous().reshape(-1).view(torch.int16)])
+        small = x.to(narrow)
+        same = (small.to(x.dtype).view(torch.int32) == x.view(torch.int32)).all()
+        return torch.cat([same.to(torch.int16).reshape(1), small.reshape(-1).view(torch.int16)])
+
+    def on_host(self, fixed: torch.Tensor, *, vocab: int, dtype: torch.dtype,
+                fetch: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        narrow = self._narrow(dtype)
+        rows = (fixed.numel() - 1) * 2 // (dtype.itemsize * vocab) if narrow is None else (fixed.numel() - 1) // vocab
+        if narrow is None:
+            return _native_record(fixed[1:], rows, vocab, dtype, dtype)
+        if bool(fixed[0]):
+            return _native_record(fixed[1:], rows, vocab, dtype, narrow)
+        whole = fetch(torch.arange(rows))  # a value that does not round-trip: the step as it is
+        return _native_record(whole.contiguous().reshape(-1).view(torch.int16), rows, vocab, dtype, dtype)
+
+    def on_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        """The step's record of a CPU tensor at once (the host may look at the values)."""
+        x = x.detach()
+        rows, vocab = x.shape
+        narrow = self._narrow(x.dtype)
+        if narrow is not None:
+            small = x.to(narrow)
+            if torch.equal(small.to(x.dtype).view(torch.int32), x.view(torch.int32)):
+                return _native_record(small.reshape(-1).view(torch.int16), rows, vocab, x.dtype, narrow)
+        return _native_record(x.contiguous().reshape(-1).view(torch.int16), rows, vocab, x.dtype, x.dtype)
+
+
+def _native_record(halves: torch.Tensor, rows: int, vocab: int, dense: torch.dtype, stored: torch.dtype) -> torch.Tensor:
+    """A native record: its header and the values' bits (`halves`, int16, on the host), two per word."""
+    if halves.numel() % 2:
+        halves = torch.cat([halves, halves.new_zeros(1)])
+    header = torch.tensor([rows, vocab, SPARSE_DTYPES.index(dense), SPARSE_DTYPES.index(stored)], dtype=torch.int32)
+    return torch.cat([header, halves.contiguous().view(torch.int32)])

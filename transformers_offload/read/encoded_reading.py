@@ -14,9 +14,11 @@ import torch
 
 from ..store.format import (
     ENCODED_STREAMS,
+    NATIVE,
     SPARSE,
     RecordingError,
     SparseRecord,
+    native_dense,
     sparse_entries,
     topk_columns,
     topk_width,
@@ -95,6 +97,21 @@ class EncodedReading:
             records, picked, one_row = self._sparse_records(name, steps, rows)
             dense = [record.dense(picked) for record in records]
             return tuple(as_framework(step[0] if one_row else step, name, framework) for step in dense)
+        if encoding == NATIVE:
+            check_framework(framework)
+            index = row_index(rows, self.num_rows)
+            picked = None if index is None else torch.arange(self.num_rows)[index].reshape(-1).tolist()
+            dense = []
+            for t, record in zip(step_range(steps, self.num_steps), self._get(name, steps, None, "pt")):
+                try:
+                    step = native_dense(record, picked)
+                except ValueError as error:
+                    raise RecordingError(f"{name} step {t}", f"{error}; the recording is damaged.") from None
+                if step.shape[0] != (self.num_rows if picked is None else len(picked)):
+                    raise RecordingError(f"{name} step {t}", f"the record holds {step.shape[0]} rows, the generation "
+                                         f"{self.num_rows}; the recording is damaged.")
+                dense.append(step[0] if isinstance(index, int) else step)
+            return tuple(as_framework(step, name, framework) for step in dense)
         if encoding is not None:
             raise ValueError(
                 f"{name!r} was recorded as {encoding!r} (the Recorder's `encodings`), which keeps only part of "

@@ -141,7 +141,7 @@ class Recording(Readable):
                 if name in encoder.get("streams", {}):
                     streams[name]["once"] = True  # recorded once per call, not per step
                 vocab = self.model.get("vocab_size")
-                encoded = stream["encoding"] == _format.SPARSE or _format.topk_width(stream["encoding"]) is not None
+                encoded = stream["encoding"] in _format.RECORD_ENCODINGS or _format.topk_width(stream["encoding"]) is not None
                 if encoded and isinstance(vocab, int):
                     # What the same steps take dense, in float32 (`out.logits`' dtype from 4.45).
                     streams[name]["dense_bytes"] = generation.num_steps * generation.num_rows * vocab * 4

@@ -231,7 +231,17 @@ SAME_AS_LOGITS = "same_as_logits"
 SPARSE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # index = the dtype code
 SPARSE_HEADER = 3
 SPARSE_MAX_VOCAB = 2**24  # a record claiming more tokens is refused (a damaged record must not allocate GBs)
-FLAT_ENCODINGS = ("ragged", SPARSE)  # stored flat, the steps' shapes beside them
+# -- native encoding of logits or scores (`encodings={"logits": "native"}`), lossless -----------------
+# One flat int32 record per step, stored like a sparse one: a header `[rows, vocab, dense code, stored
+# code]` (codes index SPARSE_DTYPES: the dtype the stream decodes to, and the one its values are stored
+# in), then the `rows x vocab` values' bit patterns, packed two 16-bit values per int32 word (the last
+# half-word 0 when their count is odd) or one float32 value per word. A step is stored in the model's
+# bfloat16/float16 only when every value of it converts back to the float32 tensor bit for bit; else
+# in the dense dtype itself.
+NATIVE = "native"
+NATIVE_HEADER = 4
+RECORD_ENCODINGS = (SPARSE, NATIVE)  # one flat int32 record per step, headed [rows, vocab, dense code, ...]
+FLAT_ENCODINGS = ("ragged", SPARSE, NATIVE)  # stored flat, the steps' shapes beside them
 NEGATIVE_INFINITY = float("-inf")
 
 
@@ -319,6 +329,34 @@ class SparseRecord:
             "values": (torch.cat(value_parts) if value_parts else torch.zeros(0)).to(self.dtype),
             "offsets": torch.tensor(offsets, dtype=torch.int64),
         }
+
+
+def native_dense(record: torch.Tensor, rows: Sequence[int] | None = None) -> torch.Tensor:
+    """One step's native record decoded: the `(rows, vocab)` tensor in its dense dtype (only `rows`,
+    when given), bit for bit what was recorded.
+
+    Raises:
+        ValueError: the record is not a consistent native record (damaged data).
+    """
+    if record.dtype != torch.int32 or record.dim() != 1 or record.numel() < NATIVE_HEADER:
+        raise ValueError(f"a native record is a flat int32 tensor of at least {NATIVE_HEADER} values, got "
+                         f"{list(record.shape)} {record.dtype}")
+    count_rows, vocab, dense_code, stored_code = (int(v) for v in record[:NATIVE_HEADER])
+    codes = range(len(SPARSE_DTYPES))
+    if count_rows < 0 or not 1 <= vocab <= SPARSE_MAX_VOCAB or dense_code not in codes or stored_code not in codes:
+        raise ValueError(f"a native record's header [{count_rows}, {vocab}, {dense_code}, {stored_code}] is not valid")
+    stored, dense = SPARSE_DTYPES[stored_code], SPARSE_DTYPES[dense_code]
+    count = count_rows * vocab
+    payload = record[NATIVE_HEADER:]
+    words = (count * stored.itemsize + 3) // 4
+    if payload.numel() != words:
+        raise ValueError(f"a native record of {count} {stored} values holds {payload.numel()} words, not {words}")
+    halves = payload.clone().view(torch.int16 if stored.itemsize == 2 else stored)
+    values = halves[:count].view(stored) if stored.itemsize == 2 else halves
+    values = values.reshape(count_rows, vocab)
+    if rows is not None:
+        values = values[list(rows)]
+    return values.to(dense)
 
 
 def sparse_entries(dense: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -23,6 +23,7 @@ from .format import (
     LAYER_KINDS,
     MANIFEST,
     PROMPT_STREAMS,
+    RECORD_ENCODINGS,
     SAME_AS_LOGITS,
     STATS_COLUMNS,
     STATS_STREAM,
@@ -266,7 +267,7 @@ def _check_stream_set(entry: dict[str, Any], path: Path, where: str) -> None:
                 raise RecordingError(path, f"{where}: stream {name!r} is stored as the dense `logits` stream, which "
                                            f"it must then match in dtype and shape ({logits!r}).")
             continue
-        if stream["encoding"] == SPARSE:
+        if stream["encoding"] in RECORD_ENCODINGS:
             if stream["dense"]["shape"][0] != rows:
                 raise RecordingError(
                     path, f"{where}: stream {name!r} decodes to {stream['dense']['shape'][0]} rows, `num_rows` is {rows}."
@@ -306,7 +307,7 @@ def _check_stream(name: str, stream: Any, path: Path, where: str) -> None:
                 path, f"{where}: stream {name!r} uses {stream['encoding']!r}, which stores float64 of per-step shape "
                 f"[rows, {2 * k + 2}] for {ENCODED_STREAMS} only; got {stream['dtype']} {stream['shape']!r}.",
             )
-    elif stream["encoding"] == SPARSE:
+    elif stream["encoding"] in RECORD_ENCODINGS:
         dense = stream.get("dense")
         good_dense = (
             isinstance(dense, dict) and dense.get("dtype") in SPARSE_DTYPE_NAMES and isinstance(dense.get("shape"), list)
@@ -315,7 +316,7 @@ def _check_stream(name: str, stream: Any, path: Path, where: str) -> None:
         )
         if name not in ENCODED_STREAMS or stream["dtype"] != "int32" or stream["shape"] != [None] or not good_dense:
             raise RecordingError(
-                path, f"{where}: stream {name!r} uses 'sparse', which stores one flat int32 record per step "
+                path, f"{where}: stream {name!r} uses {stream['encoding']!r}, which stores one flat int32 record per step "
                 f"(shape [null]) for {ENCODED_STREAMS} only, with `dense` naming a float dtype and [rows, vocab]; "
                 f"got {stream['dtype']} {stream['shape']!r}, dense {dense!r}.",
             )
@@ -327,7 +328,7 @@ def _check_stream(name: str, stream: Any, path: Path, where: str) -> None:
         raise RecordingError(
             path,
             f"{where}: stream {name!r} uses encoding {stream['encoding']!r}, which this "
-            f"transformers-offload cannot read (it reads {ENCODINGS}, 'sparse' and \"topk:K\"); upgrade transformers-offload.",
+            f"transformers-offload cannot read (it reads {ENCODINGS}, 'sparse', 'native', 'same_as_logits' and \"topk:K\"); upgrade transformers-offload.",
         )
     ragged = stream["encoding"] == "ragged"
     shape = stream["shape"]

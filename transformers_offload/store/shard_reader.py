@@ -63,7 +63,7 @@ class ShardSource:
             if ragged:
                 opened = self._shard(shard)
                 picked = opened.ragged(name, local, rows)
-                if self._stream_info[name]["encoding"] == _format.SPARSE:
+                if self._stream_info[name]["encoding"] in _format.RECORD_ENCODINGS:
                     _check_sparse_headers(opened.path, name, picked, self._stream_info[name]["dense"])
                 values.extend(picked)
                 continue

@@ -177,7 +177,8 @@ class ShardStore:
         self._entry = entry
         self._names = list(names)
         self._encodings = dict(encodings)  # stream -> its encoding, where not dense
-        self._sparse = {name for name, encoding in self._encodings.items() if encoding == _format.SPARSE}
+        # Streams stored as one flat int32 record per step (sparse, native).
+        self._sparse = {name for name, encoding in self._encodings.items() if encoding in _format.RECORD_ENCODINGS}
         self._ragged: set[str] = set()  # per-layer streams (attentions, hidden states)
         self._once: set[str] = set()  # the encoder's outputs, at step 0 only
         self._size_hints: dict[str, int] = {}  # ragged streams: elements per shard, estimated
