@@ -68,3 +68,24 @@ def test_a_damaged_native_record_is_refused():
         native_dense(record[:-1])
     with pytest.raises(ValueError, match="header"):
         native_dense(torch.tensor([2, 5, 9, 2, 0], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_a_16_bit_models_logits_are_native_by_default_and_scores_still_stored_once(dtype, tmp_path):
+    from transformers_offload import _compat
+
+    model = make_tiny("llama").to(dtype)
+    batch = left_padded_batch()
+    reference = model.generate(**batch, max_new_tokens=3, return_dict_in_generate=True, output_scores=True, pad_token_id=0)
+    with Recorder(model, spill_dir=tmp_path / "run") as rec:
+        model.generate(**batch, logits_processor=[rec], max_new_tokens=3, pad_token_id=0)
+    streams = json.loads((tmp_path / "run" / "manifest.json").read_text())["generations"][0]["streams"]
+    native = dtype == torch.bfloat16 and _compat.UPCASTS_LOGITS
+    assert streams["logits"]["encoding"] == ("native" if native else "dense")
+    assert streams["scores"]["encoding"] == "same_as_logits"  # greedy, no processor
+    for run in (rec, open_recording(tmp_path / "run", verify=True)):
+        assert_steps_equal(run.scores(), reference.scores, "scores")
+        assert all(torch.equal(a, b) for a, b in zip(run.logits(), run.scores()))
+    with Recorder(model, encodings={"logits": "dense"}) as dense:
+        model.generate(**batch, logits_processor=[dense], max_new_tokens=1, pad_token_id=0)
+    assert dense.generation().encodings == {}

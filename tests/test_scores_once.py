@@ -81,8 +81,8 @@ def test_stats_and_logprobs_read_scores_stored_once(tmp_path):
 
 
 @pytest.mark.parametrize("edit, match", [
-    (lambda streams: streams.pop("logits"), "stored as the dense `logits` stream"),
-    (lambda streams: streams["scores"].update(dtype="float64"), "stored as the dense `logits` stream"),
+    (lambda streams: streams.pop("logits"), "stored as the `logits` stream"),
+    (lambda streams: streams["scores"].update(dtype="float64"), "stored as the `logits` stream"),
     (lambda streams: streams["logits"].update(encoding="same_as_logits"), "only `scores` can"),
 ])
 def test_a_damaged_scores_once_entry_is_refused(tmp_path, edit, match):

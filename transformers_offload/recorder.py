@@ -26,6 +26,7 @@ from .capture.hooks import CallRecorder
 from .capture.modes import UnsupportedModeError
 from .read.generation import Generation, Readable, generation_of, pick
 from .store import manifest as _manifest
+from .store.format import NATIVE
 from .store.memory import MemoryStore
 from .store.shards import DEFAULT_SHARD_BYTES, Spill
 
@@ -115,7 +116,8 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
             (lossy, by your choice: per row the K largest values and their token ids, the logsumexp
             over the whole vocabulary and the probability mass outside the K, `(2K + 2) x 8` bytes per
             row and step; read with `topk()`, which `logits()` and `scores()` then point to). E.g.
-            `{"scores": "sparse"}`. A call with no processor (greedy search, or sampling without any
+            `{"scores": "sparse"}`. A bfloat16/float16 model's logits are recorded `"native"` by default
+            from 4.45 (name `{"logits": "dense"}` for dense float32). A call with no processor (greedy search, or sampling without any
             processor or warper) stores `scores` once with the logits, whose very tensor they are
             (`"same_as_logits"` in the manifest; `scores()` returns the same tensors); name
             `{"scores": "dense"}` to store them twice.
@@ -194,6 +196,11 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
                 raise ValueError(f"`shard_bytes` must be at least 1 (byte), got {shard_bytes}.")
         self._selection = _layers.selection(model, tuple(streams), layers, heads, newest_position_only)
         self._encodings = _encodings.check(encodings, tuple(streams), _model_info(model)["vocab_size"])
+        if ("logits" in streams and not (isinstance(encodings, dict) and "logits" in encodings)
+                and _compat.UPCASTS_LOGITS and getattr(model, "dtype", None) in (torch.bfloat16, torch.float16)):
+            # A 16-bit model's logits, upcast to float32 by transformers: stored in the model's dtype where
+            # they convert back exactly (lossless; half the bytes, and less time than dense: bench/native_cost.py).
+            self._encodings["logits"] = NATIVE
         self._prompt_scoring = _prompt_logprobs.scoring_for(model, prompt_logprobs, prompt_chunk)
         # Scores equal to the logits (no processor) are stored once, unless asked for dense by name.
         self._scores_once = not (isinstance(encodings, dict) and encodings.get("scores") == "dense")

@@ -117,7 +117,8 @@ class Capture:
         self.scores_as_logits = (
             self._scores_once and no_processors and mode in ("greedy_search", "sample")
             and not _compat.final_tap_on_warper_list(mode, self.do_sample)
-            and "logits" in self.streams and "scores" in self.streams and not self.encodings
+            and "logits" in self.streams and "scores" in self.streams and "scores" not in self.encodings
+            and self.encodings.get("logits") in (None, _format.NATIVE, _format.SPARSE)  # the logits whole
         )
         mask = self.attention_mask
         self.attention_mask = None

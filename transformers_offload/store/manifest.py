@@ -263,9 +263,10 @@ def _check_stream_set(entry: dict[str, Any], path: Path, where: str) -> None:
         shape = stream["shape"]
         if stream["encoding"] == SAME_AS_LOGITS:
             logits = streams.get("logits")
-            if logits is None or logits["encoding"] != "dense" or (logits["dtype"], logits["shape"]) != (stream["dtype"], shape):
-                raise RecordingError(path, f"{where}: stream {name!r} is stored as the dense `logits` stream, which "
-                                           f"it must then match in dtype and shape ({logits!r}).")
+            whole = logits is not None and logits["encoding"] in ("dense", *RECORD_ENCODINGS)
+            if not whole or (logits["dtype"], logits["shape"], logits.get("dense")) != (stream["dtype"], shape, stream.get("dense")):
+                raise RecordingError(path, f"{where}: stream {name!r} is stored as the `logits` stream (dense, sparse "
+                                           f"or native), which it must then match in dtype and shape ({logits!r}).")
             continue
         if stream["encoding"] in RECORD_ENCODINGS:
             if stream["dense"]["shape"][0] != rows:
@@ -324,6 +325,7 @@ def _check_stream(name: str, stream: Any, path: Path, where: str) -> None:
     elif stream["encoding"] == SAME_AS_LOGITS:
         if name != "scores":
             raise RecordingError(path, f"{where}: stream {name!r} cannot use {SAME_AS_LOGITS!r} (only `scores` can).")
+        return  # its dtype and shape are the logits' (checked with the generation's streams)
     elif stream["encoding"] not in ENCODINGS:
         raise RecordingError(
             path,

@@ -120,6 +120,8 @@ class MemoryStore:
         if encodings.pop("scores", None) == SAME_AS_LOGITS:  # the very logits: the same tensors
             streams = {key: value for name, steps in streams.items()
                        for key, value in ((name, steps), *((("scores", steps),) if name == "logits" else ()))}
+            if "logits" in encodings:  # read as the logits are: the same records
+                encodings["scores"] = encodings["logits"]
             header = dict(header, encodings=encodings)
         once = {name: own(name, 0) for name in self._once if 0 in self._steps.get(name, {})}
         self._steps.clear()
