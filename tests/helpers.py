@@ -100,6 +100,14 @@ def made_up_step(step: int, rows: int, vocab: int) -> dict[str, torch.Tensor]:
     }
 
 
+def made_up_native_logits(step: int, rows: int, vocab: int) -> torch.Tensor:
+    """Float32 logits that bfloat16 holds exactly, except at step 1 (one value 1/1024 off: stored float32)."""
+    logits = made_up_step(step, rows, vocab)["logits"].clone()
+    if step == 1:
+        logits[0, 0] += 1 / 1024
+    return logits
+
+
 MADE_UP_LAYERS = {"counts": {"attentions": 2, "hidden_states": 3, "encoder_hidden_states": 3},
                   "heads": None, "newest_position_only": False}
 
@@ -163,11 +171,13 @@ def made_up_sparse_record(step: int, rows: int, vocab: int) -> torch.Tensor:
 
 
 def write_made_up_recording(root, *, steps: int, rows: int, vocab: int, shard_bytes: int, complete: bool = True,
-                            layers: bool = False, stats: bool = False, topk: bool = False, sparse: bool = False):
+                            layers: bool = False, stats: bool = False, topk: bool = False, sparse: bool = False,
+                            native: bool = False):
     """Drive the shard store directly (no model): the layer below `generate()`. Returns what the store
     hands back (`StoredGeneration`). With `layers`, the steps also carry `made_up_layers`; with `stats`,
     a `made_up_stats` record; with `topk`, the scores are a `made_up_topk` record (`"topk:2"`); with
-    `sparse`, a `made_up_sparse_record` (`"sparse"`)."""
+    `sparse`, a `made_up_sparse_record` (`"sparse"`); with `native`, the logits are `made_up_native_logits`
+    recorded `"native"` for a bfloat16 model and the scores stored as them (`"same_as_logits"`)."""
     from transformers_offload.store.shards import Spill
 
     spill = Spill(root, shard_bytes=shard_bytes, model_info=FIXED_MODEL, created_by=FIXED_CREATED_BY)
@@ -175,7 +185,9 @@ def write_made_up_recording(root, *, steps: int, rows: int, vocab: int, shard_by
         "index": 0, "mode": "sample", "prompt_length": 2, "prompt_lengths": tuple([2] * rows), "num_beams": 1,
         "pad_token_id": 0, "eos_token_id": (1,), "generation_config": {"do_sample": True},
     }
-    names = ["logits", "scores", "tokens", "finished"] + ["stats"] * stats
+    names = ["logits", *(["scores"] * (not native)), "tokens", "finished"] + ["stats"] * stats
+    if native:
+        header["encodings"] = {"logits": "native", "scores": "same_as_logits"}
     if topk:
         header["encodings"] = {"scores": "topk:2"}
     if sparse:
@@ -191,6 +203,11 @@ def write_made_up_recording(root, *, steps: int, rows: int, vocab: int, shard_by
             tensors["scores"] = made_up_topk(step, rows)
         if sparse:
             tensors["scores"] = made_up_sparse_record(step, rows, vocab)
+        if native:
+            from transformers_offload.capture.encodings import Native
+
+            del tensors["scores"]
+            tensors["logits"] = Native(torch.bfloat16).on_cpu(made_up_native_logits(step, rows, vocab))
         store.drain(step, tensors)
     sequences = torch.arange(rows * (2 + steps)).reshape(rows, 2 + steps) % vocab if complete else None
     error = None if complete else KeyboardInterrupt()

@@ -20,6 +20,7 @@ from transformers_offload.store.format import STATS_COLUMNS
 from .conftest import left_padded_batch
 from .helpers import (
     made_up_layers,
+    made_up_native_logits,
     made_up_sparse_scores,
     made_up_stats,
     made_up_step,
@@ -32,6 +33,7 @@ GOLDEN_LAYERS = Path(__file__).resolve().parent / "golden" / "tiny-layers-record
 GOLDEN_STATS = Path(__file__).resolve().parent / "golden" / "tiny-stats-recording"
 GOLDEN_TOPK = Path(__file__).resolve().parent / "golden" / "tiny-topk-recording"
 GOLDEN_SPARSE = Path(__file__).resolve().parent / "golden" / "tiny-sparse-recording"
+GOLDEN_NATIVE = Path(__file__).resolve().parent / "golden" / "tiny-native-recording"
 ROOT = Path(__file__).resolve().parent.parent
 ROWS, VOCAB, STEPS = 5, 16, 9
 
@@ -112,6 +114,23 @@ def test_the_sparse_encoding_is_pinned_byte_for_byte(tmp_path):
     stored like a ragged stream; row 0 sparse, row 1 whole."""
     write_made_up_recording(tmp_path / "run", steps=3, rows=2, vocab=4, shard_bytes=164, sparse=True)
     assert _golden_files(tmp_path / "run") == _golden_files(GOLDEN_SPARSE)
+
+
+def test_the_native_encoding_and_scores_stored_once_are_pinned_byte_for_byte(tmp_path):
+    """`"native"` logits (bf16 at steps 0 and 2, float32 at step 1, which bf16 cannot hold) and scores
+    stored as them (`"same_as_logits"`)."""
+    write_made_up_recording(tmp_path / "run", steps=3, rows=2, vocab=4, shard_bytes=164, native=True)
+    assert _golden_files(tmp_path / "run") == _golden_files(GOLDEN_NATIVE)
+
+
+def test_the_golden_native_recording_reads_back():
+    generation = open_recording(GOLDEN_NATIVE, verify=True).generation()
+    assert generation.encodings == {"logits": "native", "scores": "native"}
+    for step in range(3):
+        expected = made_up_native_logits(step, 2, 4)
+        assert torch.equal(generation.logits()[step], expected) and torch.equal(generation.scores()[step], expected)
+    records = generation._source.read("logits", range(3), None)
+    assert [int(r[3]) for r in records] == [2, 0, 2]  # stored dtype codes: bf16, float32, bf16
 
 
 def test_the_golden_sparse_recording_reads_back():

@@ -1,5 +1,5 @@
 """Rewrite the golden recordings (tests/golden/tiny-recording, tiny-layers-recording,
-tiny-stats-recording, tiny-topk-recording, tiny-sparse-recording) after a deliberate format change. Decide first whether a
+tiny-stats-recording, tiny-topk-recording, tiny-sparse-recording, tiny-native-recording) after a deliberate format change. Decide first whether a
 reader of the current FORMAT_VERSION would misread the new layout: if so, bump FORMAT_VERSION; if it
 reads it right (a key it ignores, like the `files` checksums, or a stream it need not know, like
 `stats`) or refuses it by name (an encoding it does not know, like `topk:K` or `sparse`), the version stays.
@@ -23,6 +23,7 @@ if __name__ == "__main__":
         ("tiny-stats-recording", {"stats": True}),
         ("tiny-topk-recording", {"topk": True}),
         ("tiny-sparse-recording", {"sparse": True}),
+        ("tiny-native-recording", {"native": True}),
     ):
         target = Path(__file__).resolve().parent / name
         shutil.rmtree(target, ignore_errors=True)
