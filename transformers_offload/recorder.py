@@ -119,8 +119,8 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
             `{"scores": "sparse"}`. A bfloat16/float16 model's logits are recorded `"native"` by default
             from 4.45 (name `{"logits": "dense"}` for dense float32). A call with no processor (greedy search, or sampling without any
             processor or warper) stores `scores` once with the logits, whose very tensor they are
-            (`"same_as_logits"` in the manifest; `scores()` returns the same tensors); name
-            `{"scores": "dense"}` to store them twice.
+            (`"same_as_logits"` in the manifest; `scores()` returns the same tensors); naming any
+            encoding for `"scores"` (`{"scores": "dense"}`...) stores them on their own.
         append (`bool`, *optional*, defaults to False): with `spill_dir` holding a recording of the same
             model, add this recorder's generations after those already there (never touching them; a
             generation a stopped process left `"recording"` is marked `"failed"`). `generations` then

@@ -127,7 +127,8 @@ class Generation(LayerReading, EncodedReading):
         """Raw next-token logits per step, before any processor or warper.
 
         Mirrors `out.logits` of the same call made with `return_dict_in_generate=True,
-        output_logits=True`: a tuple of tensors of shape `(num_rows, vocab_size)` (fewer rows with
+        output_logits=True` (copied before the first processor runs: where a processor edits the scores
+        in place, which transformers' `out.logits` then shows too, these stay the model's own), a tuple of tensors of shape `(num_rows, vocab_size)` (fewer rows with
         `rows=`), one per selected step, in the dtype transformers gives them (float32 from 4.45), on CPU.
 
         Args:
