@@ -16,14 +16,16 @@ from ..store.format import (
     ENCODED_STREAMS,
     NATIVE,
     SPARSE,
+    NativeRecord,
     RecordingError,
     SparseRecord,
-    native_dense,
     sparse_entries,
     topk_columns,
     topk_width,
 )
 from .indexing import Rows, Steps, as_framework, check_framework, row_index, step_range
+
+_RECORDS = {SPARSE: SparseRecord, NATIVE: NativeRecord}  # encodings stored as one record per step
 
 
 class EncodedReading:
@@ -82,7 +84,7 @@ class EncodedReading:
         check_framework(framework)
         encoding = self.encodings.get(stream)
         if encoding == SPARSE:
-            records, picked, _ = self._sparse_records(stream, steps, rows)
+            records, picked, _ = self._step_records(stream, steps, rows, SparseRecord)
             steps_entries = [record.entries(picked) for record in records]
         else:
             dense = self._get_full(stream, steps, rows, "pt")
@@ -92,26 +94,11 @@ class EncodedReading:
 
     def _get_full(self, name: str, steps: Steps, rows: Rows, framework: str) -> tuple[Any, ...]:
         encoding = self.encodings.get(name)
-        if encoding == SPARSE:
+        if encoding in _RECORDS:
             check_framework(framework)
-            records, picked, one_row = self._sparse_records(name, steps, rows)
+            records, picked, one_row = self._step_records(name, steps, rows, _RECORDS[encoding])
             dense = [record.dense(picked) for record in records]
             return tuple(as_framework(step[0] if one_row else step, name, framework) for step in dense)
-        if encoding == NATIVE:
-            check_framework(framework)
-            index = row_index(rows, self.num_rows)
-            picked = None if index is None else torch.arange(self.num_rows)[index].reshape(-1).tolist()
-            dense = []
-            for t, record in zip(step_range(steps, self.num_steps), self._get(name, steps, None, "pt")):
-                try:
-                    step = native_dense(record, picked)
-                except ValueError as error:
-                    raise RecordingError(f"{name} step {t}", f"{error}; the recording is damaged.") from None
-                if step.shape[0] != (self.num_rows if picked is None else len(picked)):
-                    raise RecordingError(f"{name} step {t}", f"the record holds {step.shape[0]} rows, the generation "
-                                         f"{self.num_rows}; the recording is damaged.")
-                dense.append(step[0] if isinstance(index, int) else step)
-            return tuple(as_framework(step, name, framework) for step in dense)
         if encoding is not None:
             raise ValueError(
                 f"{name!r} was recorded as {encoding!r} (the Recorder's `encodings`), which keeps only part of "
@@ -119,15 +106,15 @@ class EncodedReading:
             )
         return self._get(name, steps, rows, framework)
 
-    def _sparse_records(self, name: str, steps: Steps, rows: Rows) -> tuple[list[SparseRecord], list[int], bool]:
-        """Each selected step's sparse record of `name`, the rows `rows` picks (the same in every
-        step), and whether `rows` is an int (the row axis dropped)."""
+    def _step_records(self, name: str, steps: Steps, rows: Rows, parse: type) -> tuple[list[Any], list[int], bool]:
+        """Each selected step's record of `name` parsed (`SparseRecord` or `NativeRecord`), the rows
+        `rows` picks (the same in every step), and whether `rows` is an int (the row axis dropped)."""
         index = row_index(rows, self.num_rows)
         picked = list(range(self.num_rows)) if index is None else torch.arange(self.num_rows)[index].reshape(-1).tolist()
         found = []
         for t, record in zip(step_range(steps, self.num_steps), self._get(name, steps, None, "pt")):
             try:
-                parsed = SparseRecord(record)
+                parsed = parse(record)
             except ValueError as error:
                 raise RecordingError(f"{name} step {t}", f"{error}; the recording is damaged.") from None
             if parsed.rows != self.num_rows:

@@ -228,6 +228,15 @@ SPARSE = "sparse"
 # (greedy or sampling with no processor or warper), records `scores` with this encoding and no data of
 # its own; its steps are the `logits` stream's.
 SAME_AS_LOGITS = "same_as_logits"
+
+
+def read_encodings(encodings: dict[str, str]) -> dict[str, str]:
+    """A generation's `encodings` as its readers see them: the streams not stored dense, with their
+    encoding; `scores` stored as the logits read as the logits do (dense: left out)."""
+    found = {name: encoding for name, encoding in encodings.items() if encoding not in (*ENCODINGS, SAME_AS_LOGITS)}
+    if encodings.get("scores") == SAME_AS_LOGITS and "logits" in found:
+        found["scores"] = found["logits"]
+    return found
 SPARSE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # index = the dtype code
 SPARSE_HEADER = 3
 SPARSE_MAX_VOCAB = 2**24  # a record claiming more tokens is refused (a damaged record must not allocate GBs)
@@ -331,32 +340,47 @@ class SparseRecord:
         }
 
 
-def native_dense(record: torch.Tensor, rows: Sequence[int] | None = None) -> torch.Tensor:
-    """One step's native record decoded: the `(rows, vocab)` tensor in its dense dtype (only `rows`,
-    when given), bit for bit what was recorded.
+class NativeRecord:
+    """One step's native record, parsed and checked (nothing decoded yet).
 
     Raises:
         ValueError: the record is not a consistent native record (damaged data).
     """
-    if record.dtype != torch.int32 or record.dim() != 1 or record.numel() < NATIVE_HEADER:
-        raise ValueError(f"a native record is a flat int32 tensor of at least {NATIVE_HEADER} values, got "
-                         f"{list(record.shape)} {record.dtype}")
-    count_rows, vocab, dense_code, stored_code = (int(v) for v in record[:NATIVE_HEADER])
-    codes = range(len(SPARSE_DTYPES))
-    if count_rows < 0 or not 1 <= vocab <= SPARSE_MAX_VOCAB or dense_code not in codes or stored_code not in codes:
-        raise ValueError(f"a native record's header [{count_rows}, {vocab}, {dense_code}, {stored_code}] is not valid")
-    stored, dense = SPARSE_DTYPES[stored_code], SPARSE_DTYPES[dense_code]
-    count = count_rows * vocab
-    payload = record[NATIVE_HEADER:]
-    words = (count * stored.itemsize + 3) // 4
-    if payload.numel() != words:
-        raise ValueError(f"a native record of {count} {stored} values holds {payload.numel()} words, not {words}")
-    halves = payload.clone().view(torch.int16 if stored.itemsize == 2 else stored)
-    values = halves[:count].view(stored) if stored.itemsize == 2 else halves
-    values = values.reshape(count_rows, vocab)
-    if rows is not None:
-        values = values[list(rows)]
-    return values.to(dense)
+
+    def __init__(self, record: torch.Tensor) -> None:
+        if record.dtype != torch.int32 or record.dim() != 1 or record.numel() < NATIVE_HEADER:
+            raise ValueError(f"a native record is a flat int32 tensor of at least {NATIVE_HEADER} values, got "
+                             f"{list(record.shape)} {record.dtype}")
+        rows, vocab, dense_code, stored_code = (int(v) for v in record[:NATIVE_HEADER])
+        codes = range(len(SPARSE_DTYPES))
+        if rows < 0 or not 1 <= vocab <= SPARSE_MAX_VOCAB or dense_code not in codes or stored_code not in codes:
+            raise ValueError(f"a native record's header [{rows}, {vocab}, {dense_code}, {stored_code}] is not valid")
+        self.rows, self.vocab = rows, vocab
+        self.dtype, self.stored = SPARSE_DTYPES[dense_code], SPARSE_DTYPES[stored_code]
+        words = (rows * vocab * self.stored.itemsize + 3) // 4
+        self._payload = record[NATIVE_HEADER:]
+        if self._payload.numel() != words:
+            raise ValueError(f"a native record of {rows * vocab} {self.stored} values holds "
+                             f"{self._payload.numel()} words, not {words}")
+
+    def dense(self, rows: Sequence[int] | None = None) -> torch.Tensor:
+        """Rows `rows` (default all) as the dense `(len(rows), vocab)` tensor in the recorded dtype, bit
+        for bit what was recorded."""
+        count = self.rows * self.vocab
+        halves = self._payload.clone().view(torch.int16 if self.stored.itemsize == 2 else self.stored)
+        values = (halves[:count].view(self.stored) if self.stored.itemsize == 2 else halves).reshape(self.rows, self.vocab)
+        if rows is not None:
+            values = values[list(rows)]
+        return values.to(self.dtype)
+
+
+def native_dense(record: torch.Tensor, rows: Sequence[int] | None = None) -> torch.Tensor:
+    """One step's native record decoded (`NativeRecord(record).dense(rows)`).
+
+    Raises:
+        ValueError: the record is not a consistent native record (damaged data).
+    """
+    return NativeRecord(record).dense(rows)
 
 
 def sparse_entries(dense: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .format import SAME_AS_LOGITS
+from .format import SAME_AS_LOGITS, read_encodings
 from .stored import StoredGeneration, TransferStats
 
 CHUNK_BYTES_MIN = 64 * 2**10
@@ -116,13 +116,11 @@ class MemoryStore:
             return self._chunks[name].own_storage(self._steps[name][step])
 
         streams = {name: tuple(own(name, t) for t in range(num_steps)) for name in self._names}
-        encodings = dict(header.get("encodings") or {})
-        if encodings.pop("scores", None) == SAME_AS_LOGITS:  # the very logits: the same tensors
+        encodings = header.get("encodings") or {}
+        if encodings.get("scores") == SAME_AS_LOGITS:  # the very logits: the same tensors
             streams = {key: value for name, steps in streams.items()
                        for key, value in ((name, steps), *((("scores", steps),) if name == "logits" else ()))}
-            if "logits" in encodings:  # read as the logits are: the same records
-                encodings["scores"] = encodings["logits"]
-            header = dict(header, encodings=encodings)
+        header = dict(header, encodings=read_encodings(encodings))
         once = {name: own(name, 0) for name in self._once if 0 in self._steps.get(name, {})}
         self._steps.clear()
         self._chunks.clear()

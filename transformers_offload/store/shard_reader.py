@@ -206,15 +206,6 @@ def _open_shard(path: Path, generation: int, shard: dict[str, Any], streams: dic
     return _Shard(path, handle, ragged)
 
 
-def _encodings_of(streams: dict[str, Any]) -> dict[str, str]:
-    """The streams not recorded dense, with their encoding; scores stored as the logits read as they do."""
-    found = {name: stream["encoding"] for name, stream in streams.items()
-             if stream["encoding"] not in (*_format.ENCODINGS, _format.SAME_AS_LOGITS)}
-    if streams.get("scores", {}).get("encoding") == _format.SAME_AS_LOGITS and "logits" in found:
-        found["scores"] = found["logits"]
-    return found
-
-
 def _open_encoder(path: Path, generation: int, streams: dict[str, Any]) -> _Shard:
     """Open a generation's encoder file and check it against the manifest."""
     handle, metadata, header = open_file(path, "encoder file")
@@ -288,7 +279,7 @@ def stored_generation(root: Path, entry: dict[str, Any], *, stats: TransferStats
         generation_config=dict(entry["generation_config"]),
         stats=stats,
         layers=entry.get("layers"),
-        encodings=_encodings_of(entry["streams"]),
+        encodings=_format.read_encodings({name: stream["encoding"] for name, stream in entry["streams"].items()}),
         sample_ids=None if entry.get("sample_ids") is None else tuple(entry["sample_ids"]),
         sample_metadata=None if entry.get("sample_metadata") is None else tuple(entry["sample_metadata"]),
     )
