@@ -17,7 +17,8 @@ interleaved, `--repeats` times, each the median:
 - the Recorder in memory, inline, with `encodings={"scores": "sparse"}` (greedy: every row is finite,
   so each is stored whole, the sparse encoding's costliest host path), and with `"topk:20"`.
 
-Prints microseconds per step over the baseline and writes `host_overhead.json` and `.png` under `--out`.
+Prints microseconds per step over the baseline, of the wall clock and of the process's CPU time (all
+threads; steadier on a shared machine), and writes `host_overhead.json` and `.png` under `--out`.
 """
 
 from __future__ import annotations
@@ -67,27 +68,31 @@ def main() -> None:
                 min_new_tokens=args.steps, do_sample=False)
     original = recorder_module._on_cuda
 
-    def run(case: str) -> float:
+    def run(case: str) -> tuple[float, float]:
         recorder_module._on_cuda = (lambda model: True) if case == CASES[2] else original
         try:
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             if case == CASES[0]:
                 model.generate(**call)
             else:
                 with Recorder(model, encodings=ENCODINGS.get(case)) as rec:
                     model.generate(**call, logits_processor=[rec])
                 assert rec.generation().num_steps == args.steps
-            return time.perf_counter() - started
+            return time.perf_counter() - started, time.process_time() - cpu
         finally:
             recorder_module._on_cuda = original
 
     for case in CASES:  # warm-up
         run(case)
     seconds = {case: [] for case in CASES}
+    cpu_seconds = {case: [] for case in CASES}
     for _ in range(args.repeats):
         for case in CASES:
-            seconds[case].append(run(case))
+            wall, cpu = run(case)
+            seconds[case].append(wall)
+            cpu_seconds[case].append(cpu)
     median = {case: statistics.median(values) for case, values in seconds.items()}
+    cpu_median = {case: statistics.median(values) for case, values in cpu_seconds.items()}
     rows = []
     for case in CASES:
         rows.append({
@@ -95,12 +100,17 @@ def main() -> None:
             "median_seconds": median[case],
             "us_per_step": median[case] / args.steps * 1e6,
             "us_per_step_over_baseline": (median[case] - median[CASES[0]]) / args.steps * 1e6,
+            # The process's CPU time (every thread): unlike the wall clock, not lengthened by what else
+            # runs on the machine or by the hypervisor taking the CPU away.
+            "cpu_us_per_step_over_baseline": (cpu_median[case] - cpu_median[CASES[0]]) / args.steps * 1e6,
             "seconds": seconds[case],
+            "cpu_seconds": cpu_seconds[case],
         })
     print(f"host work per step: one Llama layer, vocabulary 256, batch 1, {args.steps} steps, "
           f"median of {args.repeats}")
-    print_table(["case", "us per step", "us per step over the baseline"],
-                [[r["case"], r["us_per_step"], r["us_per_step_over_baseline"]] for r in rows])
+    print_table(["case", "us per step", "us per step over the baseline", "CPU us per step over the baseline"],
+                [[r["case"], r["us_per_step"], r["us_per_step_over_baseline"], r["cpu_us_per_step_over_baseline"]]
+                 for r in rows])
     write_json(args.out / "host_overhead.json",
                {"machine": machine(), "steps": args.steps, "repeats": args.repeats, "cases": rows})
     plot_bars(args.out / "host_overhead.png",

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import threading
 
+import pytest
 import torch
 from transformers import GenerationMixin, LogitsProcessor, StoppingCriteria, StoppingCriteriaList
 
@@ -139,17 +140,23 @@ class _SeeStepInRing(StoppingCriteria):
         self.rec, self.seen = rec, []
 
     def __call__(self, input_ids, scores, **kwargs):
-        ring = self.rec._active.ring
+        capture = self.rec._active
+        ring = capture.ring
+        step = input_ids.shape[-1] - capture.prompt_length - 1
         slot = ring._slots[ring._current]
-        self.seen.append((slot.step, sorted(set(slot.written)), len(ring._slots)))
+        # In a slot, or (in host memory on CPU) already in the store, which takes each put at once.
+        held = set(slot.written) if slot.step == step else set()
+        held |= {name for name in ("logits", "scores", "finished") if capture.store.has(name, step)}
+        self.seen.append((step, sorted(held), len(ring._slots)))
         if not _compat.CRITERIA_ANSWER_PER_ROW:
             return False  # up to 4.38 a criterion answers for the whole batch
         return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
 
-def test_each_step_is_copied_within_the_step_and_the_ring_stays_bounded(gpt2):
+@pytest.mark.parametrize("store", ["memory", "spill"])
+def test_each_step_is_copied_within_the_step_and_the_ring_stays_bounded(gpt2, store, tmp_path):
     batch = left_padded_batch()
-    with Recorder(gpt2, ring_slots=3) as rec:
+    with Recorder(gpt2, ring_slots=3, **({"spill_dir": tmp_path / "run"} if store == "spill" else {})) as rec:
         probe = _SeeStepInRing(rec)
         gpt2.generate(
             **batch, logits_processor=[rec], stopping_criteria=StoppingCriteriaList([probe]),

@@ -60,6 +60,7 @@ class Capture:
         self.assistant_model = assistant_model
         self.attention_mask = attention_mask
         self.started = False
+        self.wants_forward = True
         self.mode = ""
         self.do_sample = False
         self.prompt_length = 0
@@ -107,6 +108,8 @@ class Capture:
         # log-probs, DoLa a contrast of layers); group beam search also sizes its scores from them.
         from_forward = self.is_beam or mode == _compat.DOLA_MODE
         self._keeps_forward_logits = self.is_group or (from_forward and ("logits" in self.streams or bool(self._stats)))
+        # Whether `on_forward` has anything to do in this call (else the forward hook returns at once).
+        self.wants_forward = self._keeps_forward_logits or self.is_assisted or self.layer_tap is not None
         eos = generation_config.eos_token_id
         eos_list = [] if eos is None else [int(e) for e in torch.as_tensor(eos).flatten().tolist()]
         if eos_list:
@@ -153,7 +156,7 @@ class Capture:
         self.store = self.open_store(self.names, self.header, max_steps)
         # Beam search adds a step's token and parent one step later, while its slot is still held.
         slots = max(self.ring_slots, 2) if self.is_beam else self.ring_slots
-        self.ring = HostRing(slots, self.store.drain, threaded=self.threaded)
+        self.ring = HostRing(slots, self.store.drain, threaded=self.threaded, keep=getattr(self.store, "keep", None))
         if self.layer_tap is not None:
             self._thread = threading.get_ident()
             names = self.layer_tap.install(self._on_layer)  # module hooks, where the model declares them
@@ -432,9 +435,10 @@ class Capture:
             self.eos_ids = eos.to(token.device, non_blocking=True)
         last = input_ids.shape[-1] - self.prompt_length
         for step in range(self._tokens_until, last):  # assisted decoding accepts several tokens at once
-            self.ring.put(step, "tokens", input_ids[:, self.prompt_length + step])
+            chosen = token if step == last - 1 else input_ids[:, self.prompt_length + step]
+            self.ring.put(step, "tokens", chosen)
             if self._stats is not None and self._stats.has(step):
-                self.ring.put(step, _format.STATS_STREAM, self._stats.record(step, input_ids[:, self.prompt_length + step]))
+                self.ring.put(step, _format.STATS_STREAM, self._stats.record(step, chosen))
         self._tokens_until = last
         if is_done is not None:
             self._finished = self._finished | _compat.rows_done(is_done, token, self.eos_ids)

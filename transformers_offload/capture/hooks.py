@@ -305,7 +305,7 @@ class ModelHooks:
 
     def _on_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         capture = _active_capture(module)
-        if capture is not None and capture.started:
+        if capture is not None and capture.started and capture.wants_forward:
             with _interrupts.held():
                 capture.on_forward(output)
 

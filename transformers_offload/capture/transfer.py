@@ -15,7 +15,8 @@ On CUDA nothing in the per-step path waits for the device:
 `generate()`'s thread waits only when it needs a slot the drainer has not released yet (counted in
 `waits`). On CPU the same ring runs with plain copies and drains in the calling thread
 (`Tensor.to("cpu")` would return the very tensor that later processors modify in place, so the ring
-always copies).
+always copies). A store that keeps each tensor as it comes (`keep`: the in-memory store) takes a CPU
+tensor straight from `put` instead, its own copy the only one: no slot, no second copy, no hand-over.
 
 A step's slot is handed to the store once the ring has moved two steps past it (beam search learns a
 step's token and parent one step later), or earlier when the ring needs the slot back.
@@ -37,6 +38,7 @@ import torch
 from .. import _interrupts
 
 Drain = Callable[[int, dict[str, torch.Tensor]], None]
+Keep = Callable[[int, str, torch.Tensor], None]
 
 
 class Encoder(Protocol):
@@ -57,6 +59,7 @@ class _Slot:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # flat, host (pinned on CUDA)
     staging: dict[str, torch.Tensor] = field(default_factory=dict)  # flat, device, CUDA only
     views: dict[str, torch.Tensor] = field(default_factory=dict)  # this step's host tensors
+    shaped: dict[str, torch.Tensor] = field(default_factory=dict)  # the last view of each buffer, reused
     written: list[str] = field(default_factory=list)
     step: int | None = None
     submitted: bool = False
@@ -80,11 +83,15 @@ class HostRing:
         threaded (`bool`, *optional*, defaults to False): drain in a background thread (the CUDA path),
             so that `put` never waits for a device copy unless the ring is full. A failure of `drain`
             is then raised by the next `put` or by `flush`.
+        keep (`Callable[[int, str, torch.Tensor], None]`, *optional*): without `threaded`, a store's
+            copy of one CPU tensor of a step, made at once: a CPU tensor put goes there instead of
+            through a slot (the in-memory store's `keep`).
     """
 
-    def __init__(self, slots: int, drain: Drain, *, threaded: bool = False) -> None:
+    def __init__(self, slots: int, drain: Drain, *, threaded: bool = False, keep: Keep | None = None) -> None:
         self._slots = [_Slot() for _ in range(slots)]
         self._drain = drain
+        self._keep = None if threaded else keep
         self._current = -1
         self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}
         self._queue: queue.SimpleQueue[_Slot | None] | None = None
@@ -105,8 +112,14 @@ class HostRing:
         Raises:
             BaseException: what the drain raised for an earlier step (threaded ring).
         """
-        self._raise_drain_error()
-        slot = self._slot_for(step)
+        if self._failure is not None:
+            self._raise_drain_error()
+        if self._keep is not None and not tensor.is_cuda:
+            # Straight into the store: its copy is made now, before any later in-place edit of `tensor`.
+            self._keep(step, stream, tensor if encoder is None else encoder.on_cpu(tensor))
+            return
+        current = self._slots[self._current]  # most puts go to the step in the current slot
+        slot = current if current.step == step and not current.submitted else self._slot_for(step)
         if encoder is not None and tensor.device.type != "cuda":
             # On the host the record is made now, before any later in-place edit of `tensor`.
             slot.views[stream] = encoder.on_cpu(tensor)
@@ -114,7 +127,7 @@ class HostRing:
         elif encoder is not None:
             self._copy_from_cuda(slot, stream, tensor, None, encoder=encoder)
         else:
-            buffer = _view(slot.buffers, stream, tensor, torch.device("cpu"), pinned=tensor.device.type == "cuda")
+            buffer = _view(slot, slot.buffers, stream, tensor, _CPU, pinned=tensor.is_cuda)
             slot.views[stream] = buffer
             slot.encoded.pop(stream, None)
             if tensor.device.type == "cuda":
@@ -186,7 +199,7 @@ class HostRing:
         device = tensor.device
         compute = torch.cuda.current_stream(device)
         side = self._side_stream(device)
-        staging = _view(slot.staging, stream, tensor, device, pinned=False)
+        staging = _view(slot, slot.staging, stream, tensor, device, pinned=False)
         copied = slot.copied.get(device)
         if copied is not None and stream in slot.written:
             # This step's `stream` is written again: its first copy may still read the staging buffer.
@@ -203,7 +216,7 @@ class HostRing:
                 # The device part, on the side stream: the compute stream never waits for it. Its
                 # result stays referenced by the slot until the copy below has finished.
                 fixed = encoder.on_device(staging)
-                buffer = _view(slot.buffers, stream, fixed, torch.device("cpu"), pinned=True)
+                buffer = _view(slot, slot.buffers, stream, fixed, _CPU, pinned=True)
                 slot.views[stream] = buffer
                 slot.encoded[stream] = (encoder, fixed, staging, tensor.shape[-1], tensor.dtype)
             buffer.copy_(fixed if encoder is not None else staging, non_blocking=True)
@@ -271,14 +284,23 @@ class HostRing:
             self._release(slot)
 
 
-def _view(pool: dict[str, torch.Tensor], stream: str, tensor: torch.Tensor, device: torch.device, *,
+_CPU = torch.device("cpu")
+
+
+def _view(slot: _Slot, pool: dict[str, torch.Tensor], stream: str, tensor: torch.Tensor, device: torch.device, *,
           pinned: bool) -> torch.Tensor:
     """A view of `pool[stream]`, a flat buffer on `device`, in `tensor`'s shape and dtype (contiguous);
-    the buffer is replaced by a larger one (at least twice the size) when `tensor` does not fit."""
+    the buffer is replaced by a larger one (at least twice the size) when `tensor` does not fit. The
+    slot keeps the last view of each buffer and hands it out again while the shape and dtype hold."""
+    key = (stream, device)
+    shaped = slot.shaped.get(key)
+    if shaped is not None and shaped.shape == tensor.shape and shaped.dtype == tensor.dtype:
+        return shaped
     flat = pool.get(stream)
     size = tensor.numel()
     if flat is None or flat.dtype != tensor.dtype or flat.device != device or flat.numel() < size:
         if flat is not None and flat.dtype == tensor.dtype and flat.device == device:
             size = max(size, 2 * flat.numel())
         flat = pool[stream] = torch.empty(size, dtype=tensor.dtype, device=device, pin_memory=pinned)
-    return flat[: tensor.numel()].view(tensor.shape)
+    shaped = slot.shaped[key] = flat[: tensor.numel()].view(tensor.shape)
+    return shaped

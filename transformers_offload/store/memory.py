@@ -10,12 +10,16 @@ kept that way, and by 62-78 MiB with chunks (runs differ). Chunks grow by doubli
 leaves no unused tail), so a stream makes a handful of allocations however long the call runs, and
 the pages of a chunk not yet written are not resident.
 
-While the call runs, a step is a view of its chunk. When it ends, each step becomes a tensor of its
-own storage, exactly its bytes, over the same memory (`torch.frombuffer`): `pickle`, `torch.save` and
-`copy.deepcopy` then write that step's bytes and nothing else of its chunk (a view would carry the
-whole chunk, once per step with `pickle`). A chunk lives as long as any of its steps. (The steps are
-not made so while the call runs: the small objects each one needs, made between the KV cache's
-reallocations, pinned the heap again: 2.2 GB resident in the same script.)
+While the call runs, a step is a view of its chunk. A reader gets each step as a tensor of its own
+storage, exactly its bytes, over the same memory (`torch.frombuffer`), made the first time the step is
+read: `pickle`, `torch.save` and `copy.deepcopy` then write that step's bytes and nothing else of its
+chunk (a view would carry the whole chunk, once per step with `pickle`). A chunk lives as long as any
+of its steps. (The steps are not made so while the call runs: the small objects each one needs, made
+between the KV cache's reallocations, pinned the heap again: 2.2 GB resident in the same script; nor
+when the call ends, where they cost about 40 us a step and stream inside `generate()`.)
+
+On CPU the ring hands each tensor to `keep` as it is put (one copy, straight into its chunk); on CUDA
+the drainer hands over a step's host slot to `drain`.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ class _Chunks:
             chunk = self._chunk = torch.empty(max(1, target // (room * itemsize)) * room, dtype=tensor.dtype)
             self.arrays[chunk.data_ptr()] = chunk.view(torch.uint8).numpy()
             self._used = 0
-        kept = chunk[self._used : self._used + size].view(tensor.shape)
+        kept = chunk.as_strided(tensor.shape, _contiguous_strides(tensor.shape), self._used)
         self._used += room
         return kept.copy_(tensor)
 
@@ -92,18 +96,24 @@ class MemoryStore:
     def drain(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
         """Keep a copy of `tensors` (host slot buffers that the ring reuses) for `step`."""
         for name, tensor in tensors.items():
-            steps = self._steps.setdefault(name, {})
-            # The last write of a step wins: a step recorded twice keeps its final value, in place
-            # when its shape is unchanged (assisted decoding rewrites rejected positions).
-            earlier = steps.get(step)
-            if earlier is not None and earlier.shape == tensor.shape and earlier.dtype == tensor.dtype:
-                earlier.copy_(tensor)
-                continue
-            # Pageable memory, never a clone of the slot (a clone of a pinned slot could stay pinned).
-            chunks = self._chunks.get(name)
-            if chunks is None:
-                chunks = self._chunks[name] = _Chunks()
-            steps[step] = chunks.keep(tensor)
+            self.keep(step, name, tensor)
+
+    def keep(self, step: int, name: str, tensor: torch.Tensor) -> None:
+        """Keep a copy of `tensor` (CPU, any shape and dtype) as `step` of stream `name`, at once."""
+        steps = self._steps.get(name)
+        if steps is None:
+            steps = self._steps[name] = {}
+        # The last write of a step wins: a step recorded twice keeps its final value, in place
+        # when its shape is unchanged (assisted decoding rewrites rejected positions).
+        earlier = steps.get(step)
+        if earlier is not None and earlier.shape == tensor.shape and earlier.dtype == tensor.dtype:
+            earlier.copy_(tensor)
+            return
+        # Pageable memory, never a clone of the slot (a clone of a pinned slot could stay pinned).
+        chunks = self._chunks.get(name)
+        if chunks is None:
+            chunks = self._chunks[name] = _Chunks()
+        steps[step] = chunks.keep(tensor)
 
     def has(self, name: str, step: int) -> bool:
         """Whether `step` of stream `name` reached the store."""
@@ -112,18 +122,17 @@ class MemoryStore:
     def finish(self, num_steps: int, header: dict[str, Any], sequences: torch.Tensor | None,
                error: BaseException | None, *, ring_waits: int) -> StoredGeneration:
         """The first `num_steps` steps, for a `Generation` (later steps are dropped)."""
-        def own(name: str, step: int) -> torch.Tensor:
-            return self._chunks[name].own_storage(self._steps[name][step])
-
-        streams = {name: tuple(own(name, t) for t in range(num_steps)) for name in self._names}
+        streams = {name: _Steps([self._steps[name][t] for t in range(num_steps)], self._chunks.get(name))
+                   for name in self._names}
         encodings = header.get("encodings") or {}
         if encodings.get("scores") == SAME_AS_LOGITS:  # the very logits: the same tensors
             streams = {key: value for name, steps in streams.items()
                        for key, value in ((name, steps), *((("scores", steps),) if name == "logits" else ()))}
         header = dict(header, encodings=read_encodings(encodings))
-        once = {name: own(name, 0) for name in self._once if 0 in self._steps.get(name, {})}
-        self._steps.clear()
-        self._chunks.clear()
+        once = {name: _Steps([self._steps[name][0]], self._chunks.get(name))[0]
+                for name in self._once if 0 in self._steps.get(name, {})}
+        self._steps = {}
+        self._chunks = {}
         fields = dict(
             header,
             num_steps=num_steps,
@@ -135,10 +144,46 @@ class MemoryStore:
         return StoredGeneration(fields, MemorySource(streams, once))
 
 
+class _Steps:
+    """One stream's steps, as views of their chunks; step `t` is made a tensor of its own storage
+    (`_Chunks.own_storage`) the first time it is read, and kept so."""
+
+    def __init__(self, kept: list[torch.Tensor], chunks: _Chunks | None) -> None:
+        self._kept = kept
+        self._chunks = chunks
+        self._own = [False] * len(kept)
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def __getitem__(self, step: int) -> torch.Tensor:
+        if not self._own[step]:
+            if self._chunks is not None:
+                self._kept[step] = self._chunks.own_storage(self._kept[step])
+            self._own[step] = True
+        return self._kept[step]
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides = _STRIDES.get(shape)
+    if strides is None:
+        strides, size = [], 1
+        for dim in reversed(shape):
+            strides.append(size)
+            size *= max(dim, 1)
+        if len(_STRIDES) > 4096:  # attentions take a new shape every step
+            _STRIDES.clear()
+        strides = _STRIDES[shape] = tuple(reversed(strides))
+    return strides
+
+
+_STRIDES: dict[torch.Size, tuple[int, ...]] = {}
+
+
 class MemorySource:
     """Per-step CPU tensors held in memory."""
 
-    def __init__(self, streams: dict[str, tuple[torch.Tensor, ...]], once: dict[str, torch.Tensor] | None = None) -> None:
+    def __init__(self, streams: dict[str, Any], once: dict[str, torch.Tensor] | None = None) -> None:
         self._streams = streams
         self._once = once or {}
         self.streams = tuple(streams)
