@@ -127,18 +127,18 @@ def made_up_layers(step: int, rows: int, prompt: int = 2) -> dict[str, torch.Ten
 
 
 def made_up_stats(step: int, rows: int, vocab: int) -> torch.Tensor:
-    """One step's `(rows, 9)` float64 stats record (columns in `STATS_COLUMNS` order), without RNG."""
-    row = torch.arange(rows, dtype=torch.float64)
+    """One step's `(rows, 9)` float32 stats record (what the recorder writes) (columns in `STATS_COLUMNS` order), without RNG."""
+    row = torch.arange(rows, dtype=torch.float32)
     return torch.stack([
         (row + step) % vocab,  # token
         -0.25 * (row + 1) - step,  # logprob_raw
         -0.125 * (row + 1),  # logprob_processed
         row % 3,  # rank_raw
-        torch.zeros(rows, dtype=torch.float64),  # rank_processed
+        torch.zeros(rows, dtype=torch.float32),  # rank_processed
         0.5 + row + step,  # entropy_raw
         0.0625 * row,  # entropy_processed
         3.0 + step - row,  # logsumexp_raw
-        torch.full((rows,), float(vocab), dtype=torch.float64) - row,  # support_processed
+        torch.full((rows,), float(vocab), dtype=torch.float32) - row,  # support_processed
     ], dim=-1)
 
 

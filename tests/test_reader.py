@@ -69,7 +69,7 @@ def test_the_ragged_layout_is_pinned_byte_for_byte(tmp_path):
 
 
 def test_the_stats_stream_is_pinned_byte_for_byte(tmp_path):
-    """Per-token statistics: one `(rows, 9)` float64 record per step, a dense stream named `stats`."""
+    """Per-token statistics: one `(rows, 9)` float32 record per step, a dense stream named `stats`."""
     write_made_up_recording(tmp_path / "run", steps=3, rows=2, vocab=4, shard_bytes=164, stats=True)
     assert _golden_files(tmp_path / "run") == _golden_files(GOLDEN_STATS)
 

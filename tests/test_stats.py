@@ -104,14 +104,14 @@ def test_stats_alone_on_every_tiny_model(tiny_model, case, tmp_path):
         generation.logits()
 
 
-def test_stats_alone_are_72_bytes_per_row_and_step(gpt2, tmp_path):
+def test_stats_alone_are_36_bytes_per_row_and_step(gpt2, tmp_path):
     _, _, reference, rec = _run(gpt2, "sample_top_k_top_p", ("stats",), tmp_path / "run")
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     stream = manifest["generations"][0]["streams"]["stats"]
     rows = reference.sequences.shape[0]
-    assert stream == {"dtype": "float64", "shape": [rows, 9], "encoding": "dense"}
+    assert stream == {"dtype": "float32", "shape": [rows, 9], "encoding": "dense"}
     described = open_recording(tmp_path / "run").describe()["generations"][0]["streams"]["stats"]
-    assert described["bytes"] == 72 * rows * len(reference.scores)
+    assert described["bytes"] == 36 * rows * len(reference.scores)
 
 
 def test_stats_rows_steps_and_numpy(gpt2):
@@ -155,8 +155,9 @@ def _other_modes() -> dict:
 OTHER_MODES = _other_modes()
 
 
-def other_mode(case: str) -> tuple:
-    """OTHER_MODES[`case`]'s model, batch and generate() options; skips where the release lacks them."""
+def other_mode(case: str, dtype: torch.dtype | None = None) -> tuple:
+    """OTHER_MODES[`case`]'s model (cast to `dtype`, if given), batch and generate() options; skips
+    where the release lacks them."""
     from .conftest import make_tiny
     from .test_assisted import _source
 
@@ -164,6 +165,8 @@ def other_mode(case: str) -> tuple:
     if missing_options(kwargs):
         pytest.skip(f"transformers {TRANSFORMERS} has no {missing_options(kwargs)}")
     model = make_tiny(name)
+    if dtype is not None:
+        model = model.to(dtype)
     if source is not None:
         extra = _source(source)
         if missing_options(extra):
@@ -172,12 +175,13 @@ def other_mode(case: str) -> tuple:
     return model, prompt if prompt is not None else left_padded_batch(), kwargs
 
 
-def record_other_mode(case: str, tmp_path, variants: list[dict]) -> list:
-    """Run OTHER_MODES[`case`] once per Recorder options in `variants` (each spilled, small shards) and
-    return the generations read back with `open_recording`; skips where the release lacks the mode."""
+def record_other_mode(case: str, tmp_path, variants: list[dict], dtype: torch.dtype | None = None) -> list:
+    """Run OTHER_MODES[`case`] (its model cast to `dtype`, if given) once per Recorder options in
+    `variants` (each spilled, small shards) and return the generations read back with `open_recording`;
+    skips where the release lacks the mode."""
     from transformers_offload import UnsupportedModeError
 
-    model, batch, kwargs = other_mode(case)
+    model, batch, kwargs = other_mode(case, dtype)
     generations = []
     for index, options in enumerate(variants):
         with Recorder(model, spill_dir=tmp_path / str(index), shard_bytes=3_000, **options) as rec:
@@ -211,3 +215,16 @@ def test_stats_in_every_other_mode(case, reader, tmp_path):
     parents = generation.beam_parents() if generation.is_beam else None
     recorded = type("Recorded", (), {"logits": generation.logits(), "scores": generation.scores()})
     assert_stats_equal(rec.stats(), recorded, generation.tokens(), parents)
+
+
+def test_a_vocabulary_past_float32s_integers_gets_a_float64_record(gpt2, tmp_path, monkeypatch):
+    """Float32 holds every integer up to 2**24 only: a larger vocabulary's token ids, ranks and counts
+    go into a float64 record (here the bound is lowered below the tiny model's vocabulary)."""
+    from transformers_offload.capture import stats as stats_module
+
+    monkeypatch.setattr(stats_module, "FLOAT32_INTEGERS", 8)
+    _, _, reference, rec = _run(gpt2, "sample_top_k_top_p", ("logits", "scores", "stats"), tmp_path / "run")
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["generations"][0]["streams"]["stats"]["dtype"] == "float64"
+    tokens = open_recording(tmp_path / "run").generation().tokens()
+    assert_stats_equal(rec.stats(), reference, tokens, None)

@@ -84,7 +84,7 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
             `attn_implementation="eager"`), `"hidden_states"`, and `"stats"`: per row and step the chosen
             token, its logprob and rank under the raw logits and the processed scores, both
             distributions' entropy, the raw logsumexp and the processed support, computed on the device
-            from the full tensors (72 bytes per row and step; read with `stats()`).
+            from the full tensors (36 bytes per row and step; read with `stats()`).
         layers (`Sequence[int]`, *optional*): with attentions or hidden states, the layers to keep, as
             indices into each output's tuple of layers (negative from the end; hidden states count the
             embeddings as entry 0, so `[-1]` is the last layer of both); default all. Kept in layer

@@ -1,7 +1,7 @@
 """Per-token statistics, computed on the device from each step's full raw logits and processed scores.
 
-With `"stats"` in the Recorder's `streams`, each step records one small `(rows, 9)` float64 tensor
-instead of (or beside) the `(rows, vocab)` ones: 72 bytes per row and step. The columns, in
+With `"stats"` in the Recorder's `streams`, each step records one small `(rows, 9)` float32 tensor
+instead of (or beside) the `(rows, vocab)` ones: 36 bytes per row and step. The columns, in
 `COLUMNS` order, are exactly these torch expressions of the step's raw logits `x` (`out.logits[t]`)
 and processed scores `s` (`out.scores[t]`), on the device they were computed on, for the rows `r` of
 the step (`r = arange(rows)`; in beam search, each running beam's parent, `beam_parents`) and the
@@ -17,8 +17,10 @@ tokens `y` they continue with (`tokens`):
     logsumexp_raw       torch.logsumexp(x, -1)[r].float()
     support_processed   torch.isfinite(s).sum(-1)[r]
 
-Float64 holds each of them exactly (float32 values, and integers below 2**53), so the reader gives
-back float32 and int64 tensors equal to the expressions. In beam search a running beam of the last
+Float32 holds each of them exactly (float32 values, and integers up to 2**24: token ids, ranks and
+counts below the vocabulary size; a vocabulary larger than 2**24 gets a float64 record, which holds
+integers below 2**53, as recordings made before 2026-12-02 have), so the reader gives back float32
+and int64 tensors equal to the expressions. In beam search a running beam of the last
 step continues with no token: its `token` and ranks are -1 and its logprobs NaN, and its entropies,
 logsumexp and support are its own row's.
 
@@ -28,6 +30,8 @@ once the step's tokens are known, asks for the step's record. Nothing here waits
 """
 
 from __future__ import annotations
+
+FLOAT32_INTEGERS = 2**24  # every integer up to this is a float32 value
 
 import torch
 
@@ -53,7 +57,7 @@ class StepStats:
         return step in self._raw and step in self._processed
 
     def record(self, step: int, tokens: torch.Tensor, parents: torch.Tensor | None = None) -> torch.Tensor:
-        """The step's `(rows, 9)` float64 record; earlier steps are forgotten (this one is kept: beam
+        """The step's `(rows, 9)` float32 record (float64 above a 2**24-token vocabulary); earlier steps are forgotten (this one is kept: beam
         search records its last step again when the call ends, with no beam continuing).
 
         Args:
@@ -88,7 +92,8 @@ class StepStats:
             columns[name] = torch.where(continues, columns[name], torch.full_like(columns[name], float("nan")))
         for name in ("rank_raw", "rank_processed"):
             columns[name] = torch.where(continues, columns[name], torch.full_like(columns[name], -1))
-        return torch.stack([columns[name].to(torch.float64) for name in COLUMNS], dim=-1)
+        dtype = torch.float32 if x.shape[-1] <= FLOAT32_INTEGERS else torch.float64
+        return torch.stack([columns[name].to(dtype) for name in COLUMNS], dim=-1)
 
     def clear(self) -> None:
         self._raw.clear()

@@ -163,7 +163,8 @@ def read_shard_metadata(metadata: dict[str, str] | None) -> dict[str, Any]:
     return fields if isinstance(fields, dict) else {}
 
 
-# -- per-token statistics (`streams=("stats",)`): one `(rows, 9)` float64 record per step ------------
+# -- per-token statistics (`streams=("stats",)`): one `(rows, 9)` float32 record per step (float64 ---
+# above a 2**24-token vocabulary, and in recordings made before 2026-12-02) ---------------------------
 STATS_STREAM = "stats"
 STATS_COLUMNS = (
     "token",
@@ -180,8 +181,8 @@ STATS_INTEGER_COLUMNS = ("token", "rank_raw", "rank_processed", "support_process
 
 
 def stats_columns(record: torch.Tensor) -> dict[str, torch.Tensor]:
-    """A stored `(rows, 9)` float64 stats record as `(rows,)` tensors per column, int64 or float32: exact,
-    since float64 holds every float32 value and every integer below 2**53."""
+    """A stored `(rows, 9)` float32 or float64 stats record as `(rows,)` tensors per column, int64 or
+    float32: exact, since the recorder writes float32 only where every integer column is below 2**24."""
     return {
         name: record[..., i].to(torch.int64 if name in STATS_INTEGER_COLUMNS else torch.float32)
         for i, name in enumerate(STATS_COLUMNS)

@@ -280,9 +280,9 @@ def _check_stream_set(entry: dict[str, Any], path: Path, where: str) -> None:
                     path, f"{where}: stream {name!r} has {shape[0]} rows, which disagrees with `num_rows` {rows}."
                 )
             continue
-        if name == STATS_STREAM and (shape != [rows, len(STATS_COLUMNS)] or stream["dtype"] != "float64"):
+        if name == STATS_STREAM and (shape != [rows, len(STATS_COLUMNS)] or stream["dtype"] not in ("float32", "float64")):
             raise RecordingError(
-                path, f"{where}: stream {name!r} must be float64 of per-step shape [{rows}, {len(STATS_COLUMNS)}], "
+                path, f"{where}: stream {name!r} must be float32 or float64 of per-step shape [{rows}, {len(STATS_COLUMNS)}], "
                 f"got {stream['dtype']} {shape}.",
             )
         per_row = name in PER_ROW_STREAMS
