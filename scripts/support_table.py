@@ -52,6 +52,9 @@ ROWS = [
     ("per-token stats, in every mode recorded exactly", "exact", r"test_stats_(equal_their|in_every_other_mode)"),
     ("sparse encoding (lossless), in every mode recorded exactly", "exact", r"test_sparse_(equals_hugging|in_every_other_mode)"),
     ("top-k encoding (`topk:K`), in every mode recorded exactly", "exact", r"test_topk_(equals_its|in_every_other_mode)"),
+    ("native encoding (lossless; bfloat16/float16 models), in every mode recorded exactly", "exact",
+     r"test_native_(equals_hugging_face|in_every_other_mode)"),
+    ("scores stored once with the logits (no processor)", "exact", r"test_scores_equal_to_the_logits_are_stored_once"),
     ("layers taken from module hooks: Llama", "module hooks", r"test_selected_layers_come_from_their_modules\w*\[llama"),
     ("layers taken from module hooks: GPT-2", "module hooks", r"test_selected_layers_come_from_their_modules\w*\[gpt2"),
 ]

@@ -15,6 +15,8 @@ from transformers_offload.store.format import native_dense
 
 from .conftest import VOCAB, left_padded_batch, make_tiny
 from .helpers import HF_LOGITS_EXACT, assert_steps_equal
+from .test_sparse import assert_dense_equal
+from .test_stats import OTHER_MODES, record_other_mode
 
 CALLS = {"greedy": dict(do_sample=False), "top_k": dict(do_sample=True, top_k=20),
          "temperature": dict(do_sample=True, temperature=0.7), "beam_search": dict(num_beams=3)}
@@ -39,6 +41,20 @@ def test_native_equals_hugging_face(dtype, call, store, tmp_path):
         assert_steps_equal(run.logits(), reference.logits, "logits")
     assert run.generation().encodings == {"logits": "native", "scores": "native"}
     assert torch.equal(run.scores(rows=[0, 2])[1], reference.scores[1][[0, 2]])
+
+
+@pytest.mark.filterwarnings("ignore:`num_hidden_layers` is deprecated:FutureWarning")
+@pytest.mark.parametrize("case", sorted(OTHER_MODES))
+def test_native_in_every_other_mode(case, tmp_path):
+    """A bfloat16 model in every other mode, against a dense recording of the same call (whose equality
+    with Hugging Face the modes' own tests show)."""
+    dense, native = record_other_mode(case, tmp_path, [{"encodings": {"logits": "dense", "scores": "dense"}},
+                                                       {"encodings": {"logits": "native", "scores": "native"}}],
+                                      dtype=torch.bfloat16)
+    assert torch.equal(native.sequences, dense.sequences)
+    assert native.encodings == {"logits": "native", "scores": "native"}
+    assert_dense_equal(native.logits(), dense.logits())
+    assert_dense_equal(native.scores(), dense.scores())
 
 
 def test_a_bf16_models_logits_take_half_the_bytes_and_a_temperatures_scores_do_not(tmp_path):
