@@ -6,8 +6,11 @@
 
 Per model, in one process and in this order: a warm-up call of `--warmup-tokens`, stock generate
 (no outputs, the baseline), the Recorder in memory, generate with `output_scores` + `output_logits`
-(`return_dict_in_generate=True`), the Recorder spilling to `--spill-root`, and the baseline again
-(the two baseline timings are averaged; each case's sequences are compared with each baseline's).
+(`return_dict_in_generate=True`), the Recorder spilling to `--spill-root` with its defaults (a bf16
+model's logits `"native"` from transformers 4.45, the greedy scores stored once as the logits), the
+same with both streams dense float32 (`encodings={"logits": "dense", "scores": "dense"}`), the same
+with the per-token stats alone (`streams=("stats",)`), and the baseline again (the two baseline
+timings are averaged; each case's sequences are compared with each baseline's).
 Greedy, bf16, batch 64, 1,000 new tokens with no end-of-sequence token (every row runs to the end),
 random prompts of 32 tokens. For each case: `torch.cuda.max_memory_allocated()` after
 `reset_peak_memory_stats()`, time between `torch.cuda.synchronize()` calls, the process's CPU time
@@ -70,7 +73,12 @@ SHAPES = {
 }
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16)
-CASES = ("baseline", "recorder (memory)", "output_scores + output_logits", "recorder (spill)", "baseline (again)")
+CASES = ("baseline", "recorder (memory)", "output_scores + output_logits", "recorder (spill)",
+         "recorder (spill, dense float32)", "recorder (spill, stats only)", "baseline (again)")
+# The Recorder's options per recorder case: its defaults (a bf16 model's logits "native" from 4.45,
+# greedy scores stored once as the logits), both streams dense float32, or the per-token stats alone.
+RECORDER_OPTIONS = {CASES[1]: {}, CASES[3]: {}, CASES[4]: {"encodings": {"logits": "dense", "scores": "dense"}},
+                    CASES[5]: {"streams": ("stats",)}}
 PROMPT_LENGTH = 32
 
 
@@ -136,13 +144,15 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, deadl
                              output_scores=True, output_logits=True)
         return out.sequences  # the per-step tensors are freed with `out`, after the peak was read
 
-    def recorder(spill: bool):
+    def recorder(case: str):
+        spill = "spill" in case
+
         def run(probe):
             spill_dir = spill_root / f"{name}-run" if spill else None
-            with Recorder(model, spill_dir=spill_dir) as rec:
+            with Recorder(model, spill_dir=spill_dir, **RECORDER_OPTIONS[case]) as rec:
                 sequences = model.generate(**batch, **common, stopping_criteria=[probe], logits_processor=[rec])
             generation = rec.generation()
-            stats["recorder (spill)" if spill else "recorder (memory)"] = {
+            stats[case] = {
                 "steps": generation.num_steps, "waits": generation.stats.waits,
                 "bytes_written": generation.stats.bytes_written,
                 "write_seconds": round(generation.stats.write_seconds, 3),
@@ -154,8 +164,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, deadl
 
         return run
 
-    runs = {CASES[0]: baseline, CASES[1]: recorder(False), CASES[2]: outputs, CASES[3]: recorder(True),
-            CASES[4]: baseline}
+    runs = {case: baseline if case.startswith("baseline") else outputs if case == CASES[2] else recorder(case)
+            for case in CASES}
     meter = Meter(device)
     warmup = time.perf_counter()
     model.generate(**batch, max_new_tokens=args.warmup_tokens, do_sample=False)
@@ -177,7 +187,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, deadl
 
 def summarize(name: str, params: int, args: argparse.Namespace, results: dict[str, dict[str, Any]],
               stats: dict[str, Any]) -> dict[str, Any]:
-    base_runs = [results[c] for c in (CASES[0], CASES[4]) if c in results]
+    base_runs = [results[c] for c in (CASES[0], CASES[-1]) if c in results]
     base_seconds = sum(r["seconds"] for r in base_runs) / len(base_runs)
     base_increase = sum(r["peak"] - r["initial"] for r in base_runs) / len(base_runs)
     references = [r["sequences"].cpu() for r in base_runs]

@@ -51,15 +51,27 @@ def test_recording_on_cuda_equals_hugging_face(kwargs, store, dtype, tmp_path):
     assert_steps_equal(rec.scores(), reference.scores, "scores")
 
 
+# Each encoding, and the stats, on a float32 model and (native) a bfloat16 one.
+FLAT_OPTIONS = {
+    "dense": (torch.float32, {}),
+    "sparse scores": (torch.float32, {"encodings": {"scores": "sparse"}}),
+    "topk": (torch.float32, {"encodings": {"logits": "topk:5", "scores": "topk:5"}}),
+    "stats": (torch.float32, {"streams": ("logits", "scores", "stats")}),
+    "native bf16": (torch.bfloat16, {"encodings": {"logits": "native", "scores": "native"}}),
+}
+
+
+@pytest.mark.parametrize("recorded", sorted(FLAT_OPTIONS))
 @pytest.mark.parametrize("store", ["memory", "spill"])
-@pytest.mark.parametrize("kwargs", [dict(), dict(num_beams=3)])
-def test_device_memory_does_not_grow_with_steps(kwargs, store, tmp_path):
-    model = make_tiny("llama").to("cuda")
+@pytest.mark.parametrize("kwargs", [dict(), dict(do_sample=True, top_k=20), dict(num_beams=3)])
+def test_device_memory_does_not_grow_with_steps(kwargs, store, recorded, tmp_path):
+    dtype, recorder_options = FLAT_OPTIONS[recorded]
+    model = make_tiny("llama").to("cuda", dtype)
     batch = {k: v.to("cuda") for k, v in left_padded_batch().items()}
     peaks = []
     for steps in (16, 96):
         options = {"spill_dir": tmp_path / str(steps)} if store == "spill" else {}
-        with Recorder(model, **options) as rec:
+        with Recorder(model, **options, **recorder_options) as rec:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
