@@ -31,11 +31,11 @@ once the step's tokens are known, asks for the step's record. Nothing here waits
 
 from __future__ import annotations
 
-FLOAT32_INTEGERS = 2**24  # every integer up to this is a float32 value
-
 import torch
 
 from ..store.format import STATS_COLUMNS as COLUMNS
+
+FLOAT32_INTEGERS = 2**24  # every integer up to this is a float32 value
 
 
 class StepStats:
@@ -57,8 +57,9 @@ class StepStats:
         return step in self._raw and step in self._processed
 
     def record(self, step: int, tokens: torch.Tensor, parents: torch.Tensor | None = None) -> torch.Tensor:
-        """The step's `(rows, 9)` float32 record (float64 above a 2**24-token vocabulary); earlier steps are forgotten (this one is kept: beam
-        search records its last step again when the call ends, with no beam continuing).
+        """The step's `(rows, 9)` float32 record (float64 above a 2**24-token vocabulary); earlier steps
+        are forgotten (this one is kept: beam search records its last step again when the call ends,
+        with no beam continuing).
 
         Args:
             tokens (`torch.LongTensor` of shape `(rows,)`): the token each row continues with (-1: none).

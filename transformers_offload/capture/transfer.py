@@ -59,7 +59,8 @@ class _Slot:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # flat, host (pinned on CUDA)
     staging: dict[str, torch.Tensor] = field(default_factory=dict)  # flat, device, CUDA only
     views: dict[str, torch.Tensor] = field(default_factory=dict)  # this step's host tensors
-    shaped: dict[str, torch.Tensor] = field(default_factory=dict)  # the last view of each buffer, reused
+    # the last view of each buffer, by (stream, device), handed out again while shape and dtype hold
+    shaped: dict[tuple[str, torch.device], torch.Tensor] = field(default_factory=dict)
     written: list[str] = field(default_factory=list)
     step: int | None = None
     submitted: bool = False
@@ -120,7 +121,7 @@ class HostRing:
             return
         current = self._slots[self._current]  # most puts go to the step in the current slot
         slot = current if current.step == step and not current.submitted else self._slot_for(step)
-        if encoder is not None and tensor.device.type != "cuda":
+        if encoder is not None and not tensor.is_cuda:
             # On the host the record is made now, before any later in-place edit of `tensor`.
             slot.views[stream] = encoder.on_cpu(tensor)
             slot.encoded.pop(stream, None)

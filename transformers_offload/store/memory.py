@@ -129,7 +129,7 @@ class MemoryStore:
             streams = {key: value for name, steps in streams.items()
                        for key, value in ((name, steps), *((("scores", steps),) if name == "logits" else ()))}
         header = dict(header, encodings=read_encodings(encodings))
-        once = {name: _Steps([self._steps[name][0]], self._chunks.get(name))[0]
+        once = {name: self._chunks[name].own_storage(self._steps[name][0])
                 for name in self._once if 0 in self._steps.get(name, {})}
         self._steps = {}
         self._chunks = {}
@@ -165,19 +165,12 @@ class _Steps:
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides = _STRIDES.get(shape)
-    if strides is None:
-        strides, size = [], 1
-        for dim in reversed(shape):
-            strides.append(size)
-            size *= max(dim, 1)
-        if len(_STRIDES) > 4096:  # attentions take a new shape every step
-            _STRIDES.clear()
-        strides = _STRIDES[shape] = tuple(reversed(strides))
-    return strides
-
-
-_STRIDES: dict[torch.Size, tuple[int, ...]] = {}
+    """The strides of a contiguous tensor of `shape` (as `torch.empty(shape).stride()`)."""
+    strides, size = [], 1
+    for dim in reversed(shape):
+        strides.append(size)
+        size *= max(dim, 1)
+    return tuple(reversed(strides))
 
 
 class MemorySource:
