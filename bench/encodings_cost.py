@@ -2,7 +2,7 @@
 for greedy search, top_p 0.9 and top_k 50 at batch 1 and 8, side by side in one run.
 
     .venv/bin/python bench/encodings_cost.py [--batches 1 8] [--settings greedy top_p top_k]
-        [--new-tokens 64] [--repeats 3] [--out bench/results]
+        [--new-tokens 64] [--repeats 3] [--cases dense "lossless: scores sparse"] [--out bench/results]
 
 SmolLM2-135M-Instruct (CPU, float32; vocabulary 49,152), chat prompts left-padded into a batch,
 `--new-tokens` steps (`min_new_tokens` too, so every case runs as many). Per setting and batch, the cases
@@ -19,7 +19,8 @@ recorder spilling to a fresh directory (shards fsynced, as always):
 - top-k, lossy by choice: `{"logits": "topk:20", "scores": "topk:20"}`.
 
 Bytes per row and step are the shards' bytes on disk (safetensors headers and the tokens and finished
-mask included; manifest and checksums not) over rows x steps. Writes `encodings_cost.json` under `--out`.
+mask included; manifest and checksums not) over rows x steps. Writes `encodings_cost.json` under `--out`
+(`encodings_cost-<setting>-<batch>.json` when `--cases` picks some of the cases; stock always runs).
 """
 
 from __future__ import annotations
@@ -81,8 +82,10 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", choices=sorted(SETTINGS), default=list(SETTINGS))
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cases", nargs="+", choices=[name for name in CASES if CASES[name] is not None])
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    cases_run = [name for name in CASES if CASES[name] is None or args.cases is None or name in args.cases]
 
     model, tokenizer = load()
     tokenizer.padding_side = "left"
@@ -117,17 +120,19 @@ def main() -> None:
                     return seconds, size
 
                 run("stock generate()")  # warm-up
-                times: dict[str, list[float]] = {name: [] for name in CASES}
+                times: dict[str, list[float]] = {name: [] for name in cases_run}
                 sizes: dict[str, int] = {}
                 for _ in range(args.repeats):
-                    for name in CASES:
+                    for name in cases_run:
                         seconds, size = run(name)
                         times[name].append(seconds)
                         sizes[name] = size
                 base = statistics.median(times["stock generate()"])
-                dense = sizes["dense"] / (batch_size * args.new_tokens)
+                # The dense recording's bytes per row and step; without it, its two float32 tensors alone.
+                dense = (sizes["dense"] / (batch_size * args.new_tokens) if "dense" in sizes
+                         else 2 * 4 * model.config.vocab_size)
                 rows, cases = [], {}
-                for name in CASES:
+                for name in cases_run:
                     median = statistics.median(times[name])
                     per = sizes[name] / (batch_size * args.new_tokens)
                     cases[name] = {"seconds": times[name], "median_s": median, "over_stock": median / base,
@@ -142,7 +147,8 @@ def main() -> None:
         shutil.rmtree(scratch, ignore_errors=True)
     print(f"\nfor comparison: distillation stores of the top 128 logprobs, about {DISTILLATION_BYTES_PER_TOKEN} "
           "bytes per token after lossy compression")
-    write_json(args.out / "encodings_cost.json", record)
+    name = "encodings_cost" if args.cases is None else "-".join(["encodings_cost", *args.settings, *map(str, args.batches)])
+    write_json(args.out / f"{name}.json", record)
 
 
 if __name__ == "__main__":
