@@ -17,13 +17,14 @@ from transformers_offload.store.format import RecordingError
 from .conftest import left_padded_batch, make_tiny
 from .helpers import assert_steps_equal
 
-CALLS = {
-    "greedy": (dict(do_sample=False), True),
+CALLS = {  # generate() options: how the Recorder's defaults store the scores
+    "greedy": (dict(do_sample=False), "same_as_logits"),
     # Sampling with nothing to warp: one list from 4.45; 4.36-4.44 build a warper list after it.
-    "sampling, no warper": (dict(do_sample=True, top_k=0), not _compat.HAS_SEPARATE_WARPER_LIST),
-    "greedy with a processor": (dict(do_sample=False, repetition_penalty=1.3), False),
-    "sampling with top-k": (dict(do_sample=True, top_k=5), False),
-    "beam search": (dict(num_beams=2), False),
+    "sampling, no warper": (dict(do_sample=True, top_k=0),
+                            "dense" if _compat.HAS_SEPARATE_WARPER_LIST else "same_as_logits"),
+    "greedy with a processor": (dict(do_sample=False, repetition_penalty=1.3), "dense"),
+    "sampling with top-k": (dict(do_sample=True, top_k=5), "sparse"),  # a masking warper (test_sparse.py)
+    "beam search": (dict(num_beams=2), "dense"),
 }
 
 
@@ -35,7 +36,8 @@ def _streams(root):
 @pytest.mark.parametrize("call", sorted(CALLS))
 def test_scores_equal_to_the_logits_are_stored_once(call, store, tmp_path):
     model = make_tiny("gpt2")
-    kwargs, once = CALLS[call]
+    kwargs, encoding = CALLS[call]
+    once = encoding == "same_as_logits"
     torch.manual_seed(0)
     reference = model.generate(**left_padded_batch(), max_new_tokens=4, min_length=0, return_dict_in_generate=True,
                                output_scores=True, pad_token_id=0, **kwargs)
@@ -45,10 +47,10 @@ def test_scores_equal_to_the_logits_are_stored_once(call, store, tmp_path):
         model.generate(**left_padded_batch(), max_new_tokens=4, min_length=0, logits_processor=[rec], pad_token_id=0, **kwargs)
     run = open_recording(tmp_path / "run", verify=True) if store == "spill" else rec
     assert_steps_equal(run.scores(), reference.scores, "scores")
-    assert "scores" in run.generation().streams and run.generation().encodings == {}
+    assert "scores" in run.generation().streams
+    assert run.generation().encodings == ({"scores": "sparse"} if encoding == "sparse" else {})
     if store == "spill":
-        encoding = _streams(tmp_path / "run")["scores"]["encoding"]
-        assert encoding == ("same_as_logits" if once else "dense")
+        assert _streams(tmp_path / "run")["scores"]["encoding"] == encoding
         described = run.describe()["generations"][0]["streams"]["scores"]
         assert (described["bytes"] == 0) == once
         if once:

@@ -14,8 +14,8 @@ from transformers_offload.capture import encodings as _encodings
 from transformers_offload.store.format import SparseRecord
 
 from .conftest import left_padded_batch, make_tiny
-from .helpers import TRANSFORMERS
-from .test_exactness import CASES, NEW_TOKENS, READERS, SEED, SMALL_SHARD_BYTES, _resolve_eos, hf_reference, missing_options
+from .helpers import TRANSFORMERS, missing_options
+from .test_exactness import CASES, NEW_TOKENS, READERS, SEED, SMALL_SHARD_BYTES, _resolve_eos, hf_reference
 from .test_stats import OTHER_MODES, record_other_mode
 
 BOTH = {"logits": "sparse", "scores": "sparse"}
@@ -261,3 +261,47 @@ def test_a_flipped_record_header_or_token_id_is_refused(gpt2, tmp_path, where, f
     save_file(tensors, shard, metadata=metadata)
     with pytest.raises(RecordingError, match=match):
         open_recording(tmp_path / "run").scores()
+
+
+DEFAULT_CASES = {  # generate() options: whether the Recorder stores the scores sparse by default
+    "top_k": (dict(do_sample=True, top_k=5), True),
+    "top_p": (dict(do_sample=True, top_p=0.5), True),
+    "min_p": (dict(do_sample=True, min_p=0.1), True),
+    "typical_p": (dict(do_sample=True, typical_p=0.5), True),
+    "epsilon": (dict(do_sample=True, top_k=0, epsilon_cutoff=0.01), True),
+    "eta": (dict(do_sample=True, top_k=0, eta_cutoff=0.01), True),
+    "beam_sample_top_k": (dict(do_sample=True, num_beams=2, top_k=5), True),
+    "temperature_no_top_k": (dict(do_sample=True, top_k=0, temperature=0.7), False),
+    "greedy_repetition_penalty": (dict(repetition_penalty=1.3), False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DEFAULT_CASES))
+def test_sampling_through_a_masking_warper_stores_scores_sparse_by_default(gpt2, case, tmp_path):
+    """With no encoding named for the scores, a CPU call that samples through top-k, top-p, min-p,
+    typical, epsilon or eta stores them `"sparse"`; every other call dense. Which calls mask is read
+    from what generate() computed (its scores hold -inf), on every release; the scores stay exact."""
+    kwargs, sparse = DEFAULT_CASES[case]
+    if missing_options(kwargs):
+        pytest.skip(f"transformers {TRANSFORMERS} has no {missing_options(kwargs)}")
+    batch = left_padded_batch()
+    kwargs = dict(kwargs, max_new_tokens=6)
+    torch.manual_seed(SEED)
+    reference = hf_reference(gpt2, **batch, **kwargs)
+    assert any(bool((step == NEG_INF).any()) for step in reference.scores) == sparse
+    with Recorder(gpt2, spill_dir=tmp_path / "run") as rec:
+        torch.manual_seed(SEED)
+        gpt2.generate(**batch, logits_processor=[rec], **kwargs)
+    run = open_recording(tmp_path / "run")
+    assert run.generation().encodings.get("scores") == ("sparse" if sparse else None)
+    assert_dense_equal(run.scores(), reference.scores)
+    assert_dense_equal(run.logits(), reference.logits)
+    if sparse:
+        assert_entries_equal(run.sparse("scores"), reference.scores)
+
+
+def test_scores_named_dense_stay_dense_when_a_warper_masks(gpt2):
+    with Recorder(gpt2, encodings={"scores": "dense"}) as rec:
+        gpt2.generate(**left_padded_batch(), logits_processor=[rec], do_sample=True, top_k=5, max_new_tokens=3)
+    assert "scores" not in rec.generation().encodings
+    assert len(rec.scores()) == 3

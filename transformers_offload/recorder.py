@@ -107,8 +107,8 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
             shard buffers: `generate()` waits only when all three are taken (counted in
             `Generation.stats.waits`).
         encodings (`dict[str, str]`, *optional*): how to store `"logits"` and `"scores"`, applied on the
-            device inside the step, before the copy: `"dense"` (the default, the whole `(rows,
-            vocab_size)` tensor), `"sparse"` (lossless: per row only the entries that are not -inf, 4
+            device inside the step, before the copy: `"dense"` (the whole `(rows, vocab_size)`
+            tensor), `"sparse"` (lossless: per row only the entries that are not -inf, 4
             bytes a row plus 8 a kept entry, never more than dense plus `12 + 4 x rows` bytes a step;
             `logits()`/`scores()` return the dense tensors, `sparse()` the entries), `"native"` (lossless:
             a bfloat16/float16 model's float32 logits stored in the model's dtype, 2 bytes a value, for
@@ -116,11 +116,15 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
             (lossy, by your choice: per row the K largest values and their token ids, the logsumexp
             over the whole vocabulary and the probability mass outside the K, `(2K + 2) x 8` bytes per
             row and step; read with `topk()`, which `logits()` and `scores()` then point to). E.g.
-            `{"scores": "sparse"}`. A bfloat16/float16 model's logits are recorded `"native"` by default
-            from 4.45 (name `{"logits": "dense"}` for dense float32). A call with no processor (greedy search, or sampling without any
-            processor or warper) stores `scores` once with the logits, whose very tensor they are
-            (`"same_as_logits"` in the manifest; `scores()` returns the same tensors); naming any
-            encoding for `"scores"` (`{"scores": "dense"}`...) stores them on their own.
+            `{"scores": "sparse"}`. A stream named nowhere here is stored dense, except by default:
+            a bfloat16/float16 model's logits are recorded `"native"` from 4.45 (name `{"logits":
+            "dense"}` for dense float32); on CPU, a call that samples through a warper that masks
+            entries to -inf (top_k, top_p, min_p, typical_p, epsilon_cutoff, eta_cutoff, top_h) records
+            its scores `"sparse"` (on CUDA dense, until that path has run on a GPU); a call with no
+            processor (greedy search, or sampling without any processor or warper) stores `scores`
+            once with the logits, whose very tensor they are (`"same_as_logits"` in the manifest). The
+            readers return the same tensors either way; naming any encoding for `"scores"`
+            (`{"scores": "dense"}`...) stores them so.
         append (`bool`, *optional*, defaults to False): with `spill_dir` holding a recording of the same
             model, add this recorder's generations after those already there (never touching them; a
             generation a stopped process left `"recording"` is marked `"failed"`). `generations` then
@@ -204,6 +208,8 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
         self._prompt_scoring = _prompt_logprobs.scoring_for(model, prompt_logprobs, prompt_chunk)
         # Scores equal to the logits (no processor) are stored once, unless asked for dense by name.
         self._scores_once = not (isinstance(encodings, dict) and encodings.get("scores") == "dense")
+        # Scores with no encoding named: "sparse" in calls that sample through a masking warper.
+        self._sparse_scores = not (isinstance(encodings, dict) and "scores" in encodings)
         if "attentions" in streams:
             _layers.require_eager(model)
         self._spill: Spill | None = None
@@ -380,6 +386,9 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
                 samples=samples,
                 prompt_scoring=self._prompt_scoring,
                 scores_once=self._scores_once,
+                # Sparse scores by default where measured no slower than dense (bench/encodings_cost.py):
+                # on CPU. On CUDA their two-part path has yet to run on a GPU (scripts/device_checks.sh).
+                sparse_scores=self._sparse_scores and _on_cpu(self._model),
                 model_dtype=getattr(self._model, "dtype", torch.float32),
             )
             return self._active
@@ -453,6 +462,11 @@ def _on_cuda(model: Any) -> bool:
     """Whether `model` computes on CUDA: then the ring drains in its own thread."""
     device = getattr(model, "device", None)
     return isinstance(device, torch.device) and device.type == "cuda"
+
+
+def _on_cpu(model: Any) -> bool:
+    device = getattr(model, "device", None)
+    return isinstance(device, torch.device) and device.type == "cpu"
 
 
 def _model_info(model: Any) -> dict[str, Any]:

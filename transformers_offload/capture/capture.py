@@ -41,7 +41,8 @@ class Capture:
                  open_store: OpenStore, index: int, attention_mask: Any = None, threaded: bool = False,
                  layer_tap: _layers.LayerTap | None = None, encodings: dict[str, str] | None = None,
                  samples: dict[str, Any] | None = None, prompt_scoring: PromptScoring | None = None,
-                 scores_once: bool = True, model_dtype: torch.dtype = torch.float32) -> None:
+                 scores_once: bool = True, sparse_scores: bool = False,
+                 model_dtype: torch.dtype = torch.float32) -> None:
         self.streams = streams
         self.encodings = dict(encodings or {})  # logits/scores not recorded dense (`encodings`)
         self._sparse = _encodings.Sparse()
@@ -66,6 +67,7 @@ class Capture:
         self.prompt_length = 0
         self.scores_as_logits = False
         self._scores_once = scores_once  # False: `encodings={"scores": "dense"}` asked for them stored anyway
+        self._sparse_scores = sparse_scores  # scores "sparse" where a warper masks them (no encoding named)
         self._raw_scores: torch.Tensor | None = None  # this step's raw logits, with `scores_as_logits`
         self.num_beams = 1
         self.num_beam_groups = 1
@@ -115,6 +117,9 @@ class Capture:
         if eos_list:
             self.eos_ids = torch.tensor(eos_list)
         self.kept_on_device = _compat.outputs_kept_on_device(generation_config)
+        if self._sparse_scores and "scores" in self.streams and _encodings.sampling_masks(generation_config):
+            # Sampling through top-k, top-p...: a few finite scores per row, stored as those (lossless).
+            self.encodings["scores"] = _format.SPARSE
         # Greedy search or sampling with no processor (nor, 4.36-4.44, a warper list, not built yet):
         # the processed scores are the raw logits, the very tensor: `scores` is stored once, as them.
         self.scores_as_logits = (

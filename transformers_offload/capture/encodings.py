@@ -1,7 +1,7 @@
 """Encodings of the `(rows, vocab)` streams, applied on the device inside the step, before the copy.
 
-`Recorder(..., encodings={"scores": "sparse"})`: `"dense"` (the default: the tensor as generate()
-computed it), `"sparse"` (lossless: per row only the entries that are not -inf; see `Sparse`) and
+`Recorder(..., encodings={"scores": "sparse"})`: `"dense"` (the tensor as generate() computed it; the
+default, but for the Recorder's own choices: `sampling_masks`), `"sparse"` (lossless: per row only the entries that are not -inf; see `Sparse`) and
 `"topk:K"`, lossy by the user's choice: per row the K largest values
 and their indices, the logsumexp over the whole vocabulary (so the kept tokens' logprobs are exact
 differences) and the probability mass outside the K. It stores one `(rows, 2K + 2)` float64 record per
@@ -61,6 +61,24 @@ def check(encodings: Any, streams: tuple[str, ...], vocab_size: int | None) -> d
             raise ValueError(f"`encodings[{stream!r}]` keeps the top {k} of a vocabulary of {vocab_size}; choose K <= {vocab_size}.")
         chosen[stream] = encoding
     return chosen
+
+
+def sampling_masks(generation_config: Any) -> bool:
+    """Whether generate() samples through a warper that sets entries of the scores to -inf: top-k,
+    top-p, min-p, typical, epsilon, eta or top-h, under the conditions on which transformers (4.36 to
+    5.x) builds each. Such a call's processed scores hold few finite entries per row (about 4 under
+    top_p 0.9, 50 under top_k 50): the Recorder then stores them `"sparse"` by default."""
+    if not getattr(generation_config, "do_sample", False):
+        return False
+    top_k, top_p, min_p, typical_p, epsilon, eta, top_h = (  # min_p and top_h: newer releases only
+        getattr(generation_config, name, None)
+        for name in ("top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h")
+    )
+    return bool(
+        (top_k is not None and top_k != 0) or (top_p is not None and top_p < 1.0) or min_p is not None
+        or (typical_p is not None and typical_p < 1.0) or (epsilon is not None and 0.0 < epsilon < 1.0)
+        or (eta is not None and 0.0 < eta < 1.0) or top_h is not None
+    )
 
 
 def encode(encoding: str, tensor: torch.Tensor) -> torch.Tensor:
