@@ -5,12 +5,14 @@ entries that are not -inf, computed where the tensor is; `logits()` / `scores()`
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 
 from transformers_offload import Recorder, RecordingError, open_recording
 from transformers_offload.capture import encodings as _encodings
+from transformers_offload.cli import format_summary
 from transformers_offload.store.format import SparseRecord
 
 from .conftest import left_padded_batch, make_tiny
@@ -148,6 +150,11 @@ def test_a_sparse_recording_is_small_and_says_its_encoding(gpt2, tmp_path):
     entry = json.loads((tmp_path / "run" / "manifest.json").read_text())["generations"][0]
     assert entry["streams"]["scores"] == {"dtype": "int32", "shape": [None], "encoding": "sparse",
                                           "dense": {"dtype": "float32", "shape": [3, 128]}}
+    # `inspect` shows the tensors the readers give back, and the records' own dtype in its JSON.
+    summary = open_recording(tmp_path / "run").describe()
+    described = summary["generations"][0]["streams"]["scores"]
+    assert (described["dtype"], described["shape"], described["stored_dtype"]) == ("float32", [3, 128], "int32")
+    assert re.search(r"\n  scores +float32 +sparse +\(3, 128\) ", format_summary(summary))
     described = open_recording(tmp_path / "run").describe()["generations"][0]["streams"]["scores"]
     # Per step: the header (3), 3 row counts, and 3 ids and 3 values per row.
     assert described["bytes"] == 6 * (3 + 3 + 3 * 6) * 4
@@ -272,6 +279,8 @@ DEFAULT_CASES = {  # generate() options: whether the Recorder stores the scores 
     "eta": (dict(do_sample=True, top_k=0, eta_cutoff=0.01), True),
     "beam_sample_top_k": (dict(do_sample=True, num_beams=2, top_k=5), True),
     "temperature_no_top_k": (dict(do_sample=True, top_k=0, temperature=0.7), False),
+    "top_k_over_the_vocabulary": (dict(do_sample=True, top_k=1000), False),  # masks nothing
+    "min_p_zero": (dict(do_sample=True, top_k=0, min_p=0.0), False),  # masks nothing
     "greedy_repetition_penalty": (dict(repetition_penalty=1.3), False),
 }
 
@@ -279,8 +288,9 @@ DEFAULT_CASES = {  # generate() options: whether the Recorder stores the scores 
 @pytest.mark.parametrize("case", sorted(DEFAULT_CASES))
 def test_sampling_through_a_masking_warper_stores_scores_sparse_by_default(gpt2, case, tmp_path):
     """With no encoding named for the scores, a CPU call that samples through top-k, top-p, min-p,
-    typical, epsilon or eta stores them `"sparse"`; every other call dense. Which calls mask is read
-    from what generate() computed (its scores hold -inf), on every release; the scores stay exact."""
+    typical, epsilon or eta stores them `"sparse"`; every other call dense (a warper that masks
+    nothing too: top-k over the vocabulary, min-p 0). Which calls mask is read from what generate()
+    computed (its scores hold -inf), on every release; the scores stay exact."""
     kwargs, sparse = DEFAULT_CASES[case]
     if missing_options(kwargs):
         pytest.skip(f"transformers {TRANSFORMERS} has no {missing_options(kwargs)}")

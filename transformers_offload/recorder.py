@@ -389,6 +389,7 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
                 # Sparse scores by default where measured no slower than dense (bench/encodings_cost.py):
                 # on CPU. On CUDA their two-part path has yet to run on a GPU (scripts/device_checks.sh).
                 sparse_scores=self._sparse_scores and _on_cpu(self._model),
+                vocab_size=_model_info(self._model)["vocab_size"],
                 model_dtype=getattr(self._model, "dtype", torch.float32),
             )
             return self._active

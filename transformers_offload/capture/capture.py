@@ -41,7 +41,7 @@ class Capture:
                  open_store: OpenStore, index: int, attention_mask: Any = None, threaded: bool = False,
                  layer_tap: _layers.LayerTap | None = None, encodings: dict[str, str] | None = None,
                  samples: dict[str, Any] | None = None, prompt_scoring: PromptScoring | None = None,
-                 scores_once: bool = True, sparse_scores: bool = False,
+                 scores_once: bool = True, sparse_scores: bool = False, vocab_size: int | None = None,
                  model_dtype: torch.dtype = torch.float32) -> None:
         self.streams = streams
         self.encodings = dict(encodings or {})  # logits/scores not recorded dense (`encodings`)
@@ -68,6 +68,7 @@ class Capture:
         self.scores_as_logits = False
         self._scores_once = scores_once  # False: `encodings={"scores": "dense"}` asked for them stored anyway
         self._sparse_scores = sparse_scores  # scores "sparse" where a warper masks them (no encoding named)
+        self._vocab_size = vocab_size  # the model config's, when known
         self._raw_scores: torch.Tensor | None = None  # this step's raw logits, with `scores_as_logits`
         self.num_beams = 1
         self.num_beam_groups = 1
@@ -117,7 +118,7 @@ class Capture:
         if eos_list:
             self.eos_ids = torch.tensor(eos_list)
         self.kept_on_device = _compat.outputs_kept_on_device(generation_config)
-        if self._sparse_scores and "scores" in self.streams and _encodings.sampling_masks(generation_config):
+        if self._sparse_scores and "scores" in self.streams and _encodings.sampling_masks(generation_config, self._vocab_size):
             # Sampling through top-k, top-p...: a few finite scores per row, stored as those (lossless).
             self.encodings["scores"] = _format.SPARSE
         # Greedy search or sampling with no processor (nor, 4.36-4.44, a warper list, not built yet):

@@ -63,11 +63,12 @@ def check(encodings: Any, streams: tuple[str, ...], vocab_size: int | None) -> d
     return chosen
 
 
-def sampling_masks(generation_config: Any) -> bool:
-    """Whether generate() samples through a warper that sets entries of the scores to -inf: top-k,
-    top-p, min-p, typical, epsilon, eta or top-h, under the conditions on which transformers (4.36 to
-    5.x) builds each. Such a call's processed scores hold few finite entries per row (about 4 under
-    top_p 0.9, 50 under top_k 50): the Recorder then stores them `"sparse"` by default."""
+def sampling_masks(generation_config: Any, vocab_size: int | None = None) -> bool:
+    """Whether generate() samples through a warper that sets entries of the scores to -inf: top-k
+    (below `vocab_size`, when known), top-p, min-p (above 0), typical, epsilon, eta or top-h, under the
+    conditions on which transformers (4.36 to 5.x) builds each. Such a call's processed scores hold
+    few finite entries per row (about 4 under top_p 0.9, 50 under top_k 50): the Recorder then stores
+    them `"sparse"` by default."""
     if not getattr(generation_config, "do_sample", False):
         return False
     top_k, top_p, min_p, typical_p, epsilon, eta, top_h = (  # min_p and top_h: newer releases only
@@ -75,7 +76,8 @@ def sampling_masks(generation_config: Any) -> bool:
         for name in ("top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h")
     )
     return bool(
-        (top_k is not None and top_k != 0) or (top_p is not None and top_p < 1.0) or min_p is not None
+        (top_k is not None and top_k != 0 and (not isinstance(vocab_size, int) or top_k < vocab_size))
+        or (top_p is not None and top_p < 1.0) or (min_p is not None and min_p > 0.0)
         or (typical_p is not None and typical_p < 1.0) or (epsilon is not None and 0.0 < epsilon < 1.0)
         or (eta is not None and 0.0 < eta < 1.0) or top_h is not None
     )

@@ -111,7 +111,9 @@ class Recording(Readable):
         its state, sizes and streams.
 
         Each stream gives its `dtype`, `encoding`, per-step `shape` (`once`: true for a stream recorded once per call: encoder outputs, prompt logprobs) and `bytes` (of the readable
-        steps), and an encoded one (`"sparse"`, `"topk:K"`) also `dense_bytes`, what the same steps would take as
+        steps); a stream whose readers give back dense tensors (`"sparse"`, `"native"`, and scores stored once
+        with such logits) gives those tensors' `dtype` and `shape`, and its records' own dtype as
+        `stored_dtype`; an encoded one (`"sparse"`, `"native"`, `"topk:K"`) also `dense_bytes`, what the same steps would take as
         float32 `(rows, vocab_size)` tensors (`scores` stored once with the logits, `"same_as_logits"`, take
         0 bytes of their own); each generation its `file_bytes` on disk (shards and
         sequences), its `prompt_lengths` (non-padding tokens per prompt; None without an attention
@@ -138,6 +140,9 @@ class Recording(Readable):
                     "shape": stream["shape"],
                     "bytes": elements * itemsize,
                 }
+                if stream.get("dense"):  # records read back as dense tensors: those tensors' dtype and shape
+                    streams[name].update(dtype=stream["dense"]["dtype"], shape=stream["dense"]["shape"],
+                                         stored_dtype=stream["dtype"])
                 if name in encoder.get("streams", {}):
                     streams[name]["once"] = True  # recorded once per call, not per step
                 vocab = self.model.get("vocab_size")
