@@ -119,8 +119,9 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
             `{"scores": "sparse"}`. A stream named nowhere here is stored dense, except by default:
             a bfloat16/float16 model's logits are recorded `"native"` from 4.45 (name `{"logits":
             "dense"}` for dense float32); on CPU, a call that samples through a warper that masks
-            entries to -inf (top_k, top_p, min_p, typical_p, epsilon_cutoff, eta_cutoff, top_h) records
-            its scores `"sparse"` (on CUDA dense, until that path has run on a GPU); a call with no
+            entries to -inf (top_k below the vocabulary size, top_p, min_p above 0, typical_p,
+            epsilon_cutoff, eta_cutoff, top_h; `do_sample=True` alone brings top_k=50) records its
+            scores `"sparse"` (on CUDA dense, until that path has run on a GPU); a call with no
             processor (greedy search, or sampling without any processor or warper) stores `scores`
             once with the logits, whose very tensor they are (`"same_as_logits"` in the manifest). The
             readers return the same tensors either way; naming any encoding for `"scores"`

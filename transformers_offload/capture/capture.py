@@ -118,7 +118,8 @@ class Capture:
         if eos_list:
             self.eos_ids = torch.tensor(eos_list)
         self.kept_on_device = _compat.outputs_kept_on_device(generation_config)
-        if self._sparse_scores and "scores" in self.streams and _encodings.sampling_masks(generation_config, self._vocab_size):
+        if (self._sparse_scores and "scores" in self.streams
+                and _encodings.sampling_masks(generation_config, self._vocab_size)):
             # Sampling through top-k, top-p...: a few finite scores per row, stored as those (lossless).
             self.encodings["scores"] = _format.SPARSE
         # Greedy search or sampling with no processor (nor, 4.36-4.44, a warper list, not built yet):

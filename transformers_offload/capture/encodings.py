@@ -1,12 +1,12 @@
 """Encodings of the `(rows, vocab)` streams, applied on the device inside the step, before the copy.
 
 `Recorder(..., encodings={"scores": "sparse"})`: `"dense"` (the tensor as generate() computed it; the
-default, but for the Recorder's own choices: `sampling_masks`), `"sparse"` (lossless: per row only the entries that are not -inf; see `Sparse`) and
-`"topk:K"`, lossy by the user's choice: per row the K largest values
-and their indices, the logsumexp over the whole vocabulary (so the kept tokens' logprobs are exact
-differences) and the probability mass outside the K. It stores one `(rows, 2K + 2)` float64 record per
-step, whose columns are exactly these torch expressions of the step's tensor `x` (`out.logits[t]` or
-`out.scores[t]`):
+default, but for the Recorder's own choices: `sampling_masks`), `"sparse"` (lossless: per row only
+the entries that are not -inf; see `Sparse`) and `"topk:K"`, lossy by the user's choice: per row the
+K largest values and their indices, the logsumexp over the whole vocabulary (so the kept tokens'
+logprobs are exact differences) and the probability mass outside the K. It stores one
+`(rows, 2K + 2)` float64 record per step, whose columns are exactly these torch expressions of the
+step's tensor `x` (`out.logits[t]` or `out.scores[t]`):
 
     values, indices = torch.topk(x, K, dim=-1)                       # columns 0..K-1, K..2K-1
     logsumexp       = torch.logsumexp(x, -1)                           # column 2K
