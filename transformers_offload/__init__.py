@@ -6,7 +6,7 @@ from .capture.modes import UnsupportedModeError
 from .read.generation import Generation
 from .read.indexing import StreamNotRecorded
 from .read.reader import Recording, open_recording
-from .recorder import DeviceAccumulationWarning, Recorder
+from .recorder import DeviceAccumulationWarning, Recorder, RecordingMismatchWarning
 from .store.format import RecordingError
 from .store.shards import SpillError
 from .store.stored import TransferStats
@@ -19,6 +19,7 @@ __all__ = [
     "Recorder",
     "Recording",
     "RecordingError",
+    "RecordingMismatchWarning",
     "SpillError",
     "StreamNotRecorded",
     "TransferStats",

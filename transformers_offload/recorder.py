@@ -24,6 +24,7 @@ from .capture import prompt_logprobs as _prompt_logprobs
 from .capture.capture import Capture
 from .capture.hooks import CallRecorder
 from .capture.modes import UnsupportedModeError
+from .capture.verify import RecordingMismatch
 from .read.generation import Generation, Readable, generation_of, pick
 from .store import manifest as _manifest
 from .store.format import NATIVE
@@ -32,6 +33,12 @@ from .store.shards import DEFAULT_SHARD_BYTES, Spill
 
 DEFAULT_STREAMS = ("logits", "scores")
 STREAMS = (*DEFAULT_STREAMS, *_layers.STREAMS, "stats")
+
+
+class RecordingMismatchWarning(UserWarning):
+    """What a `generate()` call recorded disagrees with what the call computed or returned (its decoding
+    loop ran more than once, a step's processors never ran, the returned sequences are not the recorded
+    tokens): the generation is marked incomplete (`complete=False`) with the disagreement as its `error`."""
 
 
 class DeviceAccumulationWarning(UserWarning):
@@ -412,6 +419,15 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
                 generation = generation_of(capture.finish(output, error))
                 with self._lock:
                     self._generations.append(generation)
+                mismatch = capture.mismatch or (str(error) if isinstance(error, RecordingMismatch) else None)
+                if mismatch is not None:
+                    warnings.warn(
+                        f"transformers-offload: generation {generation.index} of this Recorder is marked "
+                        f"incomplete: {mismatch}. Its recorded steps stay readable; they may not be "
+                        "what this call returned (docs/support.md lists the paths recorded exactly).",
+                        RecordingMismatchWarning,
+                        stacklevel=3,
+                    )
                 if error is None and capture.failure is not None:
                     raise capture.failure
             elif error is None:

@@ -27,6 +27,7 @@ from .modes import check_mode
 from .prompt_logprobs import PromptScoring
 from .stats import StepStats
 from .transfer import HostRing
+from .verify import RecordingMismatch, check_loop
 
 # Opens the store of one call: given the stream names, the call's header and the most steps it can
 # run, returns an object with `drain(step, tensors)`, `has(name, step)`, `finish(...) -> StoredGeneration`
@@ -87,6 +88,8 @@ class Capture:
         self._group_scores: torch.Tensor | None = None
         self._previous_ids: torch.Tensor | None = None
         self._late_error: BaseException | None = None
+        self._last_ids: torch.Tensor | None = None  # the loop's input_ids when its criteria last ran
+        self.mismatch: str | None = None  # what `finish` found to disagree with the call, if anything
         # Per-token statistics: each step's full tensors, kept on the device until its tokens are known.
         self._stats = StepStats() if _format.STATS_STREAM in streams else None
         # Prompt logprobs: the first forward's final hidden states, kept until the first step's processors.
@@ -440,6 +443,7 @@ class Capture:
             # from the host would wait for the device.
             eos = self.eos_ids.pin_memory() if token.is_cuda else self.eos_ids
             self.eos_ids = eos.to(token.device, non_blocking=True)
+        self._last_ids = input_ids  # a reference: the loop makes a new tensor each step
         last = input_ids.shape[-1] - self.prompt_length
         for step in range(self._tokens_until, last):  # assisted decoding accepts several tokens at once
             chosen = token if step == last - 1 else input_ids[:, self.prompt_length + step]
@@ -496,12 +500,18 @@ class Capture:
         self._finished = None
         if self._stats is not None:
             self._stats.clear()
-        num_steps = _complete_steps(self.store, self.names, steps)
-        sequences = _compat.output_sequences(output)
-        if sequences is not None and not self.is_beam:
-            # A step whose token generate() dropped (the deferred stop check runs one step too many on
-            # some devices and undoes it) is dropped here too.
-            num_steps = min(num_steps, sequences.shape[-1] - self.prompt_length)
+        sequences = _compat.output_sequences(output) if error is None else None
+        verdict = check_loop(
+            complete_steps=_complete_steps(self.store, self.names, steps), sequences=sequences,
+            last_ids=self._last_ids, prompt_length=self.prompt_length,
+            tracks_ids=not (self.is_beam or self.is_group),
+        )
+        self._last_ids = None
+        num_steps = verdict.num_steps
+        if verdict.problem is not None and error is None:
+            self.mismatch = verdict.problem
+            error = RecordingMismatch(verdict.problem)
+            sequences = None  # an incomplete generation has none
         if sequences is not None:
             sequences = sequences.detach().to("cpu", copy=True)
         return self.store.finish(

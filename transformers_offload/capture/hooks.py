@@ -15,44 +15,87 @@ threads with their own recorders never see each other's steps.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import threading
 import weakref
 from typing import Any, Callable, Iterator
 
 import torch
+from transformers import GenerationMixin
 
 from .. import _compat, _interrupts
 from .capture import Capture
-from .modes import check_mode
+from .modes import check_mode, refuse_continuous_batching
+from .verify import RecordingMismatch
 from . import prompt_logprobs as _prompt_logprobs
 
 _ABSENT = object()
 _LOCK = threading.Lock()
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, ModelHooks]" = weakref.WeakKeyDictionary()
-_ACTIVE = threading.local()  # .captures: dict[id(model), Capture] for the calls running in this thread
+_ACTIVE = threading.local()  # .calls: dict[id(model), RecordedCall] for the calls running in this thread
+
+
+class RecordedCall:
+    """One recorded `generate()` call in progress: its recorder, and the capture of the decoding loop
+    that runs now. A call whose `generate()` runs the loop more than once (a model's own `generate()`
+    around transformers', a user's override) gets one capture, so one generation, per loop: a loop that
+    starts ends the one before it, which is marked as superseded (`RecordingMismatch`)."""
+
+    def __init__(self, recorder: "CallRecorder", begin: Callable[[], Capture]) -> None:
+        self.recorder = recorder
+        self._begin = begin
+        self.capture: Capture | None = None
+        self.loops = 0  # decoding loops started in this call
+
+    def begin(self) -> Capture:
+        self.capture = self._begin()
+        return self.capture
+
+    def next_loop(self) -> Capture:
+        """A decoding loop starts while the previous one's capture has started: end that one's
+        generation (superseded by this loop) and begin the next; returns the new capture."""
+        previous = self.capture
+        superseded = RecordingMismatch(
+            f"generate() ran another decoding loop after this one in the same call (loop {self.loops + 1} "
+            f"of at least {self.loops + 2}): the call's result is not this loop's, or not this loop's alone; "
+            "the next generation records the next loop"
+        )
+        self.recorder._end_generation(previous, None, superseded)
+        self.loops += 1
+        capture = self.begin()
+        if previous.layer_tap is not None and capture.layer_tap is not None:
+            # The new loop's encoder ran before it started, while the previous capture was active.
+            capture.layer_tap.encoder_output, previous.layer_tap.encoder_output = previous.layer_tap.encoder_output, None
+        return capture
 
 
 def _active_capture(model: torch.nn.Module) -> Capture | None:
-    captures = getattr(_ACTIVE, "captures", None)
-    return None if captures is None else captures.get(id(model))
+    calls = getattr(_ACTIVE, "calls", None)
+    call = None if calls is None else calls.get(id(model))
+    return None if call is None else call.capture
+
+
+def _active_call(model: torch.nn.Module) -> RecordedCall | None:
+    calls = getattr(_ACTIVE, "calls", None)
+    return None if calls is None else calls.get(id(model))
 
 
 @contextlib.contextmanager
-def _active(model: torch.nn.Module, capture: Capture | None) -> Iterator[None]:
-    """Make `capture` the one this thread's calls on `model` report to (None: no capture), then
-    restore whatever was active before (an outer call's capture, or none)."""
-    captures = _ACTIVE.__dict__.setdefault("captures", {})
+def _active(model: torch.nn.Module, call: RecordedCall | None) -> Iterator[None]:
+    """Make `call` the one this thread's calls on `model` report to (None: no call), then restore
+    whatever was active before (an outer call, or none)."""
+    calls = _ACTIVE.__dict__.setdefault("calls", {})
     key = id(model)
-    outer = captures.pop(key, None)
-    if capture is not None:
-        captures[key] = capture
+    outer = calls.pop(key, None)
+    if call is not None:
+        calls[key] = call
     try:
         yield
     finally:
-        captures.pop(key, None)
+        calls.pop(key, None)
         if outer is not None:
-            captures[key] = outer
+            calls[key] = outer
 
 
 def _bind(function: Callable[..., Any], args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -157,8 +200,9 @@ class ModelHooks:
     # -- attach / detach ---------------------------------------------------------------------------
     def install(self) -> None:
         model = self._model_ref()
-        names = ("generate", *_compat.LIST_BUILDERS)
+        names = ("generate", *_compat.LIST_BUILDERS, *_compat.CONTINUOUS_BATCHING_ENTRIES)
         makers = {
+            "generate_batch": self._wrap_generate_batch,
             "generate": self._wrap_generate,
             "_get_logits_processor": self._wrap_processor_list,
             "_get_stopping_criteria": self._wrap_criteria_list,
@@ -202,8 +246,13 @@ class ModelHooks:
     # -- wrappers ------------------------------------------------------------------------------------
     def _wrap_generate(self, original: Callable[..., Any]) -> Callable[..., Any]:
         # Bind the call against the class's `generate` (not `original`, which may be a user's
-        # `*args, **kwargs` wrapper) to find `logits_processor` however it was passed.
+        # `*args, **kwargs` wrapper) to find `logits_processor` however it was passed; against
+        # transformers' own where the class overrides it with one that names no `logits_processor`.
         class_generate = type(self._model_ref()).generate
+        if "logits_processor" not in inspect.signature(class_generate).parameters:
+            class_generate = GenerationMixin.generate
+        var_keyword = next((name for name, parameter in inspect.signature(class_generate).parameters.items()
+                            if parameter.kind is inspect.Parameter.VAR_KEYWORD), None)
 
         def generate(*args: Any, **kwargs: Any) -> Any:
             model = self._model_ref()
@@ -211,7 +260,7 @@ class ModelHooks:
                 arguments = _bind(class_generate, (model, *args), kwargs)
             except TypeError:
                 return original(*args, **kwargs)  # let transformers report the bad call
-            extra = arguments.get("kwargs", {})
+            extra = arguments.get(var_keyword, {}) if var_keyword else {}
             recorder = self._recorder_of_call({**extra, **arguments})
             if recorder is None:
                 # Not recorded, even when made inside a recorded call (e.g. from a processor).
@@ -221,40 +270,57 @@ class ModelHooks:
             check_mode(config, arguments.get("assistant_model"), recorder._streams)
             # Ctrl-C is held while the recorder's own code runs, and the end of the call writes what
             # was recorded before raising it (`_interrupts`).
+            begin = functools.partial(
+                recorder._begin_generation,
+                assistant_model=arguments.get("assistant_model"),
+                custom_generate=arguments.get("custom_generate"),
+                attention_mask=_tensor_or_none(extra.get("attention_mask")),
+                inputs=_first_tensor(arguments.get("inputs"), extra.get("input_ids"), extra.get("inputs_embeds")),
+                past_key_values=extra.get("past_key_values"),
+            )
+            call = RecordedCall(recorder, begin)
             with _interrupts.call():
-                capture = None
                 try:
                     with _interrupts.held():
-                        capture = recorder._begin_generation(
-                            assistant_model=arguments.get("assistant_model"),
-                            custom_generate=arguments.get("custom_generate"),
-                            attention_mask=_tensor_or_none(extra.get("attention_mask")),
-                            inputs=_first_tensor(arguments.get("inputs"), extra.get("input_ids"),
-                                                 extra.get("inputs_embeds")),
-                            past_key_values=extra.get("past_key_values"),
-                        )
-                    with _active(model, capture):
+                        call.begin()
+                    with _active(model, call):
                         output = original(*args, **kwargs)
                 except BaseException as error:
-                    if capture is not None:
+                    if call.capture is not None:
                         with _interrupts.ending():
-                            recorder._end_generation(capture, None, error)
+                            recorder._end_generation(call.capture, None, error)
                     raise
                 with _interrupts.ending():
-                    recorder._end_generation(capture, output, None)
+                    recorder._end_generation(call.capture, output, None)
             return output
 
         generate.__wrapped__ = original  # type: ignore[attr-defined]
         generate.__doc__ = original.__doc__
         return generate
 
+    def _wrap_generate_batch(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def generate_batch(*args: Any, **kwargs: Any) -> Any:
+            processors = kwargs.get("logits_processor") or ()
+            if _is_recorder(processors) or any(_is_recorder(p) for p in _as_list(processors)):
+                refuse_continuous_batching()
+            return original(*args, **kwargs)
+
+        generate_batch.__wrapped__ = original  # type: ignore[attr-defined]
+        generate_batch.__doc__ = original.__doc__
+        return generate_batch
+
     def _wrap_processor_list(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def _get_logits_processor(*args: Any, **kwargs: Any) -> Any:
             processors = original(*args, **kwargs)
-            capture = _active_capture(self._model_ref())
-            if capture is None or capture.started:
-                # No recorded call, or a nested generate() that bypassed the wrapper: leave it alone.
-                return processors
+            call = _active_call(self._model_ref())
+            if call is None:
+                return processors  # no recorded call
+            capture = call.capture
+            if capture.started:
+                # Another decoding loop in the same call (a generate() that runs transformers' loop
+                # more than once): its own generation.
+                with _interrupts.held():
+                    capture = call.next_loop()
             arguments = _bind(original, args, kwargs)
             kept = [p for p in processors if not _is_recorder(p)]
             with _interrupts.held():
@@ -348,6 +414,13 @@ class ModelHooks:
 def _first_tensor(*values: Any) -> torch.Tensor | None:
     """The first of `values` that is a tensor (the call's prompt ids or embeddings), else None."""
     return next((value for value in values if isinstance(value, torch.Tensor)), None)
+
+
+def _as_list(value: Any) -> list[Any]:
+    try:
+        return list(value)
+    except TypeError:
+        return [value]
 
 
 def _tensor_or_none(value: Any) -> torch.Tensor | None:

@@ -1,0 +1,144 @@
+"""Verify, don't assume: each generation's recording is checked against what its call returned when the
+call ends; a disagreement marks it incomplete, names the disagreement and warns, never `complete=True`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GPT2LMHeadModel
+
+from transformers_offload import Recorder, RecordingMismatchWarning, open_recording
+from transformers_offload.capture.verify import check_loop
+
+from .conftest import left_padded_batch, make_tiny
+from .helpers import assert_steps_equal
+
+
+class TwiceThenSecond(GPT2LMHeadModel):
+    """A user's `generate()` override that runs transformers' loop twice and returns the second run."""
+
+    def generate(self, *args, **kwargs):
+        super().generate(*args, **kwargs)
+        return super().generate(*args, **kwargs)
+
+
+class TwiceThenFirst(GPT2LMHeadModel):
+    """The same, returning the first run's result."""
+
+    def generate(self, *args, **kwargs):
+        first = super().generate(*args, **kwargs)
+        super().generate(*args, **kwargs)
+        return first
+
+
+class DropsLastToken(GPT2LMHeadModel):
+    """An override that returns less than its loop appended."""
+
+    def generate(self, *args, **kwargs):
+        return super().generate(*args, **kwargs)[:, :-1]
+
+
+def _as(cls):
+    base = make_tiny("gpt2")
+    model = cls(base.config).eval()
+    model.load_state_dict(base.state_dict())
+    return model
+
+
+def _generate(model, rec, **options):
+    torch.manual_seed(0)
+    return model.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=5, do_sample=True,
+                          pad_token_id=0, **options)
+
+
+def _open(rec, spill):
+    return open_recording(rec.spill_dir) if spill else rec
+
+
+@pytest.mark.parametrize("spill", [False, True], ids=["memory", "spill"])
+def test_a_loop_run_twice_gives_two_generations_the_first_marked_superseded(tmp_path, spill):
+    model = _as(TwiceThenSecond)
+    with Recorder(model, spill_dir=tmp_path / "rec" if spill else None) as rec:
+        with pytest.warns(RecordingMismatchWarning, match="another decoding loop"):
+            out = _generate(model, rec)
+    run = _open(rec, spill)
+    first, second = run.generations
+    assert not first.complete and "RecordingMismatch" in first.error and "another decoding loop" in first.error
+    assert first.num_steps == 5  # its steps stay readable
+    assert second.complete and second.error is None
+    assert torch.equal(second.sequences, out)
+    # The kept loop is exact: the same call's second loop, rerun with Hugging Face's own outputs.
+    torch.manual_seed(0)
+    GPT2LMHeadModel.generate(model, **left_padded_batch(), max_new_tokens=5, do_sample=True, pad_token_id=0)  # loop 1
+    reference = GPT2LMHeadModel.generate(model, **left_padded_batch(), max_new_tokens=5, do_sample=True, pad_token_id=0,
+                                         return_dict_in_generate=True, output_logits=True, output_scores=True)
+    assert torch.equal(reference.sequences, out)
+    assert_steps_equal(run.logits(1), reference.logits, "logits")
+    assert_steps_equal(run.scores(1), reference.scores, "scores")
+
+
+@pytest.mark.parametrize("spill", [False, True], ids=["memory", "spill"])
+def test_a_call_returning_an_earlier_loop_marks_the_last_one_incomplete(tmp_path, spill):
+    model = _as(TwiceThenFirst)
+    with Recorder(model, spill_dir=tmp_path / "rec" if spill else None) as rec:
+        with pytest.warns(RecordingMismatchWarning) as caught:
+            _generate(model, rec)
+    messages = [str(w.message) for w in caught]
+    assert any("another decoding loop" in m for m in messages)
+    assert any("differ from the recorded tokens" in m for m in messages)
+    run = _open(rec, spill)
+    assert [g.complete for g in run.generations] == [False, False]
+    assert "differ from the recorded tokens first at row" in run.generations[1].error
+    assert run.generations[1].sequences is None
+
+
+@pytest.mark.parametrize("spill", [False, True], ids=["memory", "spill"])
+def test_returned_sequences_of_another_shape_mark_it_incomplete(tmp_path, spill):
+    model = _as(DropsLastToken)
+    with Recorder(model, spill_dir=tmp_path / "rec" if spill else None) as rec:
+        with pytest.warns(RecordingMismatchWarning, match="not the same rows and steps"):
+            _generate(model, rec)
+    generation = _open(rec, spill).generation()
+    assert not generation.complete and generation.num_steps == 5
+
+
+def test_a_stock_call_is_complete_without_a_warning(gpt2):
+    # filterwarnings=error: any RecordingMismatchWarning would fail this test.
+    with Recorder(gpt2) as rec:
+        out = _generate(gpt2, rec)
+    assert rec.generation().complete and torch.equal(rec.generation().sequences, out)
+
+
+def _ids(*rows):
+    return torch.tensor(rows)
+
+
+@pytest.mark.parametrize(
+    ("complete_steps", "sequences", "last_ids", "problem"),
+    [
+        (2, _ids([5, 6, 7]), _ids([5, 6, 7]), None),
+        (1, _ids([5, 6, 7]), _ids([5, 6, 7]), "processors ran (and so the logits and scores were recorded) for 1 of them"),
+        (2, _ids([5, 6]), _ids([5, 6, 7]), "not the same rows and steps"),
+        (2, _ids([5, 6, 8]), _ids([5, 6, 7]), "first at row 0, step 1: 8 returned, 7 recorded"),
+        (2, _ids([5, 6, 7], [5, 6, 7]), _ids([5, 6, 7]), "not the same rows and steps"),
+        (0, _ids([5, 6, 7]), None, "stopping criteria never ran"),
+        (0, _ids([5]), None, None),
+        (2, None, _ids([5, 6, 7]), None),
+    ],
+)
+def test_check_loop(complete_steps, sequences, last_ids, problem):
+    verdict = check_loop(complete_steps=complete_steps, sequences=sequences, last_ids=last_ids, prompt_length=1,
+                         tracks_ids=True)
+    if problem is None:
+        assert verdict.problem is None
+    else:
+        assert problem in verdict.problem
+    assert verdict.num_steps == min(complete_steps, 0 if last_ids is None else last_ids.shape[-1] - 1)
+
+
+def test_check_loop_in_beam_search_checks_the_length():
+    assert check_loop(complete_steps=3, sequences=_ids([5, 6, 7, 8]), last_ids=None, prompt_length=1,
+                      tracks_ids=False).problem is None
+    verdict = check_loop(complete_steps=2, sequences=_ids([5, 6, 7, 8]), last_ids=None, prompt_length=1,
+                         tracks_ids=False)
+    assert "3 generated token(s), but the recorder saw 2 step(s)" in verdict.problem
