@@ -28,6 +28,9 @@ TRANSFORMERS_VERSION = transformers.__version__
 # `_get_logits_warper` is a separate warper list in 4.36-4.44 (gone from 4.45, when the warpers joined
 # the processor list).
 HAS_SEPARATE_WARPER_LIST = hasattr(GenerationMixin, "_get_logits_warper")
+# Continuous batching's entry point that takes (and, through `**kwargs`, silently drops) a
+# `logits_processor` (4.54+, `ContinuousMixin`): wrapped only to refuse a Recorder passed to it.
+CONTINUOUS_BATCHING_ENTRIES = tuple(name for name in ("generate_batch",) if hasattr(GenerationMixin, name))
 LIST_BUILDERS = ("_get_logits_processor", "_get_stopping_criteria") + (
     ("_get_logits_warper",) if HAS_SEPARATE_WARPER_LIST else ()
 )

@@ -22,9 +22,26 @@ class UnsupportedModeError(ValueError):
 LAYER_MODES = ("greedy_search", "sample", "beam_search", "beam_sample")
 
 
+CONTINUOUS_BATCHING_REFUSED = (
+    "continuous batching (`generate_batch`, `generate(..., cache_implementation=\"paged\")`, the manager "
+    "behind `transformers serve`) runs its processors on packed requests in its own scheduler, not in the "
+    "per-step decoding loop the Recorder taps, and leaves a `logits_processor` it is given unused: it cannot "
+    "be recorded exactly (transformers {version}). Record with `model.generate(**batch, "
+    "logits_processor=[rec])` (a left-padded batch), or `python -m transformers_offload record` for a dataset; "
+    "or run continuous batching without the Recorder."
+)
+
+
+def refuse_continuous_batching() -> None:
+    """Raise `UnsupportedModeError`: a recorded call asked for continuous batching."""
+    raise UnsupportedModeError(CONTINUOUS_BATCHING_REFUSED.format(version=_compat.TRANSFORMERS_VERSION))
+
+
 def check_mode(generation_config: Any, assistant_model: Any, streams: tuple[str, ...] = ()) -> str:
     """The decoding mode `generation_config` asks for, or `UnsupportedModeError` naming it (`streams`:
     what the recorder records; attentions and hidden states are recorded in `LAYER_MODES` only)."""
+    if getattr(generation_config, "cache_implementation", None) == "paged":
+        refuse_continuous_batching()
     mode = _compat.generation_mode(generation_config, assistant_model)
     if mode == _compat.ASSISTED_MODE and getattr(generation_config, "assistant_early_exit", None):
         raise UnsupportedModeError(
