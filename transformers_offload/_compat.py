@@ -31,6 +31,18 @@ HAS_SEPARATE_WARPER_LIST = hasattr(GenerationMixin, "_get_logits_warper")
 # Continuous batching's entry point that takes (and, through `**kwargs`, silently drops) a
 # `logits_processor` (4.54+, `ContinuousMixin`): wrapped only to refuse a Recorder passed to it.
 CONTINUOUS_BATCHING_ENTRIES = tuple(name for name in ("generate_batch",) if hasattr(GenerationMixin, name))
+# The methods Whisper's `generate()` calls on the instance around each run of transformers' decoding
+# loop (once per 30-second segment and per fallback temperature; `capture.loops`): where a segment
+# starts, what the loop returned, and whether a prompt is rerun at the next temperature. A release
+# without all three has no taps: its Whisper loops are each recorded, and marked when unverifiable.
+LOOP_TAPS = ("generate_with_fallback", "_postprocess_outputs", "_need_fallback")
+
+
+def loop_taps(model: Any) -> tuple[str, ...]:
+    """The `LOOP_TAPS` `model`'s class has (all of them, or none)."""
+    return LOOP_TAPS if all(callable(getattr(type(model), name, None)) for name in LOOP_TAPS) else ()
+
+
 LIST_BUILDERS = ("_get_logits_processor", "_get_stopping_criteria") + (
     ("_get_logits_warper",) if HAS_SEPARATE_WARPER_LIST else ()
 )

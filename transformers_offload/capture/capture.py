@@ -90,6 +90,11 @@ class Capture:
         self._late_error: BaseException | None = None
         self._last_ids: torch.Tensor | None = None  # the loop's input_ids when its criteria last ran
         self.mismatch: str | None = None  # what `finish` found to disagree with the call, if anything
+        # A model whose generate() runs the loop several times (`loops`): this loop's own output, and
+        # per prompt whether the model reruns it (fallback) or skips it; whether it was the last attempt.
+        self.loop_output: Any = None
+        self.prompt_verdicts: dict[int, tuple[bool, bool]] = {}
+        self.last_attempt = False
         # Per-token statistics: each step's full tensors, kept on the device until its tokens are known.
         self._stats = StepStats() if _format.STATS_STREAM in streams else None
         # Prompt logprobs: the first forward's final hidden states, kept until the first step's processors.

@@ -27,47 +27,13 @@ from transformers import GenerationMixin
 from .. import _compat, _interrupts
 from .capture import Capture
 from .modes import check_mode, refuse_continuous_batching
-from .verify import RecordingMismatch
+from .loops import RecordedCall
 from . import prompt_logprobs as _prompt_logprobs
 
 _ABSENT = object()
 _LOCK = threading.Lock()
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, ModelHooks]" = weakref.WeakKeyDictionary()
 _ACTIVE = threading.local()  # .calls: dict[id(model), RecordedCall] for the calls running in this thread
-
-
-class RecordedCall:
-    """One recorded `generate()` call in progress: its recorder, and the capture of the decoding loop
-    that runs now. A call whose `generate()` runs the loop more than once (a model's own `generate()`
-    around transformers', a user's override) gets one capture, so one generation, per loop: a loop that
-    starts ends the one before it, which is marked as superseded (`RecordingMismatch`)."""
-
-    def __init__(self, recorder: "CallRecorder", begin: Callable[[], Capture]) -> None:
-        self.recorder = recorder
-        self._begin = begin
-        self.capture: Capture | None = None
-        self.loops = 0  # decoding loops started in this call
-
-    def begin(self) -> Capture:
-        self.capture = self._begin()
-        return self.capture
-
-    def next_loop(self) -> Capture:
-        """A decoding loop starts while the previous one's capture has started: end that one's
-        generation (superseded by this loop) and begin the next; returns the new capture."""
-        previous = self.capture
-        superseded = RecordingMismatch(
-            f"generate() ran another decoding loop after this one in the same call (loop {self.loops + 1} "
-            f"of at least {self.loops + 2}): the call's result is not this loop's, or not this loop's alone; "
-            "the next generation records the next loop"
-        )
-        self.recorder._end_generation(previous, None, superseded)
-        self.loops += 1
-        capture = self.begin()
-        if previous.layer_tap is not None and capture.layer_tap is not None:
-            # The new loop's encoder ran before it started, while the previous capture was active.
-            capture.layer_tap.encoder_output, previous.layer_tap.encoder_output = previous.layer_tap.encoder_output, None
-        return capture
 
 
 def _active_capture(model: torch.nn.Module) -> Capture | None:
@@ -187,6 +153,7 @@ class ModelHooks:
         self._previous: dict[str, Any] = {}  # what the instance's __dict__ held before (usually nothing)
         self._forward_handle: Any = None
         self._pre_handles: list[Any] = []  # the pre-hooks, and the encoder's forward hook
+        self._loop_taps = _compat.loop_taps(model)  # a model's methods around each decoding loop
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         model = self._model_ref()
@@ -200,8 +167,11 @@ class ModelHooks:
     # -- attach / detach ---------------------------------------------------------------------------
     def install(self) -> None:
         model = self._model_ref()
-        names = ("generate", *_compat.LIST_BUILDERS, *_compat.CONTINUOUS_BATCHING_ENTRIES)
+        names = ("generate", *_compat.LIST_BUILDERS, *_compat.CONTINUOUS_BATCHING_ENTRIES, *self._loop_taps)
         makers = {
+            "generate_with_fallback": self._wrap_segment,
+            "_postprocess_outputs": self._wrap_loop_output,
+            "_need_fallback": self._wrap_prompt_verdict,
             "generate_batch": self._wrap_generate_batch,
             "generate": self._wrap_generate,
             "_get_logits_processor": self._wrap_processor_list,
@@ -270,15 +240,17 @@ class ModelHooks:
             check_mode(config, arguments.get("assistant_model"), recorder._streams)
             # Ctrl-C is held while the recorder's own code runs, and the end of the call writes what
             # was recorded before raising it (`_interrupts`).
+            tapped = bool(self._loop_taps)
             begin = functools.partial(
                 recorder._begin_generation,
                 assistant_model=arguments.get("assistant_model"),
                 custom_generate=arguments.get("custom_generate"),
-                attention_mask=_tensor_or_none(extra.get("attention_mask")),
+                # A model that runs the loop per segment masks its audio frames, not the loop's prompts.
+                attention_mask=None if tapped else _tensor_or_none(extra.get("attention_mask")),
                 inputs=_first_tensor(arguments.get("inputs"), extra.get("input_ids"), extra.get("inputs_embeds")),
                 past_key_values=extra.get("past_key_values"),
             )
-            call = RecordedCall(recorder, begin)
+            call = RecordedCall(recorder, begin, tapped=tapped)
             with _interrupts.call():
                 try:
                     with _interrupts.held():
@@ -288,10 +260,10 @@ class ModelHooks:
                 except BaseException as error:
                     if call.capture is not None:
                         with _interrupts.ending():
-                            recorder._end_generation(call.capture, None, error)
+                            call.end(None, error)
                     raise
                 with _interrupts.ending():
-                    recorder._end_generation(call.capture, output, None)
+                    call.end(output, None)
             return output
 
         generate.__wrapped__ = original  # type: ignore[attr-defined]
@@ -309,18 +281,58 @@ class ModelHooks:
         generate_batch.__doc__ = original.__doc__
         return generate_batch
 
+    # -- a model whose generate() runs the loop per segment and temperature (`loops`) ------------------
+    def _tapped_call(self) -> RecordedCall | None:
+        call = _active_call(self._model_ref())
+        return call if call is not None and call.tapped else None
+
+    def _wrap_segment(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def generate_with_fallback(*args: Any, **kwargs: Any) -> Any:
+            call = self._tapped_call()
+            if call is None:
+                return original(*args, **kwargs)
+            arguments = _bind(original, args, kwargs)
+            rows, count = arguments.get("batch_idx_map"), arguments.get("cur_bsz")
+            with _interrupts.held():
+                call.segment_starts([int(rows[i]) for i in range(int(count))] if rows is not None and count else [])
+            try:
+                return original(*args, **kwargs)
+            finally:
+                with _interrupts.held():
+                    call.segment_ends()
+
+        return generate_with_fallback
+
+    def _wrap_loop_output(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def _postprocess_outputs(*args: Any, **kwargs: Any) -> Any:
+            call = self._tapped_call()
+            if call is not None:
+                call.loop_returned(_bind(original, args, kwargs).get("seek_outputs"))
+            return original(*args, **kwargs)
+
+        return _postprocess_outputs
+
+    def _wrap_prompt_verdict(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def _need_fallback(*args: Any, **kwargs: Any) -> Any:
+            verdict = original(*args, **kwargs)
+            call = self._tapped_call()
+            index = _bind(original, args, kwargs).get("index") if call is not None else None
+            if index is not None and isinstance(verdict, tuple) and len(verdict) == 2:
+                call.prompt_verdict(int(index), *verdict)
+            return verdict
+
+        return _need_fallback
+
     def _wrap_processor_list(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def _get_logits_processor(*args: Any, **kwargs: Any) -> Any:
             processors = original(*args, **kwargs)
             call = _active_call(self._model_ref())
             if call is None:
                 return processors  # no recorded call
-            capture = call.capture
-            if capture.started:
-                # Another decoding loop in the same call (a generate() that runs transformers' loop
-                # more than once): its own generation.
-                with _interrupts.held():
-                    capture = call.next_loop()
+            with _interrupts.held():
+                # From a call's second loop on (a generate() that runs transformers' loop more than
+                # once), a new capture: its own generation.
+                capture = call.loop_starts()
             arguments = _bind(original, args, kwargs)
             kept = [p for p in processors if not _is_recorder(p)]
             with _interrupts.held():

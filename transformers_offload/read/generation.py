@@ -71,6 +71,17 @@ class Generation(LayerReading, EncodedReading):
             `Recorder.set_samples` before it (one per prompt); None when none were given (the recording's
             `samples()` then numbers the prompts).
         sample_metadata (`tuple[dict, ...] | None`): each prompt's metadata given with them, or None.
+        loop (`dict | None`): None when the call ran transformers' decoding loop once, as a stock
+            `generate()` does. A model whose `generate()` runs that loop several times in one call
+            (Whisper: once per 30-second segment and per temperature of its fallback) gives one
+            generation per loop, each checked against that loop's own output, with: `call` (the index
+            of the call's first generation), `loop` (0-based within the call), `segment` and `attempt`
+            (0-based; the attempt counts the temperatures tried), `batch_rows` (per prompt of this loop,
+            its row in the call's batch: a fallback attempt reruns only the prompts that need it) and
+            `kept_rows` (this loop's prompts whose result the call kept; the others were discarded: rerun
+            at the next temperature, or skipped as silence). Readers may find other keys: a `generate()`
+            that runs the loop twice without saying which result it keeps has each earlier loop marked
+            incomplete (`RecordingMismatch`) instead.
     """
 
     index: int
@@ -92,6 +103,7 @@ class Generation(LayerReading, EncodedReading):
     encodings: dict[str, str] = field(default_factory=dict, repr=False)
     sample_ids: tuple[Any, ...] | None = field(default=None, repr=False)
     sample_metadata: tuple[dict[str, Any], ...] | None = field(default=None, repr=False)
+    loop: dict[str, Any] | None = field(default=None, repr=False)
 
     def _repr_html_(self) -> str | None:
         """The viewer's page of this generation, for notebooks (`answers.viewer`)."""

@@ -282,6 +282,7 @@ def stored_generation(root: Path, entry: dict[str, Any], *, stats: TransferStats
         encodings=_format.read_encodings({name: stream["encoding"] for name, stream in entry["streams"].items()}),
         sample_ids=None if entry.get("sample_ids") is None else tuple(entry["sample_ids"]),
         sample_metadata=None if entry.get("sample_metadata") is None else tuple(entry["sample_metadata"]),
+        loop=entry.get("loop"),
     )
     return StoredGeneration(fields, source)
 

@@ -280,6 +280,8 @@ class ShardStore:
         entry["num_steps"] = min(entry["num_steps"], num_steps)
         if not entry["num_rows"]:
             entry["num_rows"] = header["num_rows"]
+        if header.get("loop") is not None:  # only for a call that ran several loops: others read the same
+            entry["loop"] = header["loop"]
         while True:
             if problem is None and _interrupts.pending():
                 problem = KeyboardInterrupt()  # Ctrl-C held while the call ended: it raises next

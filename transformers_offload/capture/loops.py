@@ -1,0 +1,144 @@
+"""One recorded `generate()` call, and the decoding loops it runs.
+
+A stock `generate()` runs transformers' decoding loop once; a model's own `generate()` may run it
+several times in one call. Whisper's cuts long audio into 30-second segments and, per segment, runs the
+loop once per temperature of its fallback schedule, rerunning only the prompts whose result failed its
+thresholds; what it returns is assembled from the loops' outputs. Each loop is recorded as its own
+generation (one `Capture` each), checked when it ends against that loop's own output, and told which of
+its prompts the call kept (`Generation.loop`).
+
+How a loop's output and its kept prompts are known depends on the model: `LOOP_TAPS` names, per
+wrapper, the methods its `generate()` calls on the instance around each loop (`_compat` says which the
+installed release has). A model that runs the loop several times without such taps (a user's override)
+still gets a generation per loop, the earlier ones marked incomplete (`RecordingMismatch`): the recorder
+cannot tell which loop's result the call returns.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .capture import Capture
+from .verify import RecordingMismatch
+
+
+class RecordedCall:
+    """One recorded `generate()` call in progress: its recorder, the capture of the decoding loop that
+    runs now and, for a model with loop taps, where that loop stands (segment, attempt, prompts)."""
+
+    def __init__(self, recorder: Any, begin: Callable[..., Capture], *, tapped: bool = False) -> None:
+        self.recorder = recorder
+        self._begin = begin
+        self.tapped = tapped  # the model's generate() tells each loop's output and kept prompts
+        self.capture: Capture | None = None
+        self.loops = 0  # decoding loops started in this call
+        self._first_index = 0
+        self._samples: dict[str, Any] | None = None  # the call's sample ids, from set_samples
+        self._segment = -1
+        self._attempt = 0
+        self._rows: list[int] | None = None  # the call's batch rows the next loop decodes
+
+    def begin(self) -> Capture:
+        """The call's first capture (before any loop starts)."""
+        self.capture = self._begin()
+        self._first_index = self.capture.header["index"]
+        if "sample_ids" in self.capture.header:
+            self._samples = {key: self.capture.header[key] for key in ("sample_ids", "sample_metadata")}
+        return self.capture
+
+    def loop_starts(self) -> Capture:
+        """A decoding loop starts (transformers builds its processor list): returns the capture that
+        records it, a new one from the call's second loop on."""
+        capture = self.capture
+        if capture.started:
+            capture = self._next_capture()
+        if self.tapped:
+            batch_rows = list(self._rows or ())
+            capture.header["loop"] = {"call": self._first_index, "loop": self.loops, "segment": max(self._segment, 0),
+                                      "attempt": self._attempt, "batch_rows": batch_rows, "kept_rows": None}
+            if self._samples is not None and self.loops:
+                ids = self._samples["sample_ids"]
+                metadata = self._samples["sample_metadata"]
+                picked = [ids[row] for row in batch_rows] if all(row < len(ids) for row in batch_rows) else None
+                if picked is not None and len(set(map(str, picked))) == len(picked):
+                    capture.header["sample_ids"] = tuple(picked)
+                    capture.header["sample_metadata"] = None if metadata is None else tuple(metadata[r] for r in batch_rows)
+        return capture
+
+    def _next_capture(self) -> Capture:
+        previous = self.capture
+        if self.tapped:
+            if not previous.last_attempt:  # a fallback attempt of the same segment: the prompts rerun
+                self._rows = self._rerun_rows(previous)
+                self._attempt += 1
+            self._finish(previous, previous.loop_output, None)
+        else:
+            superseded = RecordingMismatch(
+                f"generate() ran another decoding loop after this one in the same call (loop {self.loops + 1} "
+                f"of at least {self.loops + 2}): the call's result is not this loop's, or not this loop's "
+                "alone; the next generation records the next loop"
+            )
+            self.recorder._end_generation(previous, None, superseded)
+        self.loops += 1
+        capture = self._begin(attention_mask=None) if self.tapped else self._begin()
+        if previous.layer_tap is not None and capture.layer_tap is not None:
+            # The new loop's encoder ran before it started, while the previous capture was active.
+            capture.layer_tap.encoder_output, previous.layer_tap.encoder_output = previous.layer_tap.encoder_output, None
+        self.capture = capture
+        return capture
+
+    def end(self, output: Any, error: BaseException | None) -> None:
+        """The call returned `output` (None when `error` ended it): end the last loop's generation."""
+        capture = self.capture
+        if self.tapped and capture.started and error is None:
+            output = capture.loop_output  # what transformers' loop returned, before the model's own steps
+        self._finish(capture, output, error)
+
+    def _finish(self, capture: Capture, output: Any, error: BaseException | None) -> None:
+        loop = capture.header.get("loop")
+        if loop is not None:
+            loop["kept_rows"] = kept_prompts(capture)
+        self.recorder._end_generation(capture, output, error)
+
+    # -- the loop taps, for models whose generate() runs the loop several times ---------------------
+    def segment_starts(self, batch_rows: list[int]) -> None:
+        """A new segment: its first loop decodes `batch_rows` of the call's batch."""
+        self._segment += 1
+        self._attempt = 0
+        self._rows = list(batch_rows)
+
+    def segment_ends(self) -> None:
+        """The segment's loops are over: the last one's prompts are kept (those that still fail the
+        thresholds at the last temperature too)."""
+        if self.capture.started:
+            self.capture.last_attempt = True
+
+    def loop_returned(self, output: Any) -> None:
+        """What transformers' loop returned (before the model reworks it): checked at the loop's end.
+        No forward after it belongs to the loop."""
+        if self.capture.started:
+            self.capture.loop_output = output
+            self.capture.wants_forward = False
+
+    def prompt_verdict(self, index: int, rerun: bool, skipped: bool) -> None:
+        """The model's verdict on prompt `index` of the loop that just ran: to be rerun at the next
+        temperature (`rerun`), or skipped as silence (`skipped`)."""
+        if self.capture.started:
+            self.capture.prompt_verdicts[int(index)] = (bool(rerun), bool(skipped))
+
+    @staticmethod
+    def _rerun_rows(previous: Capture) -> list[int]:
+        rows = (previous.header.get("loop") or {}).get("batch_rows") or []
+        return [row for index, row in enumerate(rows) if previous.prompt_verdicts.get(index, (False, False))[0]]
+
+
+def kept_prompts(capture: Capture) -> list[int]:
+    """The prompts of a tapped loop whose result its call kept: not skipped, and not rerun (the last
+    attempt of a segment keeps those that still fail the thresholds)."""
+    prompts = len((capture.header.get("loop") or {}).get("batch_rows") or [])
+    kept = []
+    for index in range(prompts):
+        rerun, skipped = capture.prompt_verdicts.get(index, (False, False))
+        if not skipped and (capture.last_attempt or not rerun):
+            kept.append(index)
+    return kept
