@@ -190,6 +190,9 @@ def test_a_run_refuses_the_samples_a_running_writer_claims_and_clears_a_stopped_
     (out / WRITERS / "claim-old.json").write_text(json.dumps({"pid": 1, "samples": ["s002", "s003"]}))
     assert record(_model(), _tokenizer(), prompts, out, batch_size=2, progress=False, max_new_tokens=2)["recorded"] == 2
     assert _complete_samples(out) == Counter(f"s{i:03d}" for i in range(4)) and not (out / WRITERS).exists()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(FileExistsError, match="is not a directory"):
+        record(_model(), _tokenizer(), prompts, tmp_path / "file", progress=False, max_new_tokens=2)
 
 
 @pytest.mark.slow

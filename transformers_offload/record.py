@@ -171,6 +171,7 @@ def record(model: Any, tokenizer: Any, prompts: str | os.PathLike | Sequence[Any
         ValueError: bad prompts (see `read_prompts`) or `batch_size`; `recorder_options` naming
             `spill_dir` or `append` (record sets them); a bad rank (see `parallel.process_rank`); several
             ranks over an `out` that one process recorded into directly.
+        FileExistsError: `out` is a file.
         BlockingIOError: another process is recording samples this one would record into `out`,
             whatever its rank or world size (an earlier `record` or `torchrun` still running; the
             message names its pid, host, rank and command: wait for it or stop it, then run again), or
@@ -185,6 +186,9 @@ def record(model: Any, tokenizer: Any, prompts: str | os.PathLike | Sequence[Any
         raise ValueError("`recorder_options` must not name `spill_dir` or `append`: `record` writes to `out`.")
     rank, world_size = process_rank(rank, world_size)
     found = read_prompts(prompts, text_column=text_column, messages_column=messages_column, id_column=id_column)
+    if Path(out).exists() and not Path(out).is_dir():
+        raise FileExistsError(f"`out` {str(out)!r} is not a directory: `record` writes a recording directory. "
+                              "Pick another path.")
     target = _target(Path(out), rank, world_size)
     positions = {str(sample): number for number, (sample, _) in enumerate(found)}
     mine = [found[position] for position in share(len(found), rank, world_size)]
