@@ -16,13 +16,16 @@ PACKAGE = Path(__file__).resolve().parent.parent / "transformers_offload"
 
 # Folder (or top-level module) -> what it must never import.
 FORBIDDEN = {
-    "capture": ("read", "answers", "recorder", "record", "parallel", "cli"),
-    "store": ("capture", "read", "answers", "recorder", "record", "parallel", "cli"),
-    "read": ("capture", "answers", "recorder", "record", "parallel", "cli"),
-    "answers": ("capture", "recorder", "record", "parallel", "cli"),
-    "parallel": ("capture", "store", "read", "answers", "recorder", "record", "cli"),
-    "_compat": ("capture", "store", "read", "answers", "recorder", "record", "parallel", "cli", "_interrupts"),
-    "_interrupts": ("capture", "store", "read", "answers", "recorder", "record", "parallel", "cli", "_compat"),
+    "capture": ("read", "answers", "recorder", "record", "parallel", "claims", "cli"),
+    "store": ("capture", "read", "answers", "recorder", "record", "parallel", "claims", "cli"),
+    "read": ("capture", "answers", "recorder", "record", "parallel", "claims", "cli"),
+    "answers": ("capture", "recorder", "record", "parallel", "claims", "cli"),
+    "parallel": ("capture", "store", "read", "answers", "recorder", "record", "claims", "cli"),
+    "claims": ("capture", "read", "answers", "recorder", "record", "parallel", "cli"),  # store.format only
+    "_compat": ("capture", "store", "read", "answers", "recorder", "record", "parallel", "claims", "cli",
+                "_interrupts"),
+    "_interrupts": ("capture", "store", "read", "answers", "recorder", "record", "parallel", "claims", "cli",
+                    "_compat"),
 }
 
 

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -15,11 +16,12 @@ import pytest
 import torch
 
 from transformers_offload import open_recording
+from transformers_offload.claims import claim
 from transformers_offload.cli import format_summary
 from transformers_offload.parallel import process_rank, share
 from transformers_offload.read.ranks import RankedRecording
 from transformers_offload.record import record
-from transformers_offload.store.format import RecordingError
+from transformers_offload.store.format import WRITERS, RecordingError
 
 from .test_record import _complete_samples, _model, _prompts, _tokenizer
 
@@ -122,12 +124,18 @@ def test_ranks_refuse_a_single_process_recording_and_another_model(tmp_path):
 
 def _torchrun(tmp_path: Path, model_dir: Path, prompts: Path, out: Path, kill: str,
               accelerate: bool = False) -> subprocess.CompletedProcess:
+    command, env = _torchrun_command(model_dir, prompts, out, KILL_RANK_1_IN_CALL=kill,
+                                     USE_ACCELERATE="1" if accelerate else "0")
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+
+
+def _torchrun_command(model_dir: Path, prompts: Path, out: Path, **variables: str) -> tuple[list[str], dict[str, str]]:
+    """The command and environment that run `SCRIPT` on 2 gloo ranks, with the script's `variables`."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                str(SCRIPT), str(model_dir), str(prompts), str(out)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "KILL_RANK_1_IN_CALL": kill,
-           "USE_ACCELERATE": "1" if accelerate else "0",
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **variables,
            "PYTHONPATH": os.pathsep.join([str(SCRIPT.parents[2]), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    return command, env
 
 
 @pytest.mark.slow
@@ -165,3 +173,67 @@ def test_two_gloo_ranks_under_torchrun_with_one_killed_then_resumed(tmp_path):
     run = open_recording(out, verify=True)
     complete = [s["sample"] for s in run.samples() if run.generation(s["generation"]).complete]
     assert complete == [f"s{i:03d}" for i in range(24)]
+
+
+def test_a_run_refuses_the_samples_a_running_writer_claims_and_clears_a_stopped_ones(tmp_path):
+    prompts = _prompts(tmp_path / "prompts.jsonl", 4)
+    out = tmp_path / "run"
+    with claim(out, lambda: ["s002"], rank=1, world_size=2, target=out / "rank-1"):  # a writer still at s002
+        with pytest.raises(BlockingIOError, match=rf"1 of the samples this run would record \(s002\) are being "
+                           rf"recorded by another process: pid {os.getpid()} on host .*, rank 1 of 2, writing "
+                           rf"'.*rank-1' since .*Wait for it to finish \(or stop it\)"):
+            record(_model(), _tokenizer(), prompts, out, batch_size=2, progress=False, max_new_tokens=2)
+        assert _record(prompts, out, 0, 2)["recorded"] == 2  # rank 0's share (s000, s001) is free
+    assert not (out / WRITERS).exists()  # the last claim released takes the directory with it
+    # A claim nobody holds (its process was killed) is cleared: the samples are recorded.
+    (out / WRITERS).mkdir()
+    (out / WRITERS / "claim-old.json").write_text(json.dumps({"pid": 1, "samples": ["s002", "s003"]}))
+    assert record(_model(), _tokenizer(), prompts, out, batch_size=2, progress=False, max_new_tokens=2)["recorded"] == 2
+    assert _complete_samples(out) == Counter(f"s{i:03d}" for i in range(4)) and not (out / WRITERS).exists()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(FileExistsError, match="is not a directory"):
+        record(_model(), _tokenizer(), prompts, tmp_path / "file", progress=False, max_new_tokens=2)
+
+
+@pytest.mark.slow
+def test_a_resume_started_while_torchrun_ranks_write_refuses_their_samples(tmp_path):
+    """16 prompts, batches of 4, 2 ranks: rank 1 stops inside its second call, after rank 0 finished its
+    share and closed its directory; a 1-process resume started then is refused, naming rank 1's process,
+    and records nothing; once rank 1 goes on, every sample is complete once."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tmp_path / "model"
+    _model().save_pretrained(model_dir)
+    _tokenizer().save_pretrained(model_dir)
+    prompts = _prompts(tmp_path / "prompts.jsonl", 16)
+    out = tmp_path / "run"
+    command, env = _torchrun_command(model_dir, prompts, out, PAUSE_RANK_1_IN_CALL="2")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).eval()  # the ranks' model
+    options = dict(batch_size=4, progress=False, max_new_tokens=24, min_new_tokens=24)
+    with open(tmp_path / "torchrun.log", "wb") as log:
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 300  # a hang detector, not a timing: the ranks need seconds
+        while time.monotonic() < deadline and process.poll() is None and not (
+                (tmp_path / "paused-1.json").is_file() and _complete_samples_or_none(out / "rank-0") == 8):
+            time.sleep(0.05)
+        assert process.poll() is None, (tmp_path / "torchrun.log").read_text()
+        before = _complete_samples(out)
+        assert sum(before.values()) == 8 + 4  # rank 0's share and rank 1's first call
+        pid = json.loads((tmp_path / "paused-1.json").read_text())["pid"]
+        with pytest.raises(BlockingIOError, match=rf"4 of the samples .* \(s012, s013, s014, s015\) .* pid {pid} "
+                                                  rf"on host .*, rank 1 of 2, writing '.*rank-1'"):
+            record(model, _tokenizer(), prompts, out, **options)
+        assert _complete_samples(out) == before  # the refused resume wrote nothing
+    finally:
+        (tmp_path / "resume-1").touch()
+        process.wait(timeout=600)
+    assert process.returncode == 0, (tmp_path / "torchrun.log").read_text()
+    assert _complete_samples(out) == Counter(f"s{i:03d}" for i in range(16))  # none twice, none lost
+    assert record(model, _tokenizer(), prompts, out, **options)["recorded"] == 0
+    assert sorted(p.name for p in out.iterdir()) == ["rank-0", "rank-1"]  # no claim left behind
+
+
+def _complete_samples_or_none(directory: Path) -> int | None:
+    """How many samples the recording in `directory` holds complete, None before it has a manifest."""
+    return sum(_complete_samples(directory).values()) if (directory / "manifest.json").is_file() else None

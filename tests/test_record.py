@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -153,6 +154,36 @@ def test_a_sigkilled_run_resumes_from_the_command_line(tmp_path):
     assert after == Counter(f"s{i:03d}" for i in range(40))  # none twice, none lost
     assert result["skipped"] == sum(before.values()) and result["recorded"] == 40 - sum(before.values())
     open_recording(tmp_path / "run", verify=True)
+
+
+@pytest.mark.slow
+def test_ctrl_c_prints_the_exact_command_that_resumes_the_run(tmp_path):
+    model_dir = tmp_path / "model"
+    _model().save_pretrained(model_dir)
+    _tokenizer().save_pretrained(model_dir)
+    prompts = _prompts(tmp_path / "prompts.jsonl", 40)
+    out = tmp_path / "it's my run"  # a quote and a space: the printed command must quote them
+    command = [sys.executable, "-m", "transformers_offload", "record", "--model", str(model_dir), "--prompts",
+               str(prompts), "--out", str(out), "--batch-size", "4", "--max-new-tokens", "48", "--no-progress"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120  # a hang detector: the run needs seconds
+    while time.monotonic() < deadline and process.poll() is None and not (
+            (out / "manifest.json").is_file()
+            and any(g["status"] == "complete" for g in json.loads((out / "manifest.json").read_text())["generations"])):
+        time.sleep(0.02)
+    assert process.poll() is None, "the run ended before Ctrl-C"
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr
+    printed = stderr.splitlines()[stderr.splitlines().index("interrupted: every complete batch is kept in "
+                                                            f"{str(out)!r}; to record the rest, run:") + 1].strip()
+    assert printed == shlex.join(command)
+    before = _complete_samples(out)
+    assert 4 <= sum(before.values()) < 40
+    resumed = subprocess.run(printed, shell=True, env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert _complete_samples(out) == Counter(f"s{i:03d}" for i in range(40))  # none twice, none lost
 
 
 @pytest.mark.parametrize("lines, options, match", [

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from typing import Any
 
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_record(commands)
     arguments = parser.parse_args(argv)
     if arguments.command == "record":
-        return _record(arguments)
+        return _record(arguments, _command_line(argv))
     try:
         recording = open_recording(arguments.path)
         if arguments.command in ("export", "view", "plot"):
@@ -126,7 +127,18 @@ def _add_record(commands: Any) -> None:
     record.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
-def _record(arguments: argparse.Namespace) -> int:
+def _command_line(argv: list[str] | None) -> str:
+    """The command that ran this `main()`, quoted for a POSIX shell (`shlex`): from a shell, the
+    interpreter's own command line as typed (`sys.orig_argv`, Python 3.10+: `python -m
+    transformers_offload record ...`); called from Python, `python -m transformers_offload` with `argv`."""
+    if argv is None:
+        if getattr(sys, "orig_argv", None):
+            return shlex.join(sys.orig_argv)
+        argv = sys.argv[1:]
+    return shlex.join([sys.executable, "-m", "transformers_offload", *argv])
+
+
+def _record(arguments: argparse.Namespace, command: str) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .record import record
@@ -163,8 +175,12 @@ def _record(arguments: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"interrupted: every complete batch is kept in {arguments.out!r}; run the same command again to "
-              "record the rest.", file=sys.stderr)
+        print(f"interrupted: every complete batch is kept in {arguments.out!r}; to record the rest, run:\n"
+              f"  {command}", file=sys.stderr)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            print("  (that is this rank's command: it resumes every rank's share in one process; or launch "
+                  "the same torchrun / accelerate launch command again, with any number of processes)",
+                  file=sys.stderr)
         return 130
     _print(json.dumps(result) if arguments.json else ", ".join(f"{key} {value}" for key, value in result.items()))
     return 0

@@ -7,7 +7,8 @@ text or a chat (`messages`) and, optionally, an id (else its position in the fil
 generation of the recording in `out`, its prompts named with `Recorder.set_samples`. Run it again on
 the same `out` and it appends: the samples of every complete generation are skipped, the others
 (those of a batch a crash interrupted included) are recorded, so each sample ends up in exactly one
-complete generation.
+complete generation. A run refuses to start while another process is still recording any of the
+samples it would record (`claims`), so two runs at once never record one sample twice.
 
 Under `torchrun` or `accelerate launch` each process records its own share of the prompts into
 `out/rank-R` (`parallel`); `open_recording(out)` reads every rank as one recording.
@@ -21,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from .claims import claim
 from .parallel import process_rank, share, wait_for_every_rank
 from .read.reader import open_recording
 from .recorder import Recorder
@@ -169,7 +171,11 @@ def record(model: Any, tokenizer: Any, prompts: str | os.PathLike | Sequence[Any
         ValueError: bad prompts (see `read_prompts`) or `batch_size`; `recorder_options` naming
             `spill_dir` or `append` (record sets them); a bad rank (see `parallel.process_rank`); several
             ranks over an `out` that one process recorded into directly.
-        BlockingIOError: another process is writing `out`.
+        FileExistsError: `out` is a file.
+        BlockingIOError: another process is recording samples this one would record into `out`,
+            whatever its rank or world size (an earlier `record` or `torchrun` still running; the
+            message names its pid, host, rank and command: wait for it or stop it, then run again), or
+            holds this rank's directory open (`Recorder(spill_dir=..., append=True)` elsewhere).
     """
     import torch
 
@@ -180,38 +186,48 @@ def record(model: Any, tokenizer: Any, prompts: str | os.PathLike | Sequence[Any
         raise ValueError("`recorder_options` must not name `spill_dir` or `append`: `record` writes to `out`.")
     rank, world_size = process_rank(rank, world_size)
     found = read_prompts(prompts, text_column=text_column, messages_column=messages_column, id_column=id_column)
+    if Path(out).exists() and not Path(out).is_dir():
+        raise FileExistsError(f"`out` {str(out)!r} is not a directory: `record` writes a recording directory. "
+                              "Pick another path.")
     target = _target(Path(out), rank, world_size)
-    done = recorded_samples(out)
     positions = {str(sample): number for number, (sample, _) in enumerate(found)}
     mine = [found[position] for position in share(len(found), rank, world_size)]
-    pending = [(sample, prompt) for sample, prompt in mine if str(sample) not in done]
+
+    def missing() -> list[str]:  # read once the running writers' claims are known (see `claims`)
+        done = recorded_samples(out)
+        return [str(sample) for sample, _ in mine if str(sample) not in done]
+
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    bar = _bar(len(mine), len(mine) - len(pending), progress and rank == 0,
-               "record" if world_size == 1 else f"record (rank 0 of {world_size})")
-    start, new_tokens, calls = time.perf_counter(), 0, 0
-    with Recorder(model, spill_dir=target, append=True, **options) as rec:
-        for first in range(0, len(pending), batch_size):
-            batch = pending[first:first + batch_size]
-            texts = [_text(tokenizer, prompt, chat) for _, prompt in batch]
-            templated = chat or any(isinstance(prompt, list) for _, prompt in batch)  # the template adds them
-            enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not templated)
-            enc = {name: value.to(model.device) for name, value in enc.items()}
-            rec.set_samples([sample for sample, _ in batch])
-            if seed is not None:
-                torch.manual_seed(seed + positions[str(batch[0][0])])
-            sequences = model.generate(**enc, logits_processor=[rec], pad_token_id=tokenizer.pad_token_id,
-                                       **generate_options)
-            sequences = getattr(sequences, "sequences", sequences)
-            new_tokens += _new_tokens(sequences[:, enc["input_ids"].shape[1]:], rec.generation().eos_token_id)
-            calls += 1
-            if bar is not None:
-                elapsed = max(time.perf_counter() - start, 1e-9)
-                bar.update(len(batch))
-                bar.set_postfix_str(f"{(first + len(batch)) / elapsed:.2f} prompts/s, {new_tokens / elapsed:.1f} tokens/s")
-    if bar is not None:
-        bar.close()
+    with claim(Path(out), missing, rank=rank, world_size=world_size, target=target) as claimed:
+        claimed = set(claimed)
+        pending = [(sample, prompt) for sample, prompt in mine if str(sample) in claimed]
+        bar = _bar(len(mine), len(mine) - len(pending), progress and rank == 0,
+                   "record" if world_size == 1 else f"record (rank 0 of {world_size})")
+        start, new_tokens, calls = time.perf_counter(), 0, 0
+        with Recorder(model, spill_dir=target, append=True, **options) as rec:
+            for first in range(0, len(pending), batch_size):
+                batch = pending[first:first + batch_size]
+                texts = [_text(tokenizer, prompt, chat) for _, prompt in batch]
+                templated = chat or any(isinstance(prompt, list) for _, prompt in batch)  # the template adds them
+                enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not templated)
+                enc = {name: value.to(model.device) for name, value in enc.items()}
+                rec.set_samples([sample for sample, _ in batch])
+                if seed is not None:
+                    torch.manual_seed(seed + positions[str(batch[0][0])])
+                sequences = model.generate(**enc, logits_processor=[rec], pad_token_id=tokenizer.pad_token_id,
+                                           **generate_options)
+                sequences = getattr(sequences, "sequences", sequences)
+                new_tokens += _new_tokens(sequences[:, enc["input_ids"].shape[1]:], rec.generation().eos_token_id)
+                calls += 1
+                if bar is not None:
+                    elapsed = max(time.perf_counter() - start, 1e-9)
+                    bar.update(len(batch))
+                    bar.set_postfix_str(f"{(first + len(batch)) / elapsed:.2f} prompts/s, "
+                                        f"{new_tokens / elapsed:.1f} tokens/s")
+        if bar is not None:
+            bar.close()
     seconds = time.perf_counter() - start
     wait_for_every_rank()
     return {"recorded": len(pending), "skipped": len(mine) - len(pending), "generations": calls,

@@ -20,6 +20,9 @@ import torch
 FORMAT = "transformers-offload"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+# Where the `record` processes writing a recording (or a data-parallel run's directory) keep their claims
+# on its samples (`claims`): present only while one writes; not part of the recording.
+WRITERS = ".writers"
 # How a stream's values are laid out in a shard: "dense", one `(steps, *shape)` tensor; "ragged", for
 # per-layer streams whose shape changes from step to step, the steps' values concatenated flat in step
 # order (`name`) and their shapes (`name.shapes`, int64 `(steps, ndim)`), with no padding.
