@@ -38,7 +38,8 @@ def test_a_failed_stage_does_not_stop_the_others_and_the_summary_lists_every_sta
     assert done.returncode == 1, done.stdout + done.stderr
     assert _ran(tmp_path) == list(STAGES)
     summary = _summary(done.stdout)
-    assert [line.split()[:2] for line in summary[:3]] == [[name, "FAILED" if name == stage else "passed"] for name in STAGES]
+    outcomes = [line.split()[:2] for line in summary[:3]]
+    assert outcomes == [[name, "FAILED" if name == stage else "passed"] for name in STAGES]
     assert "FAILED (exit 3)" in summary[STAGES.index(stage)]
     assert summary[3] == f"check: 1 of 3 stages failed: {stage} (rerun them: bash scripts/check.sh {stage})"
 
@@ -46,7 +47,8 @@ def test_a_failed_stage_does_not_stop_the_others_and_the_summary_lists_every_sta
 def test_every_failed_stage_is_named(tmp_path):
     done = _check(tmp_path, failing={"suite": 1, "support": 2})
     assert done.returncode == 1 and _ran(tmp_path) == list(STAGES)
-    assert _summary(done.stdout)[-1] == "check: 2 of 3 stages failed: suite support (rerun them: bash scripts/check.sh suite support)"
+    assert _summary(done.stdout)[-1] == (
+        "check: 2 of 3 stages failed: suite support (rerun them: bash scripts/check.sh suite support)")
 
 
 def test_all_stages_passing_exit_zero(tmp_path):
