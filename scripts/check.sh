@@ -1,11 +1,55 @@
 #!/usr/bin/env bash
-# Everything CI checks, from a fresh machine: sets up (scripts/setup.sh, through test.sh), runs the
-# whole test suite on the newest transformers (scripts/test.sh), the version matrix on the older
-# releases (scripts/matrix.sh), and checks the support table (docs/support.md) against their results.
+# Everything CI checks, from a fresh machine, in three stages:
+#   suite    the whole test suite on the newest transformers (scripts/test.sh, which sets up first)
+#   matrix   the version matrix on the older releases (scripts/matrix.sh)
+#   support  the support table (docs/support.md) against their results (scripts/support_table.py --check)
+# Every stage runs even after one fails; a summary of all of them ends the output, and the exit status
+# is non-zero if any failed.
+#
+#   bash scripts/check.sh                  # all three
+#   bash scripts/check.sh matrix support   # only these (to rerun what failed)
+#
+# CHECK_SUITE, CHECK_MATRIX and CHECK_SUPPORT replace a stage's command (a bash command line), e.g. to
+# try this script itself (tests/test_check_script.py) without the 40 minutes of the real stages.
 # The whole suite runs on every core, one torch thread per worker, as the matrix does: on CI's 2 cores
 # 12.6 min for the whole suite (serially, the whole CI run had reached 45 min, its budget).
-set -euo pipefail
+set -uo pipefail
 cd "$(dirname "$0")/.."
-OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 bash scripts/test.sh -q -n auto
-bash scripts/matrix.sh
-.venv/bin/python scripts/support_table.py --check
+declare -A commands=(
+    [suite]="${CHECK_SUITE:-OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 bash scripts/test.sh -q -n auto}"
+    [matrix]="${CHECK_MATRIX:-bash scripts/matrix.sh}"
+    [support]="${CHECK_SUPPORT:-.venv/bin/python scripts/support_table.py --check}"
+)
+stages=("$@")
+if [ "${#stages[@]}" -eq 0 ]; then
+    stages=(suite matrix support)
+fi
+for stage in "${stages[@]}"; do
+    if [ -z "${commands[$stage]+set}" ]; then
+        echo "check: unknown stage '$stage' (stages: suite matrix support)" >&2
+        exit 2
+    fi
+done
+summary=()
+failed=()
+for stage in "${stages[@]}"; do
+    echo "== check: $stage: ${commands[$stage]}"
+    started=$SECONDS
+    bash -c "${commands[$stage]}"
+    status=$?
+    took="$(( (SECONDS - started) / 60 )) min $(( (SECONDS - started) % 60 )) s"
+    if [ "$status" -eq 0 ]; then
+        outcome="passed"
+    else
+        outcome="FAILED (exit $status)"
+        failed+=("$stage")
+    fi
+    summary+=("$(printf '  %-8s %-18s %s' "$stage" "$outcome" "$took")")
+done
+echo "== check: summary"
+printf '%s\n' "${summary[@]}"
+if [ "${#failed[@]}" -gt 0 ]; then
+    echo "check: ${#failed[@]} of ${#stages[@]} stages failed: ${failed[*]} (rerun them: bash scripts/check.sh ${failed[*]})"
+    exit 1
+fi
+echo "check: all ${#stages[@]} stages passed"

