@@ -283,10 +283,10 @@ def format_summary(summary: dict[str, Any]) -> str:
             shape = "(" + ", ".join("*" if n is None else str(n) for n in info["shape"]) + ("," if len(info["shape"]) == 1 else "") + ")"
             shape += " once" if info.get("once") else ""
             dense = info.get("dense_bytes")
-            ratio = f"  {info['bytes'] / dense:.2%}" if dense else ""
+            ratio = f"  {info['bytes'] / dense:.2%}" if dense and info["bytes"] is not None else ""
             lines.append(
                 f"  {stream:<{width}}{info['dtype']:<10}{info['encoding']:<{encoding_width}}{shape:<20}"
-                f"{_size(info['bytes']):>12}{ratio}"
+                f"{'?' if info['bytes'] is None else _size(info['bytes']):>12}{ratio}"
             )
     return "\n".join(lines)
 

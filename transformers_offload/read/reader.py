@@ -126,18 +126,25 @@ class Recording(Readable):
         sequences), its `prompt_lengths` (non-padding tokens per prompt; None without an attention
         mask), its `sample_ids` (from `Recorder.set_samples`, or None), its `generation_config` (the settings that differ from the defaults,
         `GenerationConfig.to_diff_dict()`) and its `damaged_files`: `{"file", "error"}` for each file seen damaged
-        without reading it (missing, or of another size than written; `verify()` reads every byte).
+        without reading its data (missing, of another size than written, or with a header a ragged
+        stream's `bytes` could not be read from: those are then None; `verify()` reads every byte).
         """
         generations = []
         for generation, entry in zip(self._generations, self._entries):
             streams = {}
+            damaged = self._damaged_at_a_glance(_manifest.files_of(entry))
             encoder = entry.get("encoder") or {}
             for name, stream in [*entry["streams"].items(), *encoder.get("streams", {}).items()]:
                 itemsize = _format.dtype_of(stream["dtype"]).itemsize
                 if stream["encoding"] == _format.SAME_AS_LOGITS:
                     elements = 0  # stored once, as the logits
                 elif stream["encoding"] in _format.FLAT_ENCODINGS:
-                    elements = generation._source.ragged_elements(name, generation.num_steps)
+                    try:  # reads each shard's step shapes
+                        elements = generation._source.ragged_elements(name, generation.num_steps)
+                    except RecordingError as error:
+                        elements = None  # unknown: a shard is damaged
+                        if all(d["file"] != error.path.name for d in damaged):
+                            damaged.append({"file": error.path.name, "error": error.damaged[0].problem})
                 elif name in encoder.get("streams", {}):
                     elements = math.prod(stream["shape"])  # once per generation
                 else:
@@ -146,7 +153,7 @@ class Recording(Readable):
                     "dtype": stream["dtype"],
                     "encoding": stream["encoding"],
                     "shape": stream["shape"],
-                    "bytes": elements * itemsize,
+                    "bytes": None if elements is None else elements * itemsize,
                 }
                 if stream.get("dense"):  # records read back as dense tensors: those tensors' dtype and shape
                     streams[name].update(dtype=stream["dense"]["dtype"], shape=stream["dense"]["shape"],
@@ -175,7 +182,7 @@ class Recording(Readable):
                     "generation_config": generation.generation_config,
                     "num_shards": len(entry["shards"]),
                     "file_bytes": sum(_size_of(self.path / name) for name in files),
-                    "damaged_files": self._damaged_at_a_glance(files),
+                    "damaged_files": damaged,
                     "streams": streams,
                 }
             )

@@ -86,7 +86,8 @@ class RecordingError(ValueError):
             `verify` found several files damaged.
         problem (`str`): what is wrong with it (the message without the path).
         damaged (`tuple[RecordingError, ...]`): one error per damaged file, each naming its file in
-            `path`: several when `verify` found several files damaged, else this error alone.
+            `path` and saying what is wrong in `problem`: several when `verify` found several files
+            damaged, else one (this error, or the same without the advice a read adds to it).
     """
 
     def __init__(self, path: Path | str, problem: str, *, damaged: tuple[RecordingError, ...] = ()) -> None:

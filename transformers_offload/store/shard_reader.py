@@ -142,7 +142,7 @@ class ShardSource:
         except RecordingError as error:
             raise RecordingError(
                 error.path, f"{error.problem} Check every file with `{_format.verify_command(self._root)}`; "
-                "steps held by intact files read as before.",
+                "steps held by intact files read as before.", damaged=(error,),
             ) from None
 
     def _path(self, name: str) -> Path:
