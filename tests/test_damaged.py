@@ -135,6 +135,18 @@ def test_verify_lists_every_damaged_file_in_both_generations(run):
     assert [each.path for each in again.value.damaged] == list(damaged)
 
 
+def test_verify_checks_each_header_against_the_manifest_as_a_read_does(run):
+    """Files whose bytes match their checksums but not what the manifest says of them (a hand-edited
+    manifest): each is listed, as reading it would refuse it."""
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["generations"][1]["streams"]["logits"]["dtype"] = "float16"
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(RecordingError) as raised:
+        open_recording(run).verify()
+    assert [each.path for each in raised.value.damaged] == [_shard(run, 1, shard) for shard in range(4)]
+    assert all("the manifest says [2, 3, 128] float16" in each.problem for each in raised.value.damaged)
+
+
 def test_verify_from_the_shell_lists_every_damaged_file(run, capsys):
     damaged = [_shard(run, 0, 0), _shard(run, 1, 3)]
     _truncate(damaged[0]), _delete(damaged[1])
