@@ -440,12 +440,26 @@ DAMAGE = {
 }
 
 
+# Damage to a data file, not to the manifest: the recording opens, and reading what the file holds raises.
+FOUND_WHEN_READ = {
+    "truncated shard", "corrupted header", "shape disagrees with the manifest",
+    "pickle posing as a shard", "swapped shards", "missing shard", "sequences of the wrong width",
+    "directory posing as a shard",
+}
+
+
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
 def test_a_damaged_or_hostile_recording_gives_a_typed_error_naming_the_file(recording, damage):
     breaks, match = DAMAGE[damage]
     culprit = breaks(recording)
-    with pytest.raises(RecordingError, match=match) as raised:
-        open_recording(recording)
+    if damage in FOUND_WHEN_READ:
+        run = open_recording(recording)  # a damaged data file hides nothing else
+        with pytest.raises(RecordingError, match=match) as raised:
+            run.logits(), run.scores(), run.generation().sequences
+        assert f"python -m transformers_offload verify {recording}" in str(raised.value)
+    else:
+        with pytest.raises(RecordingError, match=match) as raised:
+            open_recording(recording)
     assert raised.value.path.name == culprit
     assert culprit in str(raised.value)
 
@@ -503,9 +517,21 @@ def test_inspect_into_a_closed_pipe_and_on_a_file(recording):
 
 
 def test_inspect_a_damaged_recording(recording):
+    """`inspect` summarises what the manifest says and marks the files it sees damaged without reading
+    them (missing, or truncated); `verify` judges every byte. A damaged manifest exits 1."""
     _truncate(recording)
+    (recording / "g0000-s00002.safetensors").unlink()
     done = _inspect(str(recording))
-    assert done.returncode == 1 and "g0000-s00001.safetensors" in done.stderr and "Traceback" not in done.stderr
+    assert done.returncode == 0 and "Traceback" not in done.stderr
+    assert "DAMAGED g0000-s00001.safetensors: holds " in done.stdout
+    assert "DAMAGED g0000-s00002.safetensors: cannot be found" in done.stdout
+    assert f"python -m transformers_offload verify {recording}" in done.stdout
+    summary = json.loads(_inspect(str(recording), "--json").stdout)
+    assert [d["file"] for d in summary["generations"][0]["damaged_files"]] == [
+        "g0000-s00001.safetensors", "g0000-s00002.safetensors"]
+    _not_json(recording)
+    done = _inspect(str(recording))
+    assert done.returncode == 1 and "manifest.json" in done.stderr and "Traceback" not in done.stderr
 
 
 def _layers_copy(tmp_path: Path) -> Path:
@@ -549,11 +575,11 @@ LAYER_DAMAGE = {
     ),
     "values in another dtype": (
         lambda root: _edit_layers_manifest(root, lambda g: g["streams"]["hidden_states.2"].update(dtype="float16")),
-        "g0000-s00000.safetensors", "the manifest says flat float16", False,
+        "g0000-s00000.safetensors", "the manifest says flat float16", True,
     ),
     "missing encoder file": (
         lambda root: (root / "g0000-encoder.safetensors").unlink(),
-        "g0000-encoder.safetensors", "file is not there", False,
+        "g0000-encoder.safetensors", "file is not there", True,
     ),
     "a layer the counts do not have": (
         lambda root: _edit_layers_manifest(root, lambda g: g["layers"]["counts"].update(attentions=1)),
@@ -583,5 +609,5 @@ def test_a_damaged_layers_recording_gives_a_typed_error_naming_the_file(tmp_path
     with pytest.raises(RecordingError, match=match) as raised:
         run = open_recording(root)
         if on_read:
-            run.attentions()
+            run.attentions(), run.hidden_states(), run.encoder_hidden_states()
     assert raised.value.path.name == culprit

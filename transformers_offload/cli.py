@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 from .read.reader import open_recording
-from .store.format import RecordingError
+from .store.format import RecordingError, verify_command
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,9 +29,11 @@ def main(argv: list[str] | None = None) -> int:
     verify = commands.add_parser(
         "verify",
         help="read every byte of a recording and check each file against its checksum",
-        description="Read every file of a recording and check its size and CRC-32C against the manifest. "
-        "Exit status: 0 when every file is intact; 1 when a file is damaged or missing, or when the "
-        "recording carries no checksums (written before they were added).",
+        description="Read every file of a recording (every rank's, for a data-parallel run) and check its "
+        "size, CRC-32C and header against the manifest; every damaged or missing file is listed with what is "
+        "wrong (--json: under `damaged`). Exit status: 0 when every file is intact; 1 when a file is damaged "
+        "or missing, when the manifest itself is, or when the recording carries no checksums (written before "
+        "they were added).",
     )
     export = commands.add_parser(
         "export", help="write the per-token table (one row per generated token) to a Parquet file",
@@ -85,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
             text = format_summary(result)
     except RecordingError as error:
         if arguments.json:
-            _print(json.dumps({"path": arguments.path, "ok": False, "file": str(error.path), "error": str(error)}, indent=2))
+            damaged = [{"file": str(each.path), "error": each.problem} for each in error.damaged]
+            _print(json.dumps({"path": arguments.path, "ok": False, "file": str(error.path), "error": str(error),
+                               "damaged": damaged}, indent=2))
         print(f"error: {error}", file=sys.stderr)
         return 1
     except (ValueError, TypeError, LookupError, ImportError, OSError) as error:
@@ -273,6 +277,9 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"{generation['prompt_length']} tokens, {generation['num_shards']} shard(s), "
             f"{_size(generation['file_bytes'])} on disk",
         ]
+        for damaged in generation.get("damaged_files", ()):
+            lines.append(f"  DAMAGED {damaged['file']}: {damaged['error']} (reading its steps raises; check every "
+                         f"file: {verify_command(summary['path'])})")
         if generation.get("prompt_lengths"):
             lines.append(f"  prompt lengths (tokens, without padding): {_short_list(generation['prompt_lengths'])}")
         if generation.get("sample_ids"):
@@ -292,10 +299,10 @@ def format_summary(summary: dict[str, Any]) -> str:
             shape = "(" + ", ".join("*" if n is None else str(n) for n in info["shape"]) + ("," if len(info["shape"]) == 1 else "") + ")"
             shape += " once" if info.get("once") else ""
             dense = info.get("dense_bytes")
-            ratio = f"  {info['bytes'] / dense:.2%}" if dense else ""
+            ratio = f"  {info['bytes'] / dense:.2%}" if dense and info["bytes"] is not None else ""
             lines.append(
                 f"  {stream:<{width}}{info['dtype']:<10}{info['encoding']:<{encoding_width}}{shape:<20}"
-                f"{_size(info['bytes']):>12}{ratio}"
+                f"{'?' if info['bytes'] is None else _size(info['bytes']):>12}{ratio}"
             )
     return "\n".join(lines)
 

@@ -56,7 +56,8 @@ class Generation(LayerReading, EncodedReading):
             mid-run; the steps recorded before that are kept.
         error (`str | None`): why an incomplete generation ended, as the exception's `repr`.
         sequences (`torch.LongTensor | None`): what `generate()` returned as sequences (`out.sequences`
-            or the plain tensor), on CPU; None for an incomplete generation.
+            or the plain tensor), on CPU; None for an incomplete generation. From a recording directory
+            read when first asked for (`RecordingError` naming the file if it is missing or damaged).
         pad_token_id (`int | None`), eos_token_id (`tuple[int, ...]`): from the call's generation config.
         generation_config (`dict`): the call's generation config, as `GenerationConfig.to_diff_dict()`.
         stats (`TransferStats | None`): transfer counters of the recording process; None when read back
@@ -93,7 +94,7 @@ class Generation(LayerReading, EncodedReading):
     num_steps: int
     complete: bool
     error: str | None
-    sequences: torch.Tensor | None = field(repr=False)
+    _sequences: Any = field(repr=False)  # the tensor, None, or a function that reads it (once)
     pad_token_id: int | None
     eos_token_id: tuple[int, ...]
     generation_config: dict[str, Any] = field(repr=False)
@@ -104,6 +105,15 @@ class Generation(LayerReading, EncodedReading):
     sample_ids: tuple[Any, ...] | None = field(default=None, repr=False)
     sample_metadata: tuple[dict[str, Any], ...] | None = field(default=None, repr=False)
     loop: dict[str, Any] | None = field(default=None, repr=False)
+
+    @property
+    def sequences(self) -> torch.Tensor | None:
+        """What `generate()` returned as sequences (see the class's attributes)."""
+        value = self._sequences
+        if callable(value):  # from a recording directory: read on first use
+            value = value()
+            object.__setattr__(self, "_sequences", value)
+        return value
 
     def _repr_html_(self) -> str | None:
         """The viewer's page of this generation, for notebooks (`answers.viewer`)."""
@@ -156,6 +166,8 @@ class Generation(LayerReading, EncodedReading):
             IndexError: `steps` or `rows` is out of range.
             ValueError: `framework` is not `"pt"` or `"np"`.
             TypeError: `framework="np"` for bfloat16 values (NumPy has no bfloat16).
+            RecordingError: (from a recording directory) a selected step is held by a missing or damaged
+                shard; the error names the file and `python -m transformers_offload verify PATH`.
 
         Example:
             >>> gen.logits(steps=slice(0, 2), rows=[0])[0].shape  # doctest: +SKIP
@@ -174,7 +186,7 @@ class Generation(LayerReading, EncodedReading):
         Raises:
             KeyError: the recorder was created without the `"scores"` stream.
             ValueError: the scores were recorded as top-k: read them with `topk("scores")`.
-            IndexError, ValueError, TypeError: as in `logits()`.
+            IndexError, ValueError, TypeError, RecordingError: as in `logits()`.
         """
         return self._get_full("scores", steps, rows, framework)
 
@@ -372,7 +384,9 @@ class Generation(LayerReading, EncodedReading):
 
 def generation_of(stored: StoredGeneration) -> Generation:
     """The `Generation` over what a store handed back (in memory, or a manifest entry's shards)."""
-    return Generation(**stored.fields, _source=stored.source)
+    fields = dict(stored.fields)
+    sequences = fields.pop("sequences")  # a tensor, None, or (from a directory) a function that reads it
+    return Generation(**fields, _sequences=sequences, _source=stored.source)
 
 
 class Readable(ReadableLayers, ReadableEncoded):

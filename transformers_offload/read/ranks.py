@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..store.format import RecordingError, rank_directories
+from ..store.format import RecordingError, damaged_files, rank_directories
 from .generation import Generation, Readable, pick
 from .reader import Recording
 
@@ -95,13 +95,22 @@ class RankedRecording(Readable):
                 "checksums": all(summary["checksums"] for summary in described.values()), "generations": generations}
 
     def verify(self) -> dict[str, int]:
-        """`Recording.verify()` on every rank: `{"files", "bytes"}` summed over them.
+        """`Recording.verify()` on every rank: every file of every rank checked, `{"files", "bytes"}`
+        summed over them.
 
         Raises:
-            RecordingError: as `Recording.verify()`, naming the damaged rank's file.
+            RecordingError: as `Recording.verify()`: one damaged file's own error (naming the rank's
+                file), or with several, one naming the run's directory whose `damaged` lists each.
         """
-        checked = [part.verify() for part in self.parts]
-        return {"files": sum(c["files"] for c in checked), "bytes": sum(c["bytes"] for c in checked)}
+        files = size = 0
+        damaged: list[RecordingError] = []
+        for part in self.parts:
+            checked, read, found = part._check_files()  # noqa: SLF001 - the rank's own verify, not raising
+            files, size = files + checked, size + read
+            damaged.extend(found)
+        if damaged:
+            raise damaged_files(self.path, damaged, files)
+        return {"files": files, "bytes": size}
 
     def close(self) -> None:
         """Drop every rank's shard mappings."""

@@ -23,9 +23,13 @@ def open_recording(path: str | os.PathLike, *, verify: bool = False) -> Recordin
     """Open a recording directory written by `Recorder(model, spill_dir=path)`, or the directory of a
     data-parallel `record` run, whose ranks it reads as one recording (`read.ranks.RankedRecording`).
 
-    The manifest and every shard's header are checked at once; tensor data is read only when asked
-    for, and only the selected steps and rows. With `verify=True` every byte of every file is read
-    once first and checked against the checksum the recorder wrote (`Recording.verify()`).
+    The manifest is read and checked at once; each shard is opened, and its header checked against the
+    manifest, when a step it holds is first read, and only the selected steps and rows are read. A
+    missing or damaged shard (or sequences or encoder file) hides nothing else: every other step reads
+    as before, and reading what the damaged file holds raises `RecordingError` naming it and the
+    command that checks every file (`python -m transformers_offload verify PATH`). With `verify=True`
+    every byte of every file is read once first and checked against the checksum the recorder wrote
+    (`Recording.verify()`).
 
     Args:
         path (`str | os.PathLike`): the recording directory (the `spill_dir` the recorder was given).
@@ -38,11 +42,13 @@ def open_recording(path: str | os.PathLike, *, verify: bool = False) -> Recordin
         the same accessors over every rank's generations, ordered by sample id.
 
     Raises:
-        RecordingError: the directory is missing, not a recording, of an unknown format version,
-            damaged (truncated shard, corrupted header, a shape or dtype that disagrees with the
-            manifest) or hostile (a manifest naming a file outside the directory); with `verify`, a
-            file whose bytes differ from its checksum, or a recording written before checksums (it
-            carries none to check: open it without `verify`). The error's `path` names the file.
+        RecordingError: the directory is missing, not a recording, of an unknown format version, or its
+            manifest is damaged or hostile (not JSON, a field of the wrong type, a file name leading
+            outside the directory): without it there is nothing to read. With `verify`, also any file
+            missing or damaged (a size, checksum or header that differs from the manifest; every such
+            file is listed, in the error's `damaged`), or a recording written before checksums (it
+            carries none to check: open it without `verify`). The error's `path` names the file (the
+            directory when `verify` found several). A damaged shard raises when it is read, not here.
 
     Example:
         >>> run = open_recording("run/")  # doctest: +SKIP
@@ -67,7 +73,8 @@ class Recording(Readable):
     `logits()`, `scores()`, `tokens()`, `finished()`, `beam_parents()` and `beam_indices()` read one
     generation (default: the latest) with the same contract as the `Recorder`'s (equal tensors); `for
     gen in recording` iterates over the `Generation`s. Returned tensors map the shard files
-    copy-on-write; `close()` drops this object's own mappings.
+    copy-on-write; `close()` drops this object's own mappings. Reading a step held by a missing or
+    damaged file raises `RecordingError` naming the file; `verify()` lists every damaged file.
 
     Attributes:
         path (`pathlib.Path`): the directory.
@@ -117,19 +124,27 @@ class Recording(Readable):
         float32 `(rows, vocab_size)` tensors (`scores` stored once with the logits, `"same_as_logits"`, take
         0 bytes of their own); each generation its `file_bytes` on disk (shards and
         sequences), its `prompt_lengths` (non-padding tokens per prompt; None without an attention
-        mask), its `sample_ids` (from `Recorder.set_samples`, or None) and its `generation_config` (the settings that differ from the defaults,
-        `GenerationConfig.to_diff_dict()`).
+        mask), its `sample_ids` (from `Recorder.set_samples`, or None), its `generation_config` (the settings that differ from the defaults,
+        `GenerationConfig.to_diff_dict()`) and its `damaged_files`: `{"file", "error"}` for each file seen damaged
+        without reading its data (missing, of another size than written, or with a header a ragged
+        stream's `bytes` could not be read from: those are then None; `verify()` reads every byte).
         """
         generations = []
         for generation, entry in zip(self._generations, self._entries):
             streams = {}
+            damaged = self._damaged_at_a_glance(_manifest.files_of(entry))
             encoder = entry.get("encoder") or {}
             for name, stream in [*entry["streams"].items(), *encoder.get("streams", {}).items()]:
                 itemsize = _format.dtype_of(stream["dtype"]).itemsize
                 if stream["encoding"] == _format.SAME_AS_LOGITS:
                     elements = 0  # stored once, as the logits
                 elif stream["encoding"] in _format.FLAT_ENCODINGS:
-                    elements = generation._source.ragged_elements(name, generation.num_steps)
+                    try:  # reads each shard's step shapes
+                        elements = generation._source.ragged_elements(name, generation.num_steps)
+                    except RecordingError as error:
+                        elements = None  # unknown: a shard is damaged
+                        if all(d["file"] != error.path.name for d in damaged):
+                            damaged.append({"file": error.path.name, "error": error.damaged[0].problem})
                 elif name in encoder.get("streams", {}):
                     elements = math.prod(stream["shape"])  # once per generation
                 else:
@@ -138,7 +153,7 @@ class Recording(Readable):
                     "dtype": stream["dtype"],
                     "encoding": stream["encoding"],
                     "shape": stream["shape"],
-                    "bytes": elements * itemsize,
+                    "bytes": None if elements is None else elements * itemsize,
                 }
                 if stream.get("dense"):  # records read back as dense tensors: those tensors' dtype and shape
                     streams[name].update(dtype=stream["dense"]["dtype"], shape=stream["dense"]["shape"],
@@ -167,6 +182,7 @@ class Recording(Readable):
                     "generation_config": generation.generation_config,
                     "num_shards": len(entry["shards"]),
                     "file_bytes": sum(_size_of(self.path / name) for name in files),
+                    "damaged_files": damaged,
                     "streams": streams,
                 }
             )
@@ -179,36 +195,80 @@ class Recording(Readable):
             "generations": generations,
         }
 
+    def _damaged_at_a_glance(self, names: list[str]) -> list[dict[str, str]]:
+        """Files seen damaged without reading them: missing, or of another size than the recorder wrote."""
+        found = []
+        for name in names:
+            try:
+                size = (self.path / name).stat().st_size
+            except OSError as error:
+                found.append({"file": name, "error": f"cannot be found ({error.strerror})"})
+                continue
+            written = (self._file_records or {}).get(name, {}).get("bytes")
+            if written is not None and size != written:
+                found.append({"file": name, "error": f"holds {size} bytes, {written} were written"})
+        return found
+
     def verify(self) -> dict[str, int]:
-        """Read every byte of every file the manifest names (shards, sequences, encoder outputs) and
-        compare its size and CRC-32C with those the recorder noted when it wrote the file.
+        """Check every file the manifest names (shards, sequences, encoder outputs): read every byte and
+        compare its size and CRC-32C with those the recorder noted when it wrote the file, and check its
+        header against the manifest as a read would. Every file is checked, whatever the others hold.
+
+        Reading a step held by a file found damaged raises that finding from then on, also where the
+        damage lies in tensor data, which a plain read does not check.
 
         Returns:
-            `dict`: `{"files": files checked, "bytes": bytes read}`.
+            `dict`: `{"files": files checked, "bytes": bytes read}`, when every file is intact.
 
         Raises:
-            RecordingError: a file differs from its checksum or size (its `path` names the file), or
-                the recording carries no checksum for a file (recordings written before checksums
+            RecordingError: a file is missing or damaged: its size, checksum or header differs from the
+                manifest (the error's `path` names the file); with several, one error whose `path` is the
+                directory and whose message lists each, its `damaged` holding each file's own error. Also
+                when the recording carries no checksum for a file (recordings written before checksums
                 were added carry none; they read as before without `verify`).
 
         Example:
             >>> open_recording("run/").verify()  # doctest: +SKIP
             {'files': 3, 'bytes': 1210816}
         """
+        checked, size, damaged = self._check_files()
+        if damaged:
+            raise _format.damaged_files(self.path, damaged, checked)
+        return {"files": checked, "bytes": size}
+
+    def _check_files(self) -> tuple[int, int, list[RecordingError]]:
+        """`verify()`'s work without raising (`RankedRecording.verify` sums it over ranks): the files
+        checked, the bytes read, and one `RecordingError` per damaged file (first, where the recording
+        lacks checksums, one saying so)."""
         names = [name for entry in self._entries for name in _manifest.files_of(entry)]
         records = self._file_records or {}
+        damaged: list[RecordingError] = []
         missing = [name for name in names if name not in records]
         if missing:
             written = self.created_by.get("transformers_offload", "?")
-            raise RecordingError(
+            damaged.append(RecordingError(
                 self.path / (missing[0] if self._file_records is not None else _format.MANIFEST),
                 f"carries no checksum for {len(missing)} of its {len(names)} file(s) (written by "
                 f"transformers-offload {written}, before checksums), so it cannot be verified; it reads "
                 "as before without `verify`.",
-            )
-        for name in names:
-            _files.verify_file(self.path / name, records[name])
-        return {"files": len(names), "bytes": sum(records[name]["bytes"] for name in names)}
+            ))
+        size = 0
+        for generation in self._generations:
+            source = generation._source
+            assert isinstance(source, ShardSource)  # a directory's generations read from its shards
+            for name in source.files:
+                try:
+                    path = _manifest.inside(self.path, name, self.path / _format.MANIFEST)  # opens nothing outside
+                    if name in records:
+                        _files.verify_file(path, records[name])
+                        size += records[name]["bytes"]
+                    source.check(name)
+                except RecordingError as error:
+                    damaged.append(error)
+                    source.mark(name, error)
+                else:
+                    source.mark(name, None)
+        return len(names), size, damaged
 
     def close(self) -> None:
         """Drop the shard mappings this object holds (tensors already returned keep theirs)."""
@@ -230,5 +290,5 @@ class Recording(Readable):
 def _size_of(path: Path) -> int:
     try:
         return path.stat().st_size
-    except OSError as error:
-        raise RecordingError(path, f"cannot be read any more ({error.strerror}): was it deleted?") from None
+    except OSError:
+        return 0  # a missing file: `missing_files` names it

@@ -111,6 +111,8 @@ def verify_file(path: Path, record: dict[str, Any]) -> None:
         with open(path, "rb") as file:
             size = os.fstat(file.fileno()).st_size
             found = file_checksum(file, algorithm) if size == record["bytes"] else None
+    except FileNotFoundError:
+        raise RecordingError(path, "missing: the manifest names this file but it is not there.") from None
     except OSError as error:
         raise RecordingError(path, f"cannot be read ({error.strerror}).") from None
     if size != record["bytes"]:

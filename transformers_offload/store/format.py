@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import operator
 import re
+import shlex
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -84,12 +85,36 @@ class RecordingError(ValueError):
     """A recording directory cannot be read: missing, damaged, hostile, or of an unknown format.
 
     Attributes:
-        path (`pathlib.Path`): the file (or directory) that is wrong.
+        path (`pathlib.Path`): the file (or directory) that is wrong; the recording directory when
+            `verify` found several files damaged.
+        problem (`str`): what is wrong with it (the message without the path).
+        damaged (`tuple[RecordingError, ...]`): one error per damaged file, each naming its file in
+            `path` and saying what is wrong in `problem`: several when `verify` found several files
+            damaged, else one (this error, or the same without the advice a read adds to it).
     """
 
-    def __init__(self, path: Path | str, problem: str) -> None:
+    def __init__(self, path: Path | str, problem: str, *, damaged: tuple[RecordingError, ...] = ()) -> None:
         self.path = Path(path)
+        self.problem = problem
+        self.damaged = tuple(damaged) or (self,)
         super().__init__(f"{self.path}: {problem}")
+
+
+def verify_command(root: Path | str) -> str:
+    """The shell command that checks every file of recording `root`, ready to paste."""
+    return f"python -m transformers_offload verify {shlex.quote(str(root))}"
+
+
+def damaged_files(root: Path, damaged: list[RecordingError], checked: int) -> RecordingError:
+    """One error for every damaged file `verify` found among the `checked` files of `root`: the file's
+    own error when there is one, else one naming `root` that lists each (`damaged` holds them)."""
+    if len(damaged) == 1:
+        return damaged[0]
+    listed = "".join(f"\n  {error}" for error in damaged)
+    return RecordingError(
+        root, f"{len(damaged)} of its {checked} file(s) are damaged (reading a step they hold raises; the "
+        f"other steps read as before):{listed}", damaged=tuple(damaged),
+    )
 
 # The same dtypes as safetensors names them in a file's header (`get_slice(name).get_dtype()`).
 SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64",

@@ -1,4 +1,5 @@
-"""Reading one generation's shards: each file's header checked when it is opened, data read on demand.
+"""Reading one generation's shards: each file opened, and its header checked, when something it holds is
+first read (never at open: a damaged file hides nothing else), data read on demand.
 
 Dense streams are memory-mapped by safetensors (`get_tensor`), so slicing a step or a row reads only
 those bytes. A ragged stream (per-layer attentions, hidden states) is read through `get_slice`, one
@@ -8,11 +9,12 @@ whole shard to return one step.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -27,11 +29,17 @@ _OPEN_SHARDS = 64  # shard files kept open per generation (least recently used a
 
 
 class ShardSource:
-    """Reads one generation's steps from its shards (and its encoder file); every file's header is
-    checked against the manifest when the source is made, tensor data only when asked for."""
+    """Reads one generation's steps from its shards (and its encoder and sequences files), lazily: a
+    file is opened, and its header checked against the manifest, when something it holds is first read.
+
+    A missing or damaged file raises `RecordingError` naming it and the `verify` command when it is
+    read, never before: the generation's other files, and the recording's other generations, read as
+    before. A file `verify` found damaged (`mark`) raises that finding when read.
+    """
 
     def __init__(self, root: Path, entry: dict[str, Any]) -> None:
         self._root = root
+        self._entry = entry
         self._index = entry["index"]
         self._stream_info = entry["streams"]
         self.streams = tuple(entry["streams"])
@@ -40,18 +48,24 @@ class ShardSource:
         self._encoder_file = encoder.get("file")
         self._encoder_info = encoder.get("streams", {})
         self.once_streams = tuple(self._encoder_info)
+        self._sequences_file = entry.get("sequences") or None
         self._open: OrderedDict[str, _Shard] = OrderedDict()
-        for shard in self._shards:  # headers only: the data stays on disk until read
-            self._shard(shard)
-        if self._encoder_file is not None:
-            self._encoder()
-        self.close()
+        self._damaged: dict[str, RecordingError] = {}  # file name -> what `verify` found wrong with it
+
+    @property
+    def files(self) -> list[str]:
+        """Every file this generation names: its shards, sequences and encoder outputs."""
+        return _manifest.files_of(self._entry)
 
     def read(self, name: str, steps: range, rows: Any) -> tuple[torch.Tensor, ...]:
+        with self._naming_verify():
+            return self._read(name, steps, rows)
+
+    def _read(self, name: str, steps: range, rows: Any) -> tuple[torch.Tensor, ...]:
         if self._stream_info[name]["encoding"] == _format.SAME_AS_LOGITS:
             name = "logits"  # stored once: the scores were the logits
         if steps.step < 0:
-            return tuple(reversed(self.read(name, steps[::-1], rows)))
+            return tuple(reversed(self._read(name, steps[::-1], rows)))
         ragged = self._stream_info[name]["encoding"] in _format.FLAT_ENCODINGS
         values: list[torch.Tensor] = []
         for shard in self._shards:
@@ -76,18 +90,66 @@ class ShardSource:
     def ragged_elements(self, name: str, num_steps: int) -> int:
         """Values of ragged stream `name` in its first `num_steps` steps (reads the shapes only)."""
         total = 0
-        for shard in self._shards:
-            count = min(shard["num_steps"], num_steps - shard["first_step"])
-            if count > 0:
-                total += self._shard(shard).ends(name)[count - 1]
+        with self._naming_verify():
+            for shard in self._shards:
+                count = min(shard["num_steps"], num_steps - shard["first_step"])
+                if count > 0:
+                    total += self._shard(shard).ends(name)[count - 1]
         return total
 
     def read_once(self, name: str) -> torch.Tensor:
-        return self._encoder().dense(name)
+        with self._naming_verify():
+            return self._encoder().dense(name)
+
+    def sequences(self) -> torch.Tensor | None:
+        """What `generate()` returned as sequences, read from their file (None: the generation names none)."""
+        if self._sequences_file is None:
+            return None
+        with self._naming_verify():
+            return _read_sequences(self._path(self._sequences_file), self._entry)
+
+    def check(self, name: str) -> None:
+        """Every check a read makes of file `name` (one of `files`), made now: its header against the
+        manifest, each ragged stream's step shapes, the sequences' shape; `RecordingError` naming it."""
+        path = _manifest.inside(self._root, name, self._root / _format.MANIFEST)
+        if name == self._sequences_file:
+            _read_sequences(path, self._entry)
+        elif name == self._encoder_file:
+            _open_encoder(path, self._index, self._encoder_info)
+        else:
+            shard = next(shard for shard in self._shards if shard["file"] == name)
+            opened = _open_shard(path, self._index, shard, self._stream_info)
+            for stream in opened.ragged_streams:
+                opened.ends(stream)
+
+    def mark(self, name: str, damage: RecordingError | None) -> None:
+        """Note what `verify` found of file `name`: reading it raises `damage` from now on (None: intact)."""
+        self._open.pop(name, None)
+        if damage is None:
+            self._damaged.pop(name, None)
+        else:
+            self._damaged[name] = damage
 
     def close(self) -> None:
         """Drop the open files (tensors already returned keep their own memory or mapping)."""
         self._open.clear()
+
+    @contextlib.contextmanager
+    def _naming_verify(self) -> Iterator[None]:
+        """A `RecordingError` raised inside also names the command that checks every file."""
+        try:
+            yield
+        except RecordingError as error:
+            raise RecordingError(
+                error.path, f"{error.problem} Check every file with `{_format.verify_command(self._root)}`; "
+                "steps held by intact files read as before.", damaged=(error,),
+            ) from None
+
+    def _path(self, name: str) -> Path:
+        found = self._damaged.get(name)
+        if found is not None:
+            raise RecordingError(found.path, f"{found.problem} (found by `verify`)")
+        return _manifest.inside(self._root, name, self._root / _format.MANIFEST)
 
     def _encoder(self) -> _Shard:
         return self._get(self._encoder_file, lambda path: _open_encoder(path, self._index, self._encoder_info))
@@ -100,7 +162,7 @@ class ShardSource:
         if opened is not None:
             self._open.move_to_end(name)
             return opened
-        opened = self._open[name] = opener(_manifest.inside(self._root, name, self._root / _format.MANIFEST))
+        opened = self._open[name] = opener(self._path(name))
         if len(self._open) > _OPEN_SHARDS:
             self._open.popitem(last=False)
         return opened
@@ -113,6 +175,7 @@ class _Shard:
         self.path = path
         self._handle = handle
         self._ragged = ragged  # name -> its manifest entry
+        self.ragged_streams = tuple(ragged)
         self._dense: dict[str, torch.Tensor] = {}
         self._shapes: dict[str, tuple[torch.Tensor, list[int]]] = {}
 
@@ -249,12 +312,9 @@ def open_file(path: Path, what: str) -> tuple[Any, dict[str, str] | None, dict[s
 
 
 def stored_generation(root: Path, entry: dict[str, Any], *, stats: TransferStats | None = None) -> StoredGeneration:
-    """One manifest entry's generation: its fields, and its shards (checked here, read lazily)."""
-    manifest_path = root / _format.MANIFEST
+    """One manifest entry's generation: its fields, and its files (each checked and read when first
+    asked for; `sequences` is then a function that reads them)."""
     source = ShardSource(root, entry)
-    sequences = None
-    if entry.get("sequences"):
-        sequences = _read_sequences(_manifest.inside(root, entry["sequences"], manifest_path), entry)
     status = entry["status"]
     error = entry.get("error")
     if status == "recording":
@@ -273,7 +333,7 @@ def stored_generation(root: Path, entry: dict[str, Any], *, stats: TransferStats
         num_steps=entry["num_steps"],
         complete=status == "complete",
         error=None if status == "complete" else str(error),
-        sequences=sequences,
+        sequences=source.sequences if entry.get("sequences") else None,  # read when first asked for
         pad_token_id=entry.get("pad_token_id"),
         eos_token_id=tuple(entry["eos_token_id"]),
         generation_config=dict(entry["generation_config"]),
