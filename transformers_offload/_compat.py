@@ -43,6 +43,17 @@ def loop_taps(model: Any) -> tuple[str, ...]:
     return LOOP_TAPS if all(callable(getattr(type(model), name, None)) for name in LOOP_TAPS) else ()
 
 
+def generation_delegates(model: Any) -> list[Any]:
+    """The submodules whose own `generate()` `model`'s `generate()` calls instead of running the loop
+    itself (BLIP-2's and InstructBLIP's `language_model`, BLIP's `text_decoder`, Kosmos-2's
+    `text_model`): the children that generate, of a class that overrides `generate()`. Empty for a
+    model that runs transformers' loop itself (its children do not generate)."""
+    if getattr(type(model), "generate", None) is GenerationMixin.generate:
+        return []
+    return [child for child in model.children()
+            if isinstance(child, GenerationMixin) and callable(getattr(child, "can_generate", None)) and child.can_generate()]
+
+
 LIST_BUILDERS = ("_get_logits_processor", "_get_stopping_criteria") + (
     ("_get_logits_warper",) if HAS_SEPARATE_WARPER_LIST else ()
 )

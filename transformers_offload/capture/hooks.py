@@ -122,11 +122,13 @@ class CallRecorder:
 
     Attributes:
         closed (`bool`): True once the recorder was closed (its calls are refused).
+        generations (`tuple`): what it recorded so far (a delegating call must add one).
         _streams (`tuple[str, ...]`): what it records (the mode check needs it).
         _model_name (`str`): the model it is attached to, for error messages.
     """
 
     closed: bool
+    generations: tuple
     _streams: tuple[str, ...]
     _model_name: str
 
@@ -238,6 +240,9 @@ class ModelHooks:
                     return original(*args, **kwargs)
             config = _compat.provisional_generation_config(model, arguments.get("generation_config"), extra)
             check_mode(config, arguments.get("assistant_model"), recorder._streams)
+            delegates = _compat.generation_delegates(model)
+            if delegates:
+                return self._delegate(recorder, delegates, original, args, kwargs)
             # Ctrl-C is held while the recorder's own code runs, and the end of the call writes what
             # was recorded before raising it (`_interrupts`).
             tapped = bool(self._loop_taps)
@@ -269,6 +274,31 @@ class ModelHooks:
         generate.__wrapped__ = original  # type: ignore[attr-defined]
         generate.__doc__ = original.__doc__
         return generate
+
+    def _delegate(self, recorder: Any, delegates: list[torch.nn.Module], original: Callable[..., Any],
+                  args: tuple, kwargs: dict) -> Any:
+        """A model whose `generate()` calls an inner model's (BLIP-2's language model...): the recorder
+        is attached to the inner models for the call, so the inner call, which receives the outer
+        call's `logits_processor`, is recorded as this call's generation."""
+        model = self._model_ref()
+        before = len(recorder.generations)
+        for inner in delegates:
+            attach(inner, recorder)
+        try:
+            with _active(model, None):
+                output = original(*args, **kwargs)
+        finally:
+            for inner in delegates:
+                detach(inner, recorder)
+        if len(recorder.generations) == before:
+            names = ", ".join(type(inner).__name__ for inner in delegates)
+            raise RuntimeError(
+                f"{type(model).__name__}.generate() returned without running a decoding loop of its own or "
+                f"passing the Recorder on to its inner model's generate() ({names}), so nothing was recorded: "
+                "this model's generate() is not supported by transformers-offload. Record the inner model's "
+                "own generate() call instead."
+            )
+        return output
 
     def _wrap_generate_batch(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def generate_batch(*args: Any, **kwargs: Any) -> Any:
