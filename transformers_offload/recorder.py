@@ -78,8 +78,16 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
     accepted token, as `out.scores`; rejected candidates and the assistant's drafts are not
     recorded), and, where transformers runs them itself (up to 4.56), contrastive search, DoLa and
     group beam search; for decoder-only and encoder-decoder models. A call in another mode
-    (constrained beam search, those three from 4.57, early-exit assistance) raises
-    `UnsupportedModeError` before its decoding loop starts.
+    (constrained beam search, those three from 4.57, early-exit assistance, continuous batching)
+    raises `UnsupportedModeError` before its decoding loop starts.
+
+    A model whose `generate()` runs transformers' loop several times in one call (Whisper: per
+    30-second segment and per fallback temperature) gives one generation per loop (`Generation.loop`
+    names its segment, attempt and the prompts the call kept); one whose `generate()` calls an inner
+    model's (BLIP-2's language model) is recorded through that inner call. When each loop ends, the
+    recording is checked against what the loop returned (its sequences, its steps): a disagreement
+    marks the generation incomplete (`complete=False`, `error` naming it) and warns
+    `RecordingMismatchWarning`; it is never `complete=True` with content that differs from the call.
 
     Args:
         model (`transformers.GenerationMixin`): the model whose `generate()` calls are recorded. The
@@ -156,6 +164,12 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
         RecordingError: with `append`, the recording in `spill_dir` is damaged.
         BlockingIOError: another process is writing the recording in `spill_dir`.
         OSError: `spill_dir` cannot be created or written.
+        UnsupportedModeError: raised by a `generate()` call in a mode it cannot record (see above),
+            before the call runs.
+
+    Warns:
+        RecordingMismatchWarning: a call's recording disagrees with what it returned (above).
+        DeviceAccumulationWarning: the call also asked generate() to keep per-step outputs on the device.
 
     Example:
         >>> from transformers_offload import Recorder
