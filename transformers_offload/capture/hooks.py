@@ -2,14 +2,18 @@
 
 Attaching a recorder to a model shadows three of its methods with wrappers stored in the instance's
 `__dict__` (never on the class): `generate`, and the private `_get_logits_processor` and
-`_get_stopping_criteria` (plus `_get_logits_warper` on releases that have it), and registers one
+`_get_stopping_criteria` (plus `_get_logits_warper` on releases that have it; `generate_batch`, only to
+refuse a Recorder passed to continuous batching; and a Whisper model's methods around each of its
+decoding loops, `loops.loop_tap_wrappers`), and registers one
 forward hook and one forward pre-hook (and one more pre-hook on an encoder-decoder model's encoder),
 which asks the forward for attentions or hidden states when the recorder records them. A call to
 `generate()` whose `logits_processor` holds no recorder runs the original methods untouched.
 Detaching the last recorder of a model removes every wrapper and hook.
 
-The capture of a call in progress is kept per thread, so two models (or one model) generating in two
-threads with their own recorders never see each other's steps.
+The call in progress (`loops.RecordedCall`: one capture per decoding loop) is kept per thread, so two
+models (or one model) generating in two threads with their own recorders never see each other's steps.
+A model whose `generate()` calls an inner model's (BLIP-2) has the recorder attached to the inner
+model for the call.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import functools
 import inspect
 import threading
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from transformers import GenerationMixin
@@ -27,48 +31,13 @@ from transformers import GenerationMixin
 from .. import _compat, _interrupts
 from .capture import Capture
 from .modes import check_mode, refuse_continuous_batching
-from .loops import RecordedCall
+from .loops import RecordedCall, active_call as _active_call, active_capture as _active_capture
+from .loops import arguments_of as _bind, calls_on as _active, loop_tap_wrappers
 from . import prompt_logprobs as _prompt_logprobs
 
 _ABSENT = object()
 _LOCK = threading.Lock()
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, ModelHooks]" = weakref.WeakKeyDictionary()
-_ACTIVE = threading.local()  # .calls: dict[id(model), RecordedCall] for the calls running in this thread
-
-
-def _active_capture(model: torch.nn.Module) -> Capture | None:
-    calls = getattr(_ACTIVE, "calls", None)
-    call = None if calls is None else calls.get(id(model))
-    return None if call is None else call.capture
-
-
-def _active_call(model: torch.nn.Module) -> RecordedCall | None:
-    calls = getattr(_ACTIVE, "calls", None)
-    return None if calls is None else calls.get(id(model))
-
-
-@contextlib.contextmanager
-def _active(model: torch.nn.Module, call: RecordedCall | None) -> Iterator[None]:
-    """Make `call` the one this thread's calls on `model` report to (None: no call), then restore
-    whatever was active before (an outer call, or none)."""
-    calls = _ACTIVE.__dict__.setdefault("calls", {})
-    key = id(model)
-    outer = calls.pop(key, None)
-    if call is not None:
-        calls[key] = call
-    try:
-        yield
-    finally:
-        calls.pop(key, None)
-        if outer is not None:
-            calls[key] = outer
-
-
-def _bind(function: Callable[..., Any], args: tuple, kwargs: dict) -> dict[str, Any]:
-    """A call's arguments by parameter name, however they were passed."""
-    return inspect.signature(function).bind(*args, **kwargs).arguments
-
-
 class _TappedProcessorList(_compat.LogitsProcessorList):
     """The processor list `generate()` built, with a tap before the first and after the last entry."""
 
@@ -171,9 +140,7 @@ class ModelHooks:
         model = self._model_ref()
         names = ("generate", *_compat.LIST_BUILDERS, *_compat.CONTINUOUS_BATCHING_ENTRIES, *self._loop_taps)
         makers = {
-            "generate_with_fallback": self._wrap_segment,
-            "_postprocess_outputs": self._wrap_loop_output,
-            "_need_fallback": self._wrap_prompt_verdict,
+            **loop_tap_wrappers(self._model_ref),
             "generate_batch": self._wrap_generate_batch,
             "generate": self._wrap_generate,
             "_get_logits_processor": self._wrap_processor_list,
@@ -310,48 +277,6 @@ class ModelHooks:
         generate_batch.__wrapped__ = original  # type: ignore[attr-defined]
         generate_batch.__doc__ = original.__doc__
         return generate_batch
-
-    # -- a model whose generate() runs the loop per segment and temperature (`loops`) ------------------
-    def _tapped_call(self) -> RecordedCall | None:
-        call = _active_call(self._model_ref())
-        return call if call is not None and call.tapped else None
-
-    def _wrap_segment(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def generate_with_fallback(*args: Any, **kwargs: Any) -> Any:
-            call = self._tapped_call()
-            if call is None:
-                return original(*args, **kwargs)
-            arguments = _bind(original, args, kwargs)
-            rows, count = arguments.get("batch_idx_map"), arguments.get("cur_bsz")
-            with _interrupts.held():
-                call.segment_starts([int(rows[i]) for i in range(int(count))] if rows is not None and count else [])
-            try:
-                return original(*args, **kwargs)
-            finally:
-                with _interrupts.held():
-                    call.segment_ends()
-
-        return generate_with_fallback
-
-    def _wrap_loop_output(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def _postprocess_outputs(*args: Any, **kwargs: Any) -> Any:
-            call = self._tapped_call()
-            if call is not None:
-                call.loop_returned(_bind(original, args, kwargs).get("seek_outputs"))
-            return original(*args, **kwargs)
-
-        return _postprocess_outputs
-
-    def _wrap_prompt_verdict(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def _need_fallback(*args: Any, **kwargs: Any) -> Any:
-            verdict = original(*args, **kwargs)
-            call = self._tapped_call()
-            index = _bind(original, args, kwargs).get("index") if call is not None else None
-            if index is not None and isinstance(verdict, tuple) and len(verdict) == 2:
-                call.prompt_verdict(int(index), *verdict)
-            return verdict
-
-        return _need_fallback
 
     def _wrap_processor_list(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def _get_logits_processor(*args: Any, **kwargs: Any) -> Any:

@@ -16,10 +16,52 @@ cannot tell which loop's result the call returns.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+import inspect
+import threading
+from typing import Any, Callable, Iterator
 
+import torch
+
+from .. import _interrupts
 from .capture import Capture
 from .verify import RecordingMismatch
+
+_ACTIVE = threading.local()  # .calls: dict[id(model), RecordedCall] for the calls running in this thread
+
+
+def active_call(model: torch.nn.Module) -> RecordedCall | None:
+    """The recorded call of `model` running in this thread, if any."""
+    calls = getattr(_ACTIVE, "calls", None)
+    return None if calls is None else calls.get(id(model))
+
+
+def active_capture(model: torch.nn.Module) -> Capture | None:
+    """The capture of the decoding loop `model`'s recorded call runs now in this thread, if any."""
+    call = active_call(model)
+    return None if call is None else call.capture
+
+
+@contextlib.contextmanager
+def calls_on(model: torch.nn.Module, call: RecordedCall | None) -> Iterator[None]:
+    """Make `call` the one this thread's calls on `model` report to (None: no call), then restore
+    whatever was active before (an outer call, or none)."""
+    calls = _ACTIVE.__dict__.setdefault("calls", {})
+    key = id(model)
+    outer = calls.pop(key, None)
+    if call is not None:
+        calls[key] = call
+    try:
+        yield
+    finally:
+        calls.pop(key, None)
+        if outer is not None:
+            calls[key] = outer
+
+
+def arguments_of(function: Callable[..., Any], args: tuple, kwargs: dict) -> dict[str, Any]:
+    """A call's arguments by parameter name, however they were passed."""
+    return inspect.signature(function).bind(*args, **kwargs).arguments
 
 
 class RecordedCall:
@@ -142,3 +184,52 @@ def kept_prompts(capture: Capture) -> list[int]:
         if not skipped and (capture.last_attempt or not rerun):
             kept.append(index)
     return kept
+
+
+# -- the wrappers on a model's loop taps (`_compat.LOOP_TAPS`), installed by `hooks` ----------------------
+def loop_tap_wrappers(model_ref: Callable[[], Any]) -> dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]]:
+    """Per `_compat.LOOP_TAPS` method name, a function that wraps the instance's method so that it tells
+    the model's recorded call (if any, and tapped) where its loops stand; inert otherwise."""
+
+    def tapped_call() -> RecordedCall | None:
+        call = active_call(model_ref())
+        return call if call is not None and call.tapped else None
+
+    def segment(original: Callable[..., Any]) -> Callable[..., Any]:
+        def generate_with_fallback(*args: Any, **kwargs: Any) -> Any:
+            call = tapped_call()
+            if call is None:
+                return original(*args, **kwargs)
+            arguments = arguments_of(original, args, kwargs)
+            rows, count = arguments.get("batch_idx_map"), arguments.get("cur_bsz")
+            with _interrupts.held():
+                call.segment_starts([int(rows[i]) for i in range(int(count))] if rows is not None and count else [])
+            try:
+                return original(*args, **kwargs)
+            finally:
+                with _interrupts.held():
+                    call.segment_ends()
+
+        return generate_with_fallback
+
+    def loop_output(original: Callable[..., Any]) -> Callable[..., Any]:
+        def _postprocess_outputs(*args: Any, **kwargs: Any) -> Any:
+            call = tapped_call()
+            if call is not None:
+                call.loop_returned(arguments_of(original, args, kwargs).get("seek_outputs"))
+            return original(*args, **kwargs)
+
+        return _postprocess_outputs
+
+    def prompt_verdict(original: Callable[..., Any]) -> Callable[..., Any]:
+        def _need_fallback(*args: Any, **kwargs: Any) -> Any:
+            verdict = original(*args, **kwargs)
+            call = tapped_call()
+            index = arguments_of(original, args, kwargs).get("index") if call is not None else None
+            if index is not None and isinstance(verdict, tuple) and len(verdict) == 2:
+                call.prompt_verdict(int(index), *verdict)
+            return verdict
+
+        return _need_fallback
+
+    return {"generate_with_fallback": segment, "_postprocess_outputs": loop_output, "_need_fallback": prompt_verdict}
