@@ -16,7 +16,7 @@ from transformers import (
 from transformers_offload import Recorder, open_recording
 from transformers_offload.capture.hooks import is_hooked
 
-from .helpers import assert_steps_equal
+from .helpers import HF_LOGITS_EXACT, assert_steps_equal
 
 IMAGE_TOKEN = 98
 
@@ -49,7 +49,7 @@ def test_blip2_is_recorded_as_its_language_models_call(tmp_path, spill, options)
     model = blip2()
     torch.manual_seed(0)
     reference = model.generate(**_inputs(), max_new_tokens=5, return_dict_in_generate=True, output_scores=True,
-                               output_logits=True, **options)
+                               **({"output_logits": True} if HF_LOGITS_EXACT else {}), **options)
     with Recorder(model, spill_dir=tmp_path / "rec" if spill else None) as rec:
         rec.set_samples(["cat", "dog"])
         torch.manual_seed(0)
@@ -60,8 +60,9 @@ def test_blip2_is_recorded_as_its_language_models_call(tmp_path, spill, options)
     assert generation.complete, generation.error
     assert generation.sample_ids == ("cat", "dog")
     assert torch.equal(out, reference.sequences) and torch.equal(generation.sequences, out)
-    assert_steps_equal(generation.logits(), reference.logits, "logits")
     assert_steps_equal(generation.scores(), reference.scores, "scores")
+    if HF_LOGITS_EXACT:  # 4.40+ (before, tests/test_exactness.py checks the logits against the forward's)
+        assert_steps_equal(generation.logits(), reference.logits, "logits")
 
 
 def test_blip2_attentions_and_hidden_states():
