@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast, StoppingCriteria, StoppingCriteriaList
 
-from transformers_offload import Recorder, open_recording
+from transformers_offload import Recorder, RecordingError, open_recording
 from transformers_offload.cli import main
 from transformers_offload.record import read_prompts, record
 
@@ -284,3 +284,15 @@ def test_new_tokens_count_each_sequence_through_its_end_of_sequence_token():
     generated = torch.tensor([[5, 0, 1, 1, 1], [5, 6, 7, 8, 9], [1, 1, 1, 1, 1]])  # 0 is a sampled token, 1 EOS
     assert _new_tokens(generated, (1,)) == 3 + 5 + 1
     assert _new_tokens(generated, ()) == 15
+
+
+def test_a_resume_over_damaged_shards_is_refused_before_it_records(tmp_path):
+    prompts = _prompts(tmp_path / "prompts.jsonl", 6)
+    model, tokenizer = _model(), _tokenizer()
+    record(model, tokenizer, tmp_path / "prompts.jsonl", tmp_path / "run", batch_size=3, progress=False, max_new_tokens=3)
+    shard = sorted((tmp_path / "run").glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:-5])  # truncated: its samples would count as recorded
+    before = (tmp_path / "run" / "manifest.json").read_text()
+    with pytest.raises(RecordingError, match="damaged.*verify"):
+        record(model, tokenizer, prompts, tmp_path / "run", batch_size=3, progress=False, max_new_tokens=3)
+    assert (tmp_path / "run" / "manifest.json").read_text() == before

@@ -26,7 +26,7 @@ from .claims import claim
 from .parallel import process_rank, share, wait_for_every_rank
 from .read.reader import open_recording
 from .recorder import Recorder
-from .store.format import MANIFEST, rank_directories, rank_directory
+from .store.format import MANIFEST, RecordingError, rank_directories, rank_directory, verify_command
 
 
 def read_prompts(source: str | os.PathLike | Sequence[Any], *, text_column: str | None = None,
@@ -128,10 +128,22 @@ def _rows(source: Any) -> list[Any]:
 
 def recorded_samples(out: str | os.PathLike) -> set[str]:
     """The sample ids (as text) of every complete generation in the recording at `out`, every rank's
-    included (empty if none)."""
+    included (empty if none).
+
+    Raises:
+        RecordingError: a file of the recording is missing or not of the size it was written with: a
+            resume would count its samples as recorded; it names the files and what to do.
+    """
     if not (Path(out) / MANIFEST).is_file() and not rank_directories(Path(out)):
         return set()
     with open_recording(out) as run:
+        damaged = [d["file"] for g in run.describe()["generations"] for d in g.get("damaged_files") or ()]
+        if damaged:
+            raise RecordingError(Path(out), (
+                f"{len(damaged)} file(s) of this recording are damaged ({', '.join(sorted(set(damaged))[:5])}), so "
+                f"`record` cannot tell which samples it holds; nothing was recorded. Check it with `{verify_command(out)}`, "
+                "then record into a new `out` (or move the damaged recording aside)."
+            ))
         return {str(sample) for generation in run.generations if generation.complete
                 for sample in (generation.sample_ids or ())}
 
@@ -172,6 +184,7 @@ def record(model: Any, tokenizer: Any, prompts: str | os.PathLike | Sequence[Any
             `spill_dir` or `append` (record sets them); a bad rank (see `parallel.process_rank`); several
             ranks over an `out` that one process recorded into directly.
         FileExistsError: `out` is a file.
+        RecordingError: `out` holds a recording with a missing or resized file (`recorded_samples`).
         BlockingIOError: another process is recording samples this one would record into `out`,
             whatever its rank or world size (an earlier `record` or `torchrun` still running; the
             message names its pid, host, rank and command: wait for it or stop it, then run again), or
