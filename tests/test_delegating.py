@@ -59,7 +59,11 @@ def test_blip2_is_recorded_as_its_language_models_call(tmp_path, spill, options)
     (generation,) = run.generations
     assert generation.complete, generation.error
     assert generation.sample_ids == ("cat", "dog")
-    assert torch.equal(out, reference.sequences) and torch.equal(generation.sequences, out)
+    assert torch.equal(out, reference.sequences)
+    # The inner call's own sequences: what BLIP-2 returns, or (up to 4.4x, where the language model is
+    # given embeddings only) the same after the BOS id BLIP-2 puts before them.
+    assert torch.equal(generation.sequences, out[:, out.shape[1] - generation.sequences.shape[1]:])
+    assert generation.sequences.shape[1] >= out.shape[1] - 1
     assert_steps_equal(generation.scores(), reference.scores, "scores")
     if HF_LOGITS_EXACT:  # 4.40+ (before, tests/test_exactness.py checks the logits against the forward's)
         assert_steps_equal(generation.logits(), reference.logits, "logits")

@@ -4,6 +4,7 @@ call kept (`Generation.loop`); each is equal (`torch.equal`) to what Hugging Fac
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import pytest
@@ -12,10 +13,22 @@ from transformers import GenerationConfig, LogitsProcessor, WhisperConfig, Whisp
 
 from transformers_offload import Recorder, RecordingMismatchWarning, _compat, open_recording
 
+from .helpers import HF_LOGITS_EXACT, assert_steps_equal
+
 HAS_TAPS = all(callable(getattr(WhisperForConditionalGeneration, name, None)) for name in _compat.LOOP_TAPS)
+# Short-form (up to 30 s) runs through the segment loop, with its fallback and reworked outputs, where
+# `generate_with_fallback` knows it (4.4x+); before, it ran transformers' loop once and returned its output.
+SEGMENTED_SHORT_FORM = HAS_TAPS and "is_shortform" in inspect.signature(
+    WhisperForConditionalGeneration.generate_with_fallback).parameters
 TAPPED = pytest.mark.skipif(
     not HAS_TAPS, reason=f"transformers {_compat.TRANSFORMERS_VERSION}'s Whisper has no loop taps: see the last test"
 )
+SEGMENTED = pytest.mark.skipif(
+    not SEGMENTED_SHORT_FORM,
+    reason=f"transformers {_compat.TRANSFORMERS_VERSION} runs short-form Whisper as one plain loop (the first tests)",
+)
+# Whisper's long-form generate() up to 4.4x logs through `logger.warn`, which Python deprecates: not ours.
+LOGGER_WARN = pytest.mark.filterwarnings("ignore:The 'warn' method is deprecated:DeprecationWarning")
 
 
 VOCAB, NO_TIMESTAMPS, EOS, PAD, START = 300, 200, 2, 0, 3
@@ -67,7 +80,7 @@ def _run(model, spill_dir, *, extra=(), **options):
     """The call recorded, and the same call with Hugging Face's own outputs (the same random state)."""
     torch.manual_seed(0)
     reference = model.generate(logits_processor=list(extra), return_dict_in_generate=True, output_scores=True,
-                               output_logits=True, **options)
+                               **({"output_logits": True} if HF_LOGITS_EXACT else {}), **options)
     with Recorder(model, spill_dir=spill_dir) as rec:
         torch.manual_seed(0)
         out = model.generate(logits_processor=[rec, *extra], **options)
@@ -90,13 +103,13 @@ def test_short_form_is_one_loop_equal_to_what_whisper_returns(tmp_path, spill, o
                                **options)
     (generation,) = run.generations
     assert generation.complete, generation.error
-    assert generation.loop == {"call": 0, "loop": 0, "segment": 0, "attempt": 0, "batch_rows": [0, 1], "kept_rows": [0, 1]}
+    segment = {"call": 0, "loop": 0, "segment": 0, "attempt": 0, "batch_rows": [0, 1], "kept_rows": [0, 1]}
+    assert generation.loop == (segment if SEGMENTED_SHORT_FORM else None)  # None: one plain loop
     assert torch.equal(generation.sequences, reference.sequences)  # the loop's own, start ids included
     assert len(generation.scores()) == len(reference.scores) == 10
-    for mine, theirs in zip(generation.scores(), reference.scores):
-        assert torch.equal(mine, theirs)
-    for mine, theirs in zip(generation.logits(), reference.logits):
-        assert torch.equal(mine, theirs)
+    assert_steps_equal(generation.scores(), reference.scores, "scores")
+    if HF_LOGITS_EXACT:
+        assert_steps_equal(generation.logits(), reference.logits, "logits")
 
 
 @TAPPED
@@ -106,16 +119,20 @@ def test_beam_search_rows_are_the_running_beams_whisper_reselects_per_sequence(t
                                num_beams=3)
     (generation,) = run.generations
     assert generation.complete and generation.num_rows == 6
-    # Whisper returns, per sequence and step, the scores row its beam came from...
+    if not SEGMENTED_SHORT_FORM:  # the loop's own outputs, as returned
+        assert_steps_equal(generation.scores(), reference.scores, "scores")
+        return
+    # Whisper returns, per sequence and step, the scores row its beam came from (where it keeps
+    # `beam_indices`; up to 4.4x it drops them and returns the first running rows, as for the logits)...
     for step, theirs in enumerate(reference.scores):
-        rows = reference.beam_indices[:, step]
+        rows = slice(0, theirs.shape[0]) if reference.beam_indices is None else reference.beam_indices[:, step]
         assert torch.equal(generation.scores(steps=step)[0][rows], theirs)
     # ...and, for the logits, the first rows of the running beams (rows 0 and 1 of the batch's beams).
-    for step, theirs in enumerate(reference.logits):
+    for step, theirs in enumerate(reference.logits if HF_LOGITS_EXACT else ()):
         assert torch.equal(generation.logits(steps=step)[0][: theirs.shape[0]], theirs)
 
 
-@TAPPED
+@SEGMENTED
 @SPILL
 def test_temperature_fallback_records_every_attempt_and_which_prompts_it_kept(tmp_path, spill):
     model = whisper()
@@ -132,12 +149,13 @@ def test_temperature_fallback_records_every_attempt_and_which_prompts_it_kept(tm
     # Whisper returns each prompt's kept attempt: prompt 1 from the first, prompt 0 from the last.
     for step in range(20):
         assert torch.equal(first.scores(steps=step, rows=[1])[0][0], reference.scores[step][1])
-        assert torch.equal(first.logits(steps=step, rows=[1])[0][0], reference.logits[step][1])
         assert torch.equal(last.scores(steps=step)[0][0], reference.scores[step][0])
-        assert torch.equal(last.logits(steps=step)[0][0], reference.logits[step][0])
+        if HF_LOGITS_EXACT:
+            assert torch.equal(first.logits(steps=step, rows=[1])[0][0], reference.logits[step][1])
+            assert torch.equal(last.logits(steps=step)[0][0], reference.logits[step][0])
 
 
-@TAPPED
+@SEGMENTED
 def test_each_attempt_names_its_prompts_sample_ids():
     model = whisper()
     script = Script([[20] * 20, list(range(30, 50))], prompt_length=2)
@@ -149,6 +167,7 @@ def test_each_attempt_names_its_prompts_sample_ids():
 
 
 @TAPPED
+@LOGGER_WARN
 @SPILL
 def test_long_form_records_a_loop_per_segment_equal_to_each_segments_result(tmp_path, spill):
     model = whisper()
@@ -157,7 +176,7 @@ def test_long_form_records_a_loop_per_segment_equal_to_each_segments_result(tmp_
     # A timestamp, a word, a closing timestamp: a single timestamp ending moves on by the whole segment.
     script = Script([[TIMESTAMP, 10, TIMESTAMP + 50]], prompt_length=1)
     reference, out, run = _run(model, _spill_dir(tmp_path, spill), extra=[script], input_features=_features(6000),
-                               attention_mask=mask, return_timestamps=True)
+                               attention_mask=mask, return_timestamps=True, return_segments=True)
     loops = run.generations
     assert [g.complete for g in loops] == [True, True]
     assert [(g.loop["segment"], g.loop["batch_rows"], g.loop["kept_rows"]) for g in loops] == [(0, [0, 1], [0, 1]), (1, [0, 1], [0, 1])]
@@ -166,18 +185,24 @@ def test_long_form_records_a_loop_per_segment_equal_to_each_segments_result(tmp_
         for generation, segment in zip(loops, segments):
             theirs = segment["result"]
             assert len(theirs["scores"]) == generation.num_steps
+            # Whisper up to 4.4x does not split `logits` per prompt in a segment's result (it keeps one step's
+            # tensor of every prompt): nothing to compare the recorded logits with there.
+            split_logits = HF_LOGITS_EXACT and isinstance(theirs.get("logits"), (list, tuple))
             for step, scores in enumerate(theirs["scores"]):
                 assert torch.equal(generation.scores(steps=step)[0][prompt], scores)
-                assert torch.equal(generation.logits(steps=step)[0][prompt], theirs["logits"][step])
-            assert torch.equal(generation.sequences[prompt], theirs["sequences"])
+                if split_logits:
+                    assert torch.equal(generation.logits(steps=step)[0][prompt], theirs["logits"][step])
+            # The loop's sequence; Whisper up to 4.38 keeps it without the decoder's start ids.
+            mine = generation.sequences[prompt]
+            assert torch.equal(mine, theirs["sequences"]) or torch.equal(mine[generation.prompt_length:], theirs["sequences"])
 
 
-@TAPPED
+@SEGMENTED
 @SPILL
 def test_short_form_timestamps_are_one_loop(tmp_path, spill):
     script = Script([[TIMESTAMP, 10, 11, TIMESTAMP + 50]], prompt_length=1)
     reference, out, run = _run(whisper(), _spill_dir(tmp_path, spill), extra=[script], input_features=_features(),
-                               return_timestamps=True)
+                               return_timestamps=True, return_segments=True)
     (generation,) = run.generations
     assert generation.complete, generation.error
     for prompt, (segment,) in enumerate(reference["segments"]):

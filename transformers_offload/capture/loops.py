@@ -94,8 +94,8 @@ class RecordedCall:
         capture = self.capture
         if capture.started:
             capture = self._next_capture()
-        if self.tapped:
-            batch_rows = list(self._rows or ())
+        if self.tapped and self._rows is not None:  # a loop of a segment (not a plain one: Whisper short-form up to 4.4x)
+            batch_rows = list(self._rows)
             capture.header["loop"] = {"call": self._first_index, "loop": self.loops, "segment": max(self._segment, 0),
                                       "attempt": self._attempt, "batch_rows": batch_rows, "kept_rows": None}
             if self._samples is not None and self.loops:
@@ -113,7 +113,7 @@ class RecordedCall:
             if not previous.last_attempt:  # a fallback attempt of the same segment: the prompts rerun
                 self._rows = self._rerun_rows(previous)
                 self._attempt += 1
-            self._finish(previous, previous.loop_output, None)
+            self._finish(previous, previous.loop_output, None)  # None: not seen, so marked
         else:
             superseded = RecordingMismatch(
                 f"generate() ran another decoding loop after this one in the same call (loop {self.loops + 1} "
@@ -132,7 +132,7 @@ class RecordedCall:
     def end(self, output: Any, error: BaseException | None) -> None:
         """The call returned `output` (None when `error` ended it): end the last loop's generation."""
         capture = self.capture
-        if self.tapped and capture.started and error is None:
+        if capture.loop_output is not None and error is None:
             output = capture.loop_output  # what transformers' loop returned, before the model's own steps
         self._finish(capture, output, error)
 

@@ -56,7 +56,9 @@ class Generation(LayerReading, EncodedReading):
             mid-run; the steps recorded before that are kept.
         error (`str | None`): why an incomplete generation ended, as the exception's `repr`.
         sequences (`torch.LongTensor | None`): what `generate()` returned as sequences (`out.sequences`
-            or the plain tensor), on CPU; None for an incomplete generation. From a recording directory
+            or the plain tensor), on CPU; None for an incomplete generation. Where the model's own
+            `generate()` reworks what transformers' loop returned (Whisper, which strips the decoder's
+            start ids; BLIP-2 up to 4.4x, which puts a BOS id before them), the loop's own sequences. From a recording directory
             read when first asked for (`RecordingError` naming the file if it is missing or damaged).
         pad_token_id (`int | None`), eos_token_id (`tuple[int, ...]`): from the call's generation config.
         generation_config (`dict`): the call's generation config, as `GenerationConfig.to_diff_dict()`.
