@@ -19,10 +19,13 @@ pytestmark = pytest.mark.skipif(
 def test_generate_with_a_paged_cache_is_refused_before_it_runs():
     model = make_tiny("llama")
     with Recorder(model) as rec:
-        with pytest.raises(UnsupportedModeError, match="continuous batching") as caught:
+        # UnsupportedModeError is a ValueError; releases whose generate() does not switch to continuous
+        # batching on a paged cache (4.54-4.5x) refuse the value themselves, as without a Recorder.
+        with pytest.raises(ValueError, match="continuous batching|paged") as caught:
             model.generate(torch.tensor([[3, 4, 5]]), logits_processor=[rec], cache_implementation="paged",
                            max_new_tokens=3)
-    assert "logits_processor=[rec]" in str(caught.value)  # says what works
+    if isinstance(caught.value, UnsupportedModeError):
+        assert "logits_processor=[rec]" in str(caught.value)  # says what works
     assert rec.generations == ()
 
 

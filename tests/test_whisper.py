@@ -27,6 +27,11 @@ SEGMENTED = pytest.mark.skipif(
     not SEGMENTED_SHORT_FORM,
     reason=f"transformers {_compat.TRANSFORMERS_VERSION} runs short-form Whisper as one plain loop (the first tests)",
 )
+# Whisper's generate() in 4.46-4.50 validates its config halfway through applying the call's options, and
+# warns that `output_scores` (`output_logits`) comes without `return_dict_in_generate` (the reference call passes both).
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:`return_dict_in_generate` is NOT set to `True`, but `output_:UserWarning"
+)
 # Whisper's long-form generate() up to 4.4x logs through `logger.warn`, which Python deprecates: not ours.
 LOGGER_WARN = pytest.mark.filterwarnings("ignore:The 'warn' method is deprecated:DeprecationWarning")
 
