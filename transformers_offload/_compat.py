@@ -29,7 +29,7 @@ TRANSFORMERS_VERSION = transformers.__version__
 # the processor list).
 HAS_SEPARATE_WARPER_LIST = hasattr(GenerationMixin, "_get_logits_warper")
 # Continuous batching's entry point that takes (and, through `**kwargs`, silently drops) a
-# `logits_processor` (4.54+, `ContinuousMixin`): wrapped only to refuse a Recorder passed to it.
+# `logits_processor` (4.53+ among the tested releases, `ContinuousMixin`): wrapped only to refuse a Recorder passed to it.
 CONTINUOUS_BATCHING_ENTRIES = tuple(name for name in ("generate_batch",) if hasattr(GenerationMixin, name))
 # The methods Whisper's `generate()` calls on the instance around each run of transformers' decoding
 # loop (once per 30-second segment and per fallback temperature; `capture.loops`): where a segment
