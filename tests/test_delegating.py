@@ -99,3 +99,14 @@ def test_a_delegating_generate_that_drops_the_recorder_is_an_error_not_an_empty_
         with pytest.raises(RuntimeError, match="nothing was recorded"):
             model.generate(**_inputs(), max_new_tokens=3, logits_processor=[rec])
     assert rec.generations == ()
+
+
+def test_blip2_records_a_call_whose_inputs_are_passed_by_position():
+    model = blip2()
+    inputs = _inputs()
+    reference = model.generate(inputs["pixel_values"], inputs["input_ids"], max_new_tokens=3,
+                               return_dict_in_generate=True, output_scores=True)
+    with Recorder(model) as rec:
+        out = model.generate(inputs["pixel_values"], inputs["input_ids"], logits_processor=[rec], max_new_tokens=3)
+    assert torch.equal(out, reference.sequences) and rec.generation().complete
+    assert_steps_equal(rec.scores(), reference.scores, "scores")

@@ -26,7 +26,6 @@ import weakref
 from typing import Any, Callable
 
 import torch
-from transformers import GenerationMixin
 
 from .. import _compat, _interrupts
 from .capture import Capture
@@ -185,22 +184,21 @@ class ModelHooks:
     # -- wrappers ------------------------------------------------------------------------------------
     def _wrap_generate(self, original: Callable[..., Any]) -> Callable[..., Any]:
         # Bind the call against the class's `generate` (not `original`, which may be a user's
-        # `*args, **kwargs` wrapper) to find `logits_processor` however it was passed; against
-        # transformers' own where the class overrides it with one that names no `logits_processor`.
+        # `*args, **kwargs` wrapper) to find `logits_processor` however it was passed: by name, or in
+        # the `**kwargs` of a class that overrides `generate()` without naming it (BLIP-2, a user's).
         class_generate = type(self._model_ref()).generate
-        if "logits_processor" not in inspect.signature(class_generate).parameters:
-            class_generate = GenerationMixin.generate
         var_keyword = next((name for name, parameter in inspect.signature(class_generate).parameters.items()
                             if parameter.kind is inspect.Parameter.VAR_KEYWORD), None)
 
         def generate(*args: Any, **kwargs: Any) -> Any:
             model = self._model_ref()
             try:
-                arguments = _bind(class_generate, (model, *args), kwargs)
+                bound = _bind(class_generate, (model, *args), kwargs)
             except TypeError:
                 return original(*args, **kwargs)  # let transformers report the bad call
-            extra = arguments.get(var_keyword, {}) if var_keyword else {}
-            recorder = self._recorder_of_call({**extra, **arguments})
+            extra = bound.get(var_keyword, {}) if var_keyword else {}
+            arguments = {**extra, **bound}
+            recorder = self._recorder_of_call(arguments)
             if recorder is None:
                 # Not recorded, even when made inside a recorded call (e.g. from a processor).
                 with _active(model, None):
