@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CALLS = textwrap.dedent('''
     import pytest
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 
     def tiny(cls=GPT2LMHeadModel):
@@ -54,8 +54,11 @@ CALLS = textwrap.dedent('''
         assert len(out.scores) == 3
 
 
-    def test_continuous_batching():
-        tiny().generate(IDS, max_new_tokens=2, cache_implementation="paged")
+    def test_early_exit_assistance():
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, bos_token_id=2, eos_token_id=1, pad_token_id=0)
+        LlamaForCausalLM(config).eval().generate(IDS[:1], max_new_tokens=2, assistant_early_exit=1)
 
 
     def test_low_memory_raises_anyway():
@@ -81,11 +84,11 @@ def test_plugin_gives_each_call_its_verdict_and_leaves_the_tests_outcomes_alone(
         ("test_greedy_and_sampling", "exact"),
         ("test_greedy_and_sampling", "exact"),
         ("test_tampered_scores", "different"),
-        ("test_continuous_batching", "refused"),
+        ("test_early_exit_assistance", "refused"),
         ("test_low_memory_raises_anyway", "raises"),
     ]
     assert calls[0]["modes"] == ["greedy_search"] and calls[1]["modes"] == ["sample"]
     assert calls[2]["detail"].startswith("mode greedy_search, scores step 0:")
-    assert "continuous batching" in calls[3]["detail"]
+    assert "assistant_early_exit" in calls[3]["detail"]
     tests = [json.loads(line) for line in (out / "tests-main.jsonl").read_text().splitlines()]
     assert {t["outcome"] for t in tests} == {"passed"}

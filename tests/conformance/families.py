@@ -238,7 +238,7 @@ FAMILIES: list[Family] = [
     _seq2seq("blenderbot", "BlenderbotConfig", "BlenderbotForConditionalGeneration"),
     _vlm("llava", "LlavaConfig", "LlavaForConditionalGeneration", 4),
     _vlm("paligemma", "PaliGemmaConfig", "PaliGemmaForConditionalGeneration", 4),
-    _vlm("blip-2", "Blip2Config", "Blip2ForConditionalGeneration", 3),
+    _vlm("blip_2", "Blip2Config", "Blip2ForConditionalGeneration", 3),
     _vlm("instructblip", "InstructBlipConfig", "InstructBlipForConditionalGeneration", 3,
          qformer_input_ids=_qformer_ids, qformer_attention_mask=_qformer_mask),
     Family("whisper", "speech", _whisper, _speech_inputs),
