@@ -8,7 +8,7 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from transformers_offload import Recorder, RecordingMismatchWarning, open_recording
-from transformers_offload.capture.verify import check_loop
+from transformers_offload.capture.verify import check_beams, check_loop
 
 from .conftest import left_padded_batch, make_tiny
 from .helpers import assert_steps_equal, hf_reference
@@ -36,6 +36,24 @@ class DropsLastToken(GPT2LMHeadModel):
 
     def generate(self, *args, **kwargs):
         return super().generate(*args, **kwargs)[:, :-1]
+
+
+class EditsInPlace(GPT2LMHeadModel):
+    """An override that edits the returned tensor, the loop's own last input_ids, in place."""
+
+    def generate(self, *args, **kwargs):
+        out = super().generate(*args, **kwargs)
+        out[:, -1] = 7
+        return out
+
+
+class Reworks(GPT2LMHeadModel):
+    """An override whose beam search result is reworked by `rework` before it is returned."""
+
+    rework = None
+
+    def generate(self, *args, **kwargs):
+        return type(self).rework(super().generate(*args, **kwargs))
 
 
 def _as(cls):
@@ -102,6 +120,44 @@ def test_returned_sequences_of_another_shape_mark_it_incomplete(tmp_path, spill)
     assert not generation.complete and generation.num_steps == 5
 
 
+def test_a_result_edited_in_place_is_caught():
+    model = _as(EditsInPlace)
+    with Recorder(model) as rec:
+        with pytest.warns(RecordingMismatchWarning, match="differ from the recorded tokens"):
+            _generate(model, rec)
+    assert not rec.generation().complete
+
+
+@pytest.mark.parametrize("rework", [
+    lambda out: out[:1],  # a row dropped
+    lambda out: out[:, :-2],  # cut short
+    lambda out: out.flip(0),  # rows swapped
+    lambda out: torch.cat([out[:, :8], (out[:, 8:9] + 1) % 128, out[:, 9:]], dim=1),  # the first generated token
+], ids=["row-dropped", "cut-short", "rows-swapped", "token-changed"])
+def test_a_reworked_beam_search_result_is_caught(rework):
+    model = _as(Reworks)
+    Reworks.rework = staticmethod(rework)
+    with Recorder(model) as rec:
+        with pytest.warns(RecordingMismatchWarning):
+            torch.manual_seed(0)
+            model.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=6, num_beams=3,
+                           num_return_sequences=2, pad_token_id=0)
+    assert not rec.generation().complete
+
+
+@pytest.mark.parametrize("options", [
+    {"num_beams": 3}, {"num_beams": 3, "num_return_sequences": 3}, {"num_beams": 3, "do_sample": True},
+    {"num_beams": 4, "length_penalty": -2.0}, {"num_beams": 2, "eos_token_id": [1, 5, 9, 11], "max_new_tokens": 12},
+], ids=["beam", "all-beams", "beam-sample", "short-preferred", "early-ends"])
+def test_stock_beam_searches_pass_the_check(gpt2, options):
+    # filterwarnings=error: a RecordingMismatchWarning would fail this test.
+    with Recorder(gpt2) as rec:
+        torch.manual_seed(0)
+        out = gpt2.generate(**left_padded_batch(), logits_processor=[rec], pad_token_id=0,
+                            **{"max_new_tokens": 6, **options})
+    assert rec.generation().complete and torch.equal(rec.generation().sequences, out)
+
+
 def test_a_stock_call_is_complete_without_a_warning(gpt2):
     # filterwarnings=error: any RecordingMismatchWarning would fail this test.
     with Recorder(gpt2) as rec:
@@ -127,8 +183,7 @@ def _ids(*rows):
     ],
 )
 def test_check_loop(complete_steps, sequences, last_ids, problem):
-    verdict = check_loop(complete_steps=complete_steps, sequences=sequences, last_ids=last_ids, prompt_length=1,
-                         tracks_ids=True)
+    verdict = check_loop(complete_steps=complete_steps, sequences=sequences, last_ids=last_ids, prompt_length=1)
     if problem is None:
         assert verdict.problem is None
     else:
@@ -136,9 +191,8 @@ def test_check_loop(complete_steps, sequences, last_ids, problem):
     assert verdict.num_steps == min(complete_steps, 0 if last_ids is None else last_ids.shape[-1] - 1)
 
 
-def test_check_loop_in_beam_search_checks_the_length():
-    assert check_loop(complete_steps=3, sequences=_ids([5, 6, 7, 8]), last_ids=None, prompt_length=1,
-                      tracks_ids=False).problem is None
-    verdict = check_loop(complete_steps=2, sequences=_ids([5, 6, 7, 8]), last_ids=None, prompt_length=1,
-                         tracks_ids=False)
+def test_check_beams_in_beam_search_checks_the_length():
+    prompt = _ids([5], [5])  # one prompt, two beams
+    verdict = check_beams(complete_steps=2, sequences=_ids([5, 6, 7, 8]), prompt=prompt, tokens=[], parents=[],
+                          num_beams=2, fill_ids=(0,))
     assert "3 generated token(s), but the recorder saw 2 step(s)" in verdict.problem

@@ -27,7 +27,7 @@ from .modes import check_mode
 from .prompt_logprobs import PromptScoring
 from .stats import StepStats
 from .transfer import HostRing
-from .verify import RecordingMismatch, check_loop
+from .verify import RecordingMismatch, check_beams, check_loop
 
 # Opens the store of one call: given the stream names, the call's header and the most steps it can
 # run, returns an object with `drain(step, tensors)`, `has(name, step)`, `finish(...) -> StoredGeneration`
@@ -88,7 +88,12 @@ class Capture:
         self._group_scores: torch.Tensor | None = None
         self._previous_ids: torch.Tensor | None = None
         self._late_error: BaseException | None = None
-        self._last_ids: torch.Tensor | None = None  # the loop's input_ids when its criteria last ran
+        # What the loop appended, copied as seen (tiny per-step clones on the device, no host sync), for
+        # the end-of-loop check (`verify`): the prompt and each step's tokens; in beam search also each
+        # step's parents.
+        self._seen_prompt: torch.Tensor | None = None
+        self._seen_tokens: list[torch.Tensor] = []
+        self._seen_parents: list[torch.Tensor] = []
         self.mismatch: str | None = None  # what `finish` found to disagree with the call, if anything
         # A model whose generate() runs the loop several times (`loops`): this loop's own output, and
         # per prompt whether the model reruns it (fallback) or skips it; whether it was the last attempt.
@@ -448,10 +453,12 @@ class Capture:
             # from the host would wait for the device.
             eos = self.eos_ids.pin_memory() if token.is_cuda else self.eos_ids
             self.eos_ids = eos.to(token.device, non_blocking=True)
-        self._last_ids = input_ids  # a reference: the loop makes a new tensor each step
+        if self._seen_prompt is None:
+            self._seen_prompt = input_ids[:, : self.prompt_length].clone()
         last = input_ids.shape[-1] - self.prompt_length
         for step in range(self._tokens_until, last):  # assisted decoding accepts several tokens at once
             chosen = token if step == last - 1 else input_ids[:, self.prompt_length + step]
+            self._seen_tokens.append(chosen.clone())
             self.ring.put(step, "tokens", chosen)
             if self._stats is not None and self._stats.has(step):
                 self.ring.put(step, _format.STATS_STREAM, self._stats.record(step, chosen))
@@ -464,6 +471,8 @@ class Capture:
         self.num_rows = rows
         previous = self._previous_ids
         self._previous_ids = input_ids
+        if self._seen_prompt is None:
+            self._seen_prompt = (input_ids if previous is None else previous)[:, : self.prompt_length].clone()
         if previous is None:
             return
         # Row r of this step extends the row of the previous step that holds the same sequence. Only
@@ -476,6 +485,8 @@ class Capture:
         offset = torch.arange(batch, device=input_ids.device).unsqueeze(1) * self.num_beams
         # The ancestry of step t's rows is known at step t + 1: it is stored under step t.
         parents = (first + offset).reshape(rows)
+        self._seen_tokens.append(input_ids[:, -1].clone())
+        self._seen_parents.append(parents)
         self.ring.put(step - 1, "beam_parents", parents)
         self.ring.put(step - 1, "tokens", input_ids[:, -1])
         if self._stats is not None and self._stats.has(step - 1):
@@ -506,12 +517,23 @@ class Capture:
         if self._stats is not None:
             self._stats.clear()
         sequences = _compat.output_sequences(output) if error is None else None
-        verdict = check_loop(
-            complete_steps=_complete_steps(self.store, self.names, steps), sequences=sequences,
-            last_ids=self._last_ids, prompt_length=self.prompt_length,
-            tracks_ids=not (self.is_beam or self.is_group),
-        )
-        self._last_ids = None
+        complete_steps = _complete_steps(self.store, self.names, steps)
+        if self.is_beam:
+            # Group beam search (up to 4.56) reorders its rows group by group: its returned sequences are
+            # checked by their length only (no ancestry, no prompt).
+            verdict = check_beams(
+                complete_steps=complete_steps, sequences=sequences, prompt=self._seen_prompt,
+                tokens=[] if self.is_group else self._seen_tokens, check_paths=not self.is_group,
+                parents=self._seen_parents, num_beams=self.num_beams,
+                fill_ids=tuple(i for i in (self.header.get("pad_token_id"), *self.header["eos_token_id"]) if isinstance(i, int)),
+            )
+        else:
+            seen = None
+            if self._seen_prompt is not None:
+                seen = torch.cat([self._seen_prompt, *(token.unsqueeze(1) for token in self._seen_tokens)], dim=1)
+            verdict = check_loop(complete_steps=complete_steps, sequences=sequences, last_ids=seen,
+                                 prompt_length=self.prompt_length)
+        self._seen_prompt, self._seen_tokens, self._seen_parents = None, [], []
         num_steps = verdict.num_steps
         if verdict.problem is not None and error is None:
             self.mismatch = verdict.problem

@@ -216,9 +216,10 @@ class ModelHooks:
                 assistant_model=arguments.get("assistant_model"),
                 custom_generate=arguments.get("custom_generate"),
                 # A model that runs the loop per segment masks its audio frames, not the loop's prompts.
-                attention_mask=None if tapped else _tensor_or_none(extra.get("attention_mask")),
-                inputs=_first_tensor(arguments.get("inputs"), extra.get("input_ids"), extra.get("inputs_embeds")),
-                past_key_values=extra.get("past_key_values"),
+                attention_mask=None if tapped else _tensor_or_none(arguments.get("attention_mask")),
+                inputs=_first_tensor(arguments.get("inputs"), arguments.get("input_ids"), arguments.get("inputs_embeds"),
+                                     arguments.get("input_features"), arguments.get("pixel_values")),
+                past_key_values=arguments.get("past_key_values"),
             )
             call = RecordedCall(recorder, begin, tapped=tapped)
             with _interrupts.call():

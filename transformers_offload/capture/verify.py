@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -36,34 +37,23 @@ class Verdict:
 
 
 def check_loop(*, complete_steps: int, sequences: torch.Tensor | None, last_ids: torch.Tensor | None,
-               prompt_length: int, tracks_ids: bool) -> Verdict:
-    """Compare one decoding loop's recording with what it produced.
+               prompt_length: int) -> Verdict:
+    """Compare one decoding loop's recording with what it produced (outside beam search, whose rows keep
+    their order from step to step: greedy search, sampling, assisted decoding...).
 
     Args:
         complete_steps (`int`): leading steps for which every recorded stream has a record.
         sequences (`torch.LongTensor | None`): what the call returned as sequences, `(rows, length)`,
             any device; None when it returned none (nothing to compare the tokens with).
-        last_ids (`torch.LongTensor | None`): the loop's `input_ids` when the stopping criteria last
-            ran, `(rows, prompt_length + tokens)`: every token the loop appended; None if they never ran.
+        last_ids (`torch.LongTensor | None`): the loop's prompt and every token the stopping criteria saw
+            it append, `(rows, prompt_length + tokens)`, copied as they were seen (a result edited in
+            place afterwards differs); None if they never ran.
         prompt_length (`int`): tokens of the loop's prompt (decoder start ids for encoder-decoder).
-        tracks_ids (`bool`): whether the mode's rows keep their order from step to step (greedy search,
-            sampling, assisted decoding...), so that `last_ids` are the returned rows. False in beam
-            search, whose returned sequences are finished hypotheses: only their length is checked.
 
     Returns:
         `Verdict`: the steps to keep (the complete ones; with a disagreement they stay readable, marked
         incomplete) and the disagreement, if any.
     """
-    if not tracks_ids:
-        if sequences is None:
-            return Verdict(complete_steps)
-        generated = int(sequences.shape[-1]) - prompt_length
-        if generated > complete_steps:
-            return Verdict(complete_steps, (
-                f"the call returned sequences of {generated} generated token(s), but the recorder saw "
-                f"{complete_steps} step(s) of its decoding loop"
-            ))
-        return Verdict(complete_steps)
     tokens = 0 if last_ids is None else int(last_ids.shape[-1]) - prompt_length
     if complete_steps < tokens:
         return Verdict(complete_steps, (
@@ -97,3 +87,81 @@ def check_loop(*, complete_steps: int, sequences: torch.Tensor | None, last_ids:
             f"{int(returned[row, position])} returned, {int(expected[row, position])} recorded"
         ))
     return Verdict(kept)
+
+
+def check_beams(*, complete_steps: int, sequences: torch.Tensor | None, prompt: torch.Tensor | None,
+                tokens: list[torch.Tensor], parents: list[torch.Tensor], num_beams: int,
+                fill_ids: tuple[int, ...], check_paths: bool = True) -> Verdict:
+    """Compare a beam search's recording with the sequences it returned.
+
+    Each returned sequence must be a path down the recorded ancestry: its prompt that of its prompt's
+    beams, and each token, step by step, the one a running beam whose parent holds the sequence so far
+    appended; where no running beam continues it, the hypothesis ended there (its last token left the
+    running beams), and every later position is the fill after a finished hypothesis (the pad id, or
+    an EOS id: 5.x fills with the first EOS id where the pad id is 0). The last token of each hypothesis was chosen
+    from its row's scores and is not among the running beams: it is not checked.
+
+    Args:
+        complete_steps (`int`): leading steps for which every recorded stream has a record.
+        sequences (`torch.LongTensor | None`): the returned sequences, `(returned, prompt + generated)`.
+        prompt (`torch.LongTensor | None`): the running beams' prompt, `(rows, prompt_length)`.
+        tokens, parents (`list[torch.LongTensor]`): per step but the last, for each running row after the
+            step, the token it appended and the row of the step it extends, `(rows,)` each.
+        num_beams (`int`): beams per prompt. fill_ids (`tuple[int, ...]`): the ids a finished sequence
+            may be filled with (the pad and EOS ids; empty: not checked).
+        check_paths (`bool`): False: check the returned sequences' length only.
+
+    Returns:
+        `Verdict`: the steps to keep and the disagreement, if any.
+    """
+    if sequences is None or prompt is None:
+        return Verdict(complete_steps)
+    prompt_length = int(prompt.shape[1])
+    generated = int(sequences.shape[-1]) - prompt_length
+    if generated > complete_steps:
+        return Verdict(complete_steps, (
+            f"the call returned sequences of {generated} generated token(s), but the recorder saw "
+            f"{complete_steps} step(s) of its decoding loop"
+        ))
+    if not check_paths:
+        return Verdict(complete_steps)
+    returned, rows = int(sequences.shape[0]), int(prompt.shape[0])
+    prompts = rows // max(1, num_beams)
+    if prompts == 0 or returned % prompts or returned // prompts > num_beams:
+        return Verdict(complete_steps, (
+            f"the call returned {returned} sequences for {prompts} prompt(s) of {num_beams} beams"
+        ))
+    # The end of the call: the host may wait for the device here.
+    seq = sequences.detach().cpu().numpy()
+    first_rows = np.arange(returned) // (returned // prompts) * num_beams
+    differs = (seq[:, :prompt_length] != prompt.detach().cpu().numpy()[first_rows]).any(axis=1)
+    if differs.any():
+        return Verdict(complete_steps, f"returned sequence {int(np.argmax(differs))} has another prompt than its beams")
+    steps_tokens = [t.detach().cpu().numpy() for t in tokens]
+    steps_parents = [p.detach().cpu().numpy() for p in parents]
+    alive = np.zeros((returned, rows), dtype=bool)  # the running rows holding each sequence so far
+    alive[np.arange(returned), first_rows] = True
+    ended = np.zeros(returned, dtype=bool)
+    for step in range(generated):
+        token = seq[:, prompt_length + step]
+        if step < len(steps_tokens):
+            children = alive[:, steps_parents[step]] & (steps_tokens[step][None, :] == token[:, None])
+        else:
+            children = np.zeros_like(alive)
+        continues = children.any(axis=1)
+        for j in np.flatnonzero(~ended & ~continues):
+            rest = seq[j, prompt_length + step + 1:]
+            if fill_ids and not np.isin(rest, fill_ids).all():
+                return Verdict(complete_steps, (
+                    f"returned sequence {j} goes on after step {step} with tokens no recorded beam holds"
+                ))
+        ended |= ~continues
+        alive = np.where(continues[:, None], children, alive)
+    if generated < len(steps_tokens) + 1 and not ended.all():
+        # A hypothesis ends where its last token leaves the running beams, or at the loop's last step.
+        j = int(np.argmin(ended))
+        return Verdict(complete_steps, (
+            f"returned sequence {j} stops after step {generated - 1} while a running beam still held it "
+            f"(the loop ran {len(steps_tokens) + 1} steps): it was cut short"
+        ))
+    return Verdict(complete_steps)
