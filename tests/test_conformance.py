@@ -70,8 +70,10 @@ CALLS = textwrap.dedent('''
 def test_plugin_gives_each_call_its_verdict_and_leaves_the_tests_outcomes_alone(tmp_path):
     (tmp_path / "test_calls.py").write_text(CALLS)
     out = tmp_path / "out"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "conformance"), str(ROOT)])}
+    # Its own pytest session, not an xdist worker of this one (the worker's name would name the files).
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PYTEST_XDIST")}
+    env.update({"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "conformance"), str(ROOT)])})
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "offload_conformance", "--conformance-out", str(out), "-q",
          "-p", "no:cacheprovider", "-c", os.devnull, "--rootdir", str(tmp_path), "-W", "ignore", "test_calls.py"],
