@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from transformers_offload import Recorder, open_recording
+from transformers_offload.capture.prompt_logprobs import ChunkBuffers, PromptScoring
 
 from .conftest import make_tiny, left_padded_batch
 
@@ -133,6 +134,54 @@ def test_bad_prompt_options_are_refused(options, error, match):
 def test_an_encoder_decoder_model_is_refused():
     with pytest.raises(ValueError, match="decoder-only"):
         Recorder(make_tiny("t5"), prompt_logprobs=True)
+
+
+def _chunk_by_chunk(scoring, hidden, ids):
+    """The documented expressions, chunk by chunk as `score` cuts the prompt, each chunk's tensors new."""
+    parts = {"ranks": [], "logprobs": [], "top_logprobs": [], "top_tokens": []}
+    with torch.no_grad():
+        for start in range(0, ids.shape[1] - 1, scoring.chunk):
+            end = min(ids.shape[1] - 1, start + scoring.chunk)
+            x = scoring.head(hidden[:, start:end]).float()
+            if scoring.softcap:
+                x = torch.tanh(x / scoring.softcap) * scoring.softcap
+            y = ids[:, start + 1:end + 1, None]
+            parts["ranks"].append((x > x.gather(-1, y)).sum(-1))
+            parts["logprobs"].append(torch.log_softmax(x, -1).gather(-1, y)[..., 0])
+            values, indices = torch.topk(torch.log_softmax(x, -1), scoring.top, -1)
+            parts["top_logprobs"].append(values)
+            parts["top_tokens"].append(indices)
+    return {f"prompt_{name}": torch.cat(found, 1) for name, found in parts.items()}
+
+
+@pytest.mark.parametrize("dtype, softcap, made", [(torch.float32, None, 1), (torch.float32, 30.0, 1),
+                                                  (torch.bfloat16, None, 2)])
+def test_every_chunk_reuses_the_first_chunks_buffers_and_the_values_are_unchanged(dtype, softcap, made):
+    """11 chunks of 4 positions (the last of 1) over 2 prompts: the log-softmax's buffer (which also holds
+    the rank's comparison) and, for a head that is not float32, the logits' float32 copy are made once;
+    every value equals the documented expressions run on new tensors chunk by chunk."""
+    model = make_tiny("llama").to(dtype)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, model.config.vocab_size, (2, 42), generator=generator)
+    hidden = torch.randn(2, 42, model.config.hidden_size, generator=generator).to(dtype)
+    scoring = PromptScoring(head=model.get_output_embeddings(), top=3, chunk=4, softcap=softcap)
+    buffers = ChunkBuffers()
+    found = scoring.score(hidden, ids, None, 1, buffers=buffers)
+    assert buffers.allocations == made
+    expected = _chunk_by_chunk(scoring, hidden, ids)
+    assert found["prompt_ranks"].dtype == torch.long and found["prompt_top_tokens"].dtype == torch.long
+    for name, tensor in expected.items():
+        assert torch.equal(found[name], tensor), name
+    assert torch.equal(found["prompt_tokens"], ids[:, 1:])
+
+
+def test_chunk_buffers_view_one_tensor_in_every_smaller_shape():
+    buffers = ChunkBuffers()
+    first = buffers.take("x", (2, 4, 8), torch.float32, torch.device("cpu"))
+    last = buffers.take("x", (2, 1, 8), torch.float32, torch.device("cpu"))
+    assert last.data_ptr() == first.data_ptr() and last.is_contiguous() and buffers.allocations == 1
+    assert buffers.take("x", (2, 5, 8), torch.float32, torch.device("cpu")).shape == (2, 5, 8)  # larger: made again
+    assert buffers.allocations == 2
 
 
 def _peak(case: str, **options) -> dict:
