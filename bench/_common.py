@@ -17,12 +17,26 @@ from transformers.generation import StoppingCriteria
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
-# For a child process whose peak RSS is measured: glibc moves its mmap threshold with the sizes freed
-# so far, so the same generate() call's peak varied by up to 55 MiB from one fresh process to the next
-# (stock, SmolLM2, a 1,000-token prompt: 131-183 MiB). With both thresholds fixed, large blocks go back
-# to the system when freed, and the peak repeats to about 1 MiB (127-129 MiB). Other C libraries
-# ignore these variables.
-STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+# The allocator settings a benchmark's child process must not carry: a peak is measured in a process
+# as users run it, with the C library's defaults. (Fixing glibc's thresholds, MALLOC_MMAP_THRESHOLD_
+# and MALLOC_TRIM_THRESHOLD_, made peaks repeat to about 1 MiB, but hid that freed per-chunk buffers
+# stayed with glibc: +31 MiB measured, +1.3 GiB seen by a user. Report the spread over runs instead.)
+ALLOCATOR_VARIABLES = ("MALLOC_", "GLIBC_TUNABLES")  # glibc malloc's environment settings
+STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}  # older results only
+
+
+def default_env(**extra: str) -> dict[str, str]:
+    """This process's environment without any allocator setting (`ALLOCATOR_VARIABLES`), plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(ALLOCATOR_VARIABLES)}
+    return {**env, **extra}
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """Median, min and max of `values` (one per run)."""
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+    return {"median": round(median, 1), "min": round(ordered[0], 1), "max": round(ordered[-1], 1)}
 
 
 def rss_bytes() -> int:

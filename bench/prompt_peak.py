@@ -1,5 +1,7 @@
 """Prompt logprobs' peak memory against a full forward's logits, one case per fresh process, CPU.
 
+    .venv/bin/python bench/prompt_peak.py --case stock prompt_logprobs --tokens 8192 --vocab 152064 \
+                                          --runs 5 [--top 0] [--chunk N] [--no-check]
     .venv/bin/python bench/prompt_peak.py --case {stock,prompt_logprobs,full_forward} --tokens 2048
                                           [--model smollm2 | --vocab 32000] [--top 0] [--chunk N]
 
@@ -8,9 +10,14 @@
 prompt_chunk=--chunk)`; `full_forward`: what a hand-written scorer does, `log_softmax(model(ids).logits)`
 gathered at the prompt's next tokens. The model is SmolLM2-135M-Instruct (float32, 49,152 tokens) or,
 with `--vocab`, a one-layer Llama of that vocabulary (hidden size 64) built from a config. Peak RSS is
-Linux `VmHWM` after loading the model and one warm-up call (`peak_rss.reset_peak`); run with
-`_common.STEADY_MALLOC` in the environment. With `prompt_logprobs` it also compares the recorded
-logprobs with the full forward's (`max_abs_difference`, `equal`). Prints one JSON object.
+Linux `VmHWM` after loading the model and one warm-up call (`peak_rss.reset_peak`). With `prompt_logprobs`
+it also compares the recorded logprobs with the full forward's (`max_abs_difference`, `equal`), unless
+`--no-check` (the full forward holds the whole logits: 4.6 GiB at 8,192 x 152,064, 10 GiB at its peak).
+
+With `--runs N`, each case runs N times, interleaved, each in a fresh process with the C library's
+default allocator settings (`_common.default_env`: no `MALLOC_*` variables), as users run it; it prints
+a table of each case's growth and its excess over stock (median, min, max over the runs) and writes
+`results/prompt_peak.json`. Without it, one case runs in this process and prints one JSON object.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -52,7 +60,8 @@ def full_forward(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return logprobs[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
 
 
-def measure(case: str, tokens: int, *, vocab: int | None = None, top: int = 0, chunk: int | None = None) -> dict:
+def measure(case: str, tokens: int, *, vocab: int | None = None, top: int = 0, chunk: int | None = None,
+            check: bool = True) -> dict:
     model = build("smollm2", vocab)
     size = model.config.vocab_size
     generator = torch.Generator().manual_seed(1)
@@ -73,25 +82,73 @@ def measure(case: str, tokens: int, *, vocab: int | None = None, top: int = 0, c
         result["wall_s"] = round(time.perf_counter() - started, 3)  # the check below is not timed
         recorded = rec.generation().prompt_tensors()["prompt_logprobs"][0]
         result["peak_mib_before_check"] = peak_mib() - loaded
+        if not check:
+            return _finish(result, tokens, size, loaded)
         reference = full_forward(model, ids)
         result["max_abs_difference"] = float((recorded - reference).abs().max())
         result["equal"] = bool(torch.equal(recorded, reference))
     result.setdefault("wall_s", round(time.perf_counter() - started, 3))
+    return _finish(result, tokens, size, loaded)
+
+
+def _finish(result: dict, tokens: int, size: int, loaded: float) -> dict:
     result["growth_mib"] = round(result.pop("peak_mib_before_check", peak_mib() - loaded), 1)
     result["full_logits_mib"] = round(tokens * size * 4 / 2**20, 1)
     return result
 
 
+def runs(cases: list[str], count: int, options: list[str]) -> dict:
+    """Each case `count` times, interleaved, each in a fresh process with default allocator settings."""
+    from _common import RESULTS, default_env, machine, print_table, spread, write_json
+
+    found: dict[str, list[dict]] = {case: [] for case in cases}
+    for _ in range(count):
+        for case in cases:
+            done = subprocess.run([sys.executable, __file__, "--case", case, *options], capture_output=True,
+                                  text=True, env=default_env(HF_HUB_OFFLINE="1"), timeout=1800)
+            if done.returncode != 0:
+                raise SystemExit(f"{case} failed:\n{done.stderr[-3000:]}")
+            found[case].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(json.dumps(found[case][-1]), flush=True)
+    growth = {case: [run["growth_mib"] for run in found[case]] for case in cases}
+    rows, summary = [], {}
+    for case in cases:
+        summary[case] = {"growth_mib": spread(growth[case])}
+        if "stock" in growth and case != "stock":
+            # Run i of a case against run i of stock (the same round of the interleaving).
+            summary[case]["over_stock_mib"] = spread([a - b for a, b in zip(growth[case], growth["stock"])])
+        over = summary[case].get("over_stock_mib")
+        rows.append([case, *summary[case]["growth_mib"].values(),
+                     *(over.values() if over else ("-", "-", "-"))])
+    print_table(["case", "growth median MiB", "min", "max", "over stock median MiB", "min", "max"], rows)
+    record = {"machine": machine(), "runs": count, "options": options, "allocator_env": "default",
+              "summary": summary, "each": found}
+    write_json(RESULTS / "prompt_peak.json", record)
+    return record
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--case", choices=("stock", "prompt_logprobs", "full_forward"), required=True)
+    parser.add_argument("--case", choices=("stock", "prompt_logprobs", "full_forward"), nargs="+", required=True)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--vocab", type=int, help="a one-layer Llama of this vocabulary instead of SmolLM2")
     parser.add_argument("--top", type=int, default=0)
     parser.add_argument("--chunk", type=int)
+    parser.add_argument("--no-check", dest="check", action="store_false",
+                        help="skip the comparison with a full forward (which holds the whole logits)")
+    parser.add_argument("--runs", type=int, help="each case this many times, each in a fresh default process")
     args = parser.parse_args()
+    if args.runs:
+        options = ["--tokens", str(args.tokens), "--top", str(args.top)]
+        options += [*(["--vocab", str(args.vocab)] if args.vocab else []), *(["--chunk", str(args.chunk)] if args.chunk else []),
+                    *([] if args.check else ["--no-check"])]
+        runs(args.case, args.runs, options)
+        return
+    if len(args.case) != 1:
+        parser.error("one `--case` at a time in this process; several need `--runs`")
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    print(json.dumps(measure(args.case, args.tokens, vocab=args.vocab, top=args.top, chunk=args.chunk)))
+    print(json.dumps(measure(args.case[0], args.tokens, vocab=args.vocab, top=args.top, chunk=args.chunk,
+                             check=args.check)))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 import torch
 
 from transformers_offload import Recorder, open_recording
+from transformers_offload.capture.prompt_logprobs import ChunkBuffers, PromptScoring
 
 from .conftest import make_tiny, left_padded_batch
 
@@ -135,16 +135,70 @@ def test_an_encoder_decoder_model_is_refused():
         Recorder(make_tiny("t5"), prompt_logprobs=True)
 
 
+def _chunk_by_chunk(scoring, hidden, ids):
+    """The documented expressions, chunk by chunk as `score` cuts the prompt, each chunk's tensors new."""
+    parts = {"ranks": [], "logprobs": [], "top_logprobs": [], "top_tokens": []}
+    with torch.no_grad():
+        for start in range(0, ids.shape[1] - 1, scoring.chunk):
+            end = min(ids.shape[1] - 1, start + scoring.chunk)
+            x = scoring.head(hidden[:, start:end]).float()
+            if scoring.softcap:
+                x = torch.tanh(x / scoring.softcap) * scoring.softcap
+            y = ids[:, start + 1:end + 1, None]
+            parts["ranks"].append((x > x.gather(-1, y)).sum(-1))
+            parts["logprobs"].append(torch.log_softmax(x, -1).gather(-1, y)[..., 0])
+            values, indices = torch.topk(torch.log_softmax(x, -1), scoring.top, -1)
+            parts["top_logprobs"].append(values)
+            parts["top_tokens"].append(indices)
+    return {f"prompt_{name}": torch.cat(found, 1) for name, found in parts.items()}
+
+
+@pytest.mark.parametrize("dtype, softcap, hooked, made", [
+    (torch.float32, None, False, 3), (torch.float32, 30.0, False, 3), (torch.bfloat16, None, False, 4),
+    (torch.float32, None, True, 1),
+])
+def test_every_chunk_reuses_the_first_chunks_buffers_and_the_values_are_unchanged(dtype, softcap, hooked, made):
+    """11 chunks of 4 positions (the last of 1) over 2 prompts: the buffers are made once (the log-softmax's,
+    which also holds the rank's comparison; for a plain `nn.Linear` head, its product and the states it
+    reads; for a head that is not float32, the logits' float32 copy), and a head with a hook runs as
+    itself; every value equals the documented expressions run on new tensors chunk by chunk."""
+    model = make_tiny("llama").to(dtype)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, model.config.vocab_size, (2, 42), generator=generator)
+    hidden = torch.randn(2, 42, model.config.hidden_size, generator=generator).to(dtype)
+    calls = []
+    if hooked:
+        model.get_output_embeddings().register_forward_hook(lambda module, args, output: calls.append(1))
+    scoring = PromptScoring(head=model.get_output_embeddings(), top=3, chunk=4, softcap=softcap)
+    buffers = ChunkBuffers()
+    found = scoring.score(hidden, ids, None, 1, buffers=buffers)
+    assert buffers.allocations == made and len(calls) == (11 if hooked else 0)
+    expected = _chunk_by_chunk(scoring, hidden, ids)
+    assert found["prompt_ranks"].dtype == torch.long and found["prompt_top_tokens"].dtype == torch.long
+    for name, tensor in expected.items():
+        assert torch.equal(found[name], tensor), name
+    assert torch.equal(found["prompt_tokens"], ids[:, 1:])
+
+
+def test_chunk_buffers_view_one_tensor_in_every_smaller_shape():
+    buffers = ChunkBuffers()
+    first = buffers.take("x", (2, 4, 8), torch.float32, torch.device("cpu"))
+    last = buffers.take("x", (2, 1, 8), torch.float32, torch.device("cpu"))
+    assert last.data_ptr() == first.data_ptr() and last.is_contiguous() and buffers.allocations == 1
+    assert buffers.take("x", (2, 5, 8), torch.float32, torch.device("cpu")).shape == (2, 5, 8)  # larger: made again
+    assert buffers.allocations == 2
+
+
 def _peak(case: str, **options) -> dict:
     command = [sys.executable, str(ROOT / "bench" / "prompt_peak.py"), "--case", case, "--tokens", "2048",
                "--vocab", "32000", "--top", "5", "--chunk", str(options.get("chunk", 64))]
     sys.path.insert(0, str(ROOT / "bench"))
     try:
-        steady = __import__("_common").STEADY_MALLOC
+        default_env = __import__("_common").default_env
     finally:
         sys.path.remove(str(ROOT / "bench"))
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", **steady})
+    # A process with the C library's default allocator settings, as users run it.
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=default_env(HF_HUB_OFFLINE="1"))
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -153,8 +207,8 @@ def _peak(case: str, **options) -> dict:
 def test_a_2048_token_prompt_over_32k_tokens_peaks_by_the_chunk_not_the_prompt():
     """A one-layer Llama with a 32,000-token vocabulary, a 2,048-token prompt, 64 positions a chunk: the
     full `(prompt, vocab)` logits are 250 MiB, a chunk's 7.8 MiB; the extra peak over stock generate()
-    stays within 4 chunks + 8 MiB (the chunk's logits, their log-softmax, a comparison, the results),
-    and the values equal a full forward's."""
+    stays within 4 chunks + 8 MiB (the chunk's logits, their log-softmax, the results) in a process with
+    default allocator settings, and the values equal a full forward's."""
     stock, scored, full = _peak("stock"), _peak("prompt_logprobs"), _peak("full_forward")
     chunk_mib = 64 * 32000 * 4 / 2**20
     print(json.dumps({"stock": stock, "prompt_logprobs": scored, "full_forward": full}))

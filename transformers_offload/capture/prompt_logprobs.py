@@ -14,8 +14,12 @@ positions at a time, on the device the states are on, so no `(prompt, vocab)` te
 
 One row per prompt (the first of its `num_beams` / `num_return_sequences` copies, which are equal).
 Positions whose token or context is padding (`attention_mask` 0) hold `token` -1, a NaN logprob and a
-rank of -1. The extra device memory is the kept states plus about `9 x rows x chunk x vocab` bytes
-(the chunk's logits, their log-softmax, a comparison); nothing here waits for the device.
+rank of -1. The extra device memory is the kept states plus about `8 x rows x chunk x vocab` bytes
+(the chunk's logits, their log-softmax; the rank's comparison is held in the log-softmax's buffer
+before it), and the results; nothing here waits for the device. Every chunk reuses the first chunk's
+buffers (`ChunkBuffers`), a plain `nn.Linear` head's product included, and writes into results made
+once, so the peak does not depend on how the C library's allocator reuses freed blocks (any other head,
+offloaded, hooked or quantized, runs as itself, and its output is new each chunk).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any
 import torch
 
 CHUNK_ELEMENTS = 2**24  # default chunk: at most this many logits (64 MiB of float32) at once
+FLOAT32_INTEGERS = 2**24  # every integer up to this is a float32 value (a rank's count of 0.0 / 1.0)
 # Config fields of models whose forward scales the head's output (Cohere, Granite, Falcon-H1): refused.
 LOGIT_TRANSFORMS = ("logit_scale", "logits_scaling", "lm_head_multiplier")
 
@@ -44,7 +49,7 @@ class PromptScoring:
     model_name: str = "model"
 
     def score(self, hidden: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor | None,
-              rows_per_prompt: int) -> dict[str, torch.Tensor]:
+              rows_per_prompt: int, *, buffers: ChunkBuffers | None = None) -> dict[str, torch.Tensor]:
         """The prompt streams of one call, on the states' device.
 
         Args:
@@ -52,6 +57,7 @@ class PromptScoring:
             input_ids: `(rows, length)` the prompt (`length` = prompt length; later columns ignored).
             mask: `(prompts, length)` the call's attention mask, or None (no padding).
             rows_per_prompt: copies of each prompt among the rows (`num_beams` or `num_return_sequences`).
+            buffers: the chunks' buffers (default: new ones, freed when the call returns).
 
         Returns:
             `prompt_tokens` `(prompts, length - 1)` int64, `prompt_logprobs` float32, `prompt_ranks`
@@ -64,34 +70,45 @@ class PromptScoring:
         prompts, positions = ids.shape[0], max(length - 1, 0)
         vocab = int(getattr(self.head, "out_features", 0) or next(self.head.parameters()).shape[0])
         chunk = self.chunk or max(1, CHUNK_ELEMENTS // max(1, prompts * vocab))
-        parts: dict[str, list[torch.Tensor]] = {name: [] for name in ("ranks", "logprobs", "top_logprobs", "top_tokens")}
         top = min(self.top, vocab)
+        buffers = ChunkBuffers() if buffers is None else buffers
+        device = hidden.device
+        results: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             # The head runs where it is (a `device_map` may put it on another device than the states, or
             # offload its weights: accelerate's hooks move what it needs); the rest follows its output.
+            # Every chunk writes into the same buffers (the last, shorter one into their first part) and
+            # the results into tensors made once: nothing of a chunk's size is freed and allocated again,
+            # and nothing long-lived is allocated between chunks, which, with glibc's default malloc,
+            # pinned each freed chunk's block (the peak grew by a chunk's comparison per chunk).
             for start in range(0, positions, chunk):
                 end = min(positions, start + chunk)
-                x = self.head(states[:, start:end]).float()
+                x = self._logits(states[:, start:end], buffers)
+                if not results:
+                    device = x.device
+                    results = _results(prompts, positions, top, device)
                 if self.softcap:
-                    x = torch.tanh(x / self.softcap) * self.softcap
-                y = ids[:, start + 1:end + 1, None].to(x.device)
-                parts["ranks"].append((x > x.gather(-1, y)).sum(-1))
-                x = torch.log_softmax(x, -1)
-                parts["logprobs"].append(x.gather(-1, y)[..., 0])
+                    x.div_(self.softcap).tanh_().mul_(self.softcap)  # tanh(x / cap) * cap, in place
+                y = ids[:, start + 1:end + 1, None].to(device)
+                # The rank counts a comparison held as 0.0 / 1.0 in the log-softmax's buffer: summing a
+                # bool tensor converts it to int64 first (8 bytes a logit, 128 MiB a default chunk),
+                # and the float sum of counts below 2**24 (2**53 in float64) is exact in any order.
+                above = buffers.take("log_softmax", x.shape, torch.float32, device)
+                if x.shape[-1] > FLOAT32_INTEGERS:
+                    above = buffers.take("above", x.shape, torch.float64, device)
+                results["ranks"][:, start:end] = torch.gt(x, x.gather(-1, y), out=above).sum(-1)
+                x = torch.log_softmax(x, -1, out=buffers.take("log_softmax", x.shape, torch.float32, device))
+                results["logprobs"][:, start:end] = x.gather(-1, y)[..., 0]
                 if top:
                     values, indices = torch.topk(x, top, -1)
-                    parts["top_logprobs"].append(values)
-                    parts["top_tokens"].append(indices)
-                del x
-        device = parts["ranks"][0].device if positions else hidden.device
+                    results["top_logprobs"][:, start:end] = values
+                    results["top_tokens"][:, start:end] = indices
+                del x, above
+        if not results:
+            results = _results(prompts, positions, top, device)
         targets = ids[:, 1:].to(device)
-
-        def joined(name: str, dtype: torch.dtype, *shape: int) -> torch.Tensor:
-            found = parts[name]
-            return torch.cat(found, 1) if found else torch.empty((prompts, 0, *shape), dtype=dtype, device=device)
-
-        ranks, logprobs = joined("ranks", torch.long), joined("logprobs", torch.float32)
-        top_logprobs, top_tokens = joined("top_logprobs", torch.float32, top), joined("top_tokens", torch.long, top)
+        ranks, logprobs = results["ranks"], results["logprobs"]
+        top_logprobs, top_tokens = results["top_logprobs"], results["top_tokens"]
         if mask is not None:
             mask = mask.to(device).bool()
             valid = mask[:, 1:length] & mask[:, : length - 1]
@@ -105,6 +122,69 @@ class PromptScoring:
         if top:
             found.update(prompt_top_tokens=top_tokens, prompt_top_logprobs=top_logprobs)
         return found
+
+    def _logits(self, states: torch.Tensor, buffers: ChunkBuffers) -> torch.Tensor:
+        """`head(states).float()` for one chunk's states `(rows, n, hidden)`, which the caller may edit in
+        place. A plain `nn.Linear` head without bias computes `matmul(states, weight.t())` (its forward,
+        `F.linear`, computes just that) into the chunk's buffer; any other head runs as itself."""
+        weight = _plain_weight(self.head, states)
+        if weight is None:
+            raw = self.head(states)
+        else:
+            # Contiguous states, as `F.linear`'s own folding gives them to the product: `matmul(..., out=)`
+            # of strided states (several prompts) sums in another order (4.8e-7 apart, torch 2.13 CPU).
+            states = buffers.take("states", states.shape, states.dtype, states.device).copy_(states)
+            shape = (*states.shape[:-1], weight.shape[0])
+            raw = torch.matmul(states, weight.t(), out=buffers.take("head", shape, weight.dtype, weight.device))
+        if raw.dtype == torch.float32:
+            return raw
+        return buffers.take("logits", raw.shape, torch.float32, raw.device).copy_(raw)
+
+
+def _plain_weight(head: torch.nn.Module, states: torch.Tensor) -> torch.Tensor | None:
+    """The weight of `head` where calling it is `F.linear(states, weight)` and nothing else: an exact
+    `nn.Linear` without bias, hooks (accelerate's offload replaces `forward` or adds hooks) or a
+    weight of a tensor subclass (quantized, sharded), on the states' device in their dtype; else None."""
+    module = torch.nn.modules.module
+    if type(head) is not torch.nn.Linear or head.bias is not None or "forward" in vars(head):
+        return None
+    if head._forward_hooks or head._forward_pre_hooks or getattr(module, "_global_forward_hooks", None) \
+            or getattr(module, "_global_forward_pre_hooks", None):
+        return None
+    weight = head.weight
+    if type(weight) is not torch.nn.Parameter or type(weight.data) is not torch.Tensor or weight.layout != torch.strided:
+        return None
+    if weight.device != states.device or weight.dtype != states.dtype or weight.is_meta:
+        return None
+    return weight
+
+
+class ChunkBuffers:
+    """The per-chunk buffers of one scoring: one flat tensor per name, made at its first use (the first
+    chunk, the largest) and viewed in each later chunk's shape, so no chunk allocates them again.
+    `allocations` counts the tensors made."""
+
+    def __init__(self) -> None:
+        self._flat: dict[str, torch.Tensor] = {}
+        self.allocations = 0
+
+    def take(self, name: str, shape: torch.Size | tuple[int, ...], dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor:
+        """A contiguous `shape` view of the buffer `name` (made, or made again larger, when it does not fit)."""
+        size = math.prod(shape)
+        flat = self._flat.get(name)
+        if flat is None or flat.numel() < size or flat.dtype != dtype or flat.device != device:
+            flat = self._flat[name] = torch.empty(size, dtype=dtype, device=device)
+            self.allocations += 1
+        return flat[:size].view(shape)
+
+
+def _results(prompts: int, positions: int, top: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """The scoring's outputs for the whole prompt, made once, each chunk writing its columns."""
+    return {"ranks": torch.empty((prompts, positions), dtype=torch.long, device=device),
+            "logprobs": torch.empty((prompts, positions), dtype=torch.float32, device=device),
+            "top_logprobs": torch.empty((prompts, positions, top), dtype=torch.float32, device=device),
+            "top_tokens": torch.empty((prompts, positions, top), dtype=torch.long, device=device)}
 
 
 def scoring_for(model: Any, prompt_logprobs: Any, chunk: Any) -> PromptScoring | None:
