@@ -139,7 +139,7 @@ class RecordedCall:
     def _finish(self, capture: Capture, output: Any, error: BaseException | None) -> None:
         loop = capture.header.get("loop")
         if loop is not None:
-            loop["kept_rows"] = kept_prompts(capture)
+            loop["kept_rows"] = [loop["batch_rows"][index] for index in kept_prompts(capture)]
         self.recorder._end_generation(capture, output, error)
 
     # -- the loop taps, for models whose generate() runs the loop several times ---------------------

@@ -81,8 +81,9 @@ class Generation(LayerReading, EncodedReading):
             of the call's first generation), `loop` (0-based within the call), `segment` and `attempt`
             (0-based; the attempt counts the temperatures tried), `batch_rows` (per prompt of this loop,
             its row in the call's batch: a fallback attempt reruns only the prompts that need it) and
-            `kept_rows` (this loop's prompts whose result the call kept; the others were discarded: rerun
-            at the next temperature, or skipped as silence). Readers may find other keys: a `generate()`
+            `kept_rows` (the call's rows, among `batch_rows`, whose result the call kept from this loop;
+            the others were discarded: rerun at the next temperature, or skipped as silence; this loop's
+            prompt for call row `r` is `batch_rows.index(r)`). Readers may find other keys: a `generate()`
             that runs the loop twice without saying which result it keeps has each earlier loop marked
             incomplete (`RecordingMismatch`) instead.
     """
