@@ -424,9 +424,11 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
                     flags = ", ".join(f"`{flag}`" for flag in capture.kept_on_device)
                     warnings.warn(
                         f"this generate() call ran with `return_dict_in_generate=True` and {flags} (from its "
-                        "arguments or the model's generation_config), so generate() also kept those outputs "
-                        "of every step on the device until it returned. The Recorder records what its "
-                        "`streams` name without them: drop those options to keep device memory flat.",
+                        "arguments, the model's generation_config, or the model's own generate(): Whisper asks "
+                        "for them with `logprob_threshold` or `return_token_timestamps`), so generate() also "
+                        "kept those outputs of every step on the device until it returned. The Recorder "
+                        "records what its `streams` name without them: drop those options where they are "
+                        "yours to keep device memory flat.",
                         DeviceAccumulationWarning,
                         stacklevel=3,
                     )
