@@ -10,6 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 CALLS = textwrap.dedent('''
@@ -67,6 +69,7 @@ CALLS = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow  # a pytest session of its own in a subprocess: the conformance harness runs on the newest release
 def test_plugin_gives_each_call_its_verdict_and_leaves_the_tests_outcomes_alone(tmp_path):
     (tmp_path / "test_calls.py").write_text(CALLS)
     out = tmp_path / "out"
