@@ -77,10 +77,12 @@ def _open(rec, spill):
 def test_a_loop_run_twice_gives_two_generations_the_first_marked_superseded(tmp_path, spill):
     model = _as(TwiceThenSecond)
     with Recorder(model, spill_dir=tmp_path / "rec" if spill else None) as rec:
+        rec.set_samples(["a", "b", "c"])
         with pytest.warns(RecordingMismatchWarning, match="another decoding loop"):
             out = _generate(model, rec)
     run = _open(rec, spill)
     first, second = run.generations
+    assert first.sample_ids == second.sample_ids == ("a", "b", "c")  # both loops ran over the call's prompts
     assert not first.complete and "RecordingMismatch" in first.error and "another decoding loop" in first.error
     assert first.num_steps == 5  # its steps stay readable
     assert second.complete and second.error is None

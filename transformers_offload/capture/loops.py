@@ -98,29 +98,32 @@ class RecordedCall:
             batch_rows = list(self._rows)
             capture.header["loop"] = {"call": self._first_index, "loop": self.loops, "segment": max(self._segment, 0),
                                       "attempt": self._attempt, "batch_rows": batch_rows, "kept_rows": None}
-            if self._samples is not None and self.loops:
+            if self._samples is not None and self.loops:  # the call's ids of the rows this loop decodes
                 ids = self._samples["sample_ids"]
                 metadata = self._samples["sample_metadata"]
                 picked = [ids[row] for row in batch_rows] if all(row < len(ids) for row in batch_rows) else None
                 if picked is not None and len(set(map(str, picked))) == len(picked):
                     capture.header["sample_ids"] = tuple(picked)
                     capture.header["sample_metadata"] = None if metadata is None else tuple(metadata[r] for r in batch_rows)
+        elif self._samples is not None and self.loops:  # another plain loop over the same prompts
+            capture.header.update(self._samples)
         return capture
 
     def _next_capture(self) -> Capture:
         previous = self.capture
-        if self.tapped:
-            if not previous.last_attempt:  # a fallback attempt of the same segment: the prompts rerun
-                self._rows = self._rerun_rows(previous)
-                self._attempt += 1
-            self._finish(previous, previous.loop_output, None)  # None: not seen, so marked
+        if self.tapped and not previous.last_attempt:  # a fallback attempt of the same segment: the prompts rerun
+            self._rows = self._rerun_rows(previous)
+            self._attempt += 1
+        if self.tapped and previous.loop_output is not None:
+            self._finish(previous, previous.loop_output, None)  # checked against its own output
         else:
             superseded = RecordingMismatch(
                 f"generate() ran another decoding loop after this one in the same call (loop {self.loops + 1} "
-                f"of at least {self.loops + 2}): the call's result is not this loop's, or not this loop's "
-                "alone; the next generation records the next loop"
+                f"of at least {self.loops + 2}) without handing this one's output over to be checked: the "
+                "call's result is not this loop's, or not this loop's alone; the next generation records the "
+                "next loop"
             )
-            self.recorder._end_generation(previous, None, superseded)
+            self._finish(previous, None, superseded)
         self.loops += 1
         capture = self._begin(attention_mask=None) if self.tapped else self._begin()
         if previous.layer_tap is not None and capture.layer_tap is not None:
