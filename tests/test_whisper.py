@@ -171,6 +171,18 @@ def test_each_attempt_names_its_prompts_sample_ids():
     assert [g.sample_ids for g in rec.generations] == [("a", "b"), ("a",)]
 
 
+@SEGMENTED
+def test_loops_whose_rows_repeat_a_prompt_are_not_given_its_id():
+    # num_return_sequences=2: Whisper decodes each prompt twice, as rows of their own (ids must be distinct).
+    model = whisper()
+    with Recorder(model) as rec:
+        rec.set_samples(["a", "b"])
+        model.generate(input_features=_features(), logits_processor=[rec], max_new_tokens=4, do_sample=True,
+                       num_return_sequences=2)
+    assert all(g.sample_ids is None for g in rec.generations)
+    assert all(len(g.loop["batch_rows"]) == 4 for g in rec.generations)
+
+
 @TAPPED
 @LOGGER_WARN
 @SPILL

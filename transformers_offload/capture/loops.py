@@ -98,13 +98,16 @@ class RecordedCall:
             batch_rows = list(self._rows)
             capture.header["loop"] = {"call": self._first_index, "loop": self.loops, "segment": max(self._segment, 0),
                                       "attempt": self._attempt, "batch_rows": batch_rows, "kept_rows": None}
-            if self._samples is not None and self.loops:  # the call's ids of the rows this loop decodes
+            if self._samples is not None:  # the call's ids of the rows this loop decodes, where they are its prompts
                 ids = self._samples["sample_ids"]
                 metadata = self._samples["sample_metadata"]
                 picked = [ids[row] for row in batch_rows] if all(row < len(ids) for row in batch_rows) else None
                 if picked is not None and len(set(map(str, picked))) == len(picked):
                     capture.header["sample_ids"] = tuple(picked)
                     capture.header["sample_metadata"] = None if metadata is None else tuple(metadata[r] for r in batch_rows)
+                else:  # rows that repeat a prompt (num_return_sequences > 1): numbered, not named
+                    capture.header.pop("sample_ids", None)
+                    capture.header.pop("sample_metadata", None)
         elif self._samples is not None and self.loops:  # another plain loop over the same prompts
             capture.header.update(self._samples)
         return capture
