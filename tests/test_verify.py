@@ -172,7 +172,7 @@ def _ids(*rows):
 
 
 @pytest.mark.parametrize(
-    ("complete_steps", "sequences", "last_ids", "problem"),
+    ("complete_steps", "sequences", "seen_ids", "problem"),
     [
         (2, _ids([5, 6, 7]), _ids([5, 6, 7]), None),
         (1, _ids([5, 6, 7]), _ids([5, 6, 7]), "processors ran (and so the logits and scores were recorded) for 1 of them"),
@@ -184,13 +184,13 @@ def _ids(*rows):
         (2, None, _ids([5, 6, 7]), None),
     ],
 )
-def test_check_loop(complete_steps, sequences, last_ids, problem):
-    verdict = check_loop(complete_steps=complete_steps, sequences=sequences, last_ids=last_ids, prompt_length=1)
+def test_check_loop(complete_steps, sequences, seen_ids, problem):
+    verdict = check_loop(complete_steps=complete_steps, sequences=sequences, seen_ids=seen_ids, prompt_length=1)
     if problem is None:
         assert verdict.problem is None
     else:
         assert problem in verdict.problem
-    assert verdict.num_steps == min(complete_steps, 0 if last_ids is None else last_ids.shape[-1] - 1)
+    assert verdict.num_steps == min(complete_steps, 0 if seen_ids is None else seen_ids.shape[-1] - 1)
 
 
 def test_check_beams_in_beam_search_checks_the_length():

@@ -485,8 +485,9 @@ class Capture:
         offset = torch.arange(batch, device=input_ids.device).unsqueeze(1) * self.num_beams
         # The ancestry of step t's rows is known at step t + 1: it is stored under step t.
         parents = (first + offset).reshape(rows)
-        self._seen_tokens.append(input_ids[:, -1].clone())
-        self._seen_parents.append(parents)
+        if not self.is_group:  # group beam search is checked by its length only
+            self._seen_tokens.append(input_ids[:, -1].clone())
+            self._seen_parents.append(parents)
         self.ring.put(step - 1, "beam_parents", parents)
         self.ring.put(step - 1, "tokens", input_ids[:, -1])
         if self._stats is not None and self._stats.has(step - 1):
@@ -523,15 +524,15 @@ class Capture:
             # checked by their length only (no ancestry, no prompt).
             verdict = check_beams(
                 complete_steps=complete_steps, sequences=sequences, prompt=self._seen_prompt,
-                tokens=[] if self.is_group else self._seen_tokens, check_paths=not self.is_group,
-                parents=self._seen_parents, num_beams=self.num_beams,
+                tokens=self._seen_tokens, parents=self._seen_parents, check_paths=not self.is_group,
+                num_beams=self.num_beams,
                 fill_ids=tuple(i for i in (self.header.get("pad_token_id"), *self.header["eos_token_id"]) if isinstance(i, int)),
             )
         else:
             seen = None
             if self._seen_prompt is not None:
                 seen = torch.cat([self._seen_prompt, *(token.unsqueeze(1) for token in self._seen_tokens)], dim=1)
-            verdict = check_loop(complete_steps=complete_steps, sequences=sequences, last_ids=seen,
+            verdict = check_loop(complete_steps=complete_steps, sequences=sequences, seen_ids=seen,
                                  prompt_length=self.prompt_length)
         self._seen_prompt, self._seen_tokens, self._seen_parents = None, [], []
         num_steps = verdict.num_steps

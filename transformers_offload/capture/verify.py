@@ -2,9 +2,9 @@
 
 A recording counts its steps from the recorder's own calls (the processor list's and the stopping
 criteria's), never from lengths of what `generate()` returns. This module then compares the two:
-the tokens the stopping criteria saw appended (the loop's last `input_ids`, which hold every recorded
-token) against the sequences the call returned, and the steps whose logits and scores were recorded
-against the steps whose tokens were. Any disagreement is named in words; the capture then marks the
+copies of the prompt and of every token the stopping criteria saw appended against the sequences the
+call returned (in beam search, each returned sequence down the recorded ancestry), and the steps whose
+logits and scores were recorded against the steps whose tokens were. Any disagreement is named in words; the capture then marks the
 generation incomplete with it (`RecordingMismatch`), and the recorder warns. The checks run once, after
 the loop, never inside a step.
 """
@@ -27,8 +27,7 @@ class Verdict:
     """The outcome of the end-of-loop check.
 
     Attributes:
-        num_steps (`int`): the steps the generation keeps (the leading steps recorded in every stream,
-            less a last step whose token `generate()` itself dropped).
+        num_steps (`int`): the steps the generation keeps (the leading steps recorded in every stream).
         problem (`str | None`): the disagreement, in words; None when the recording matches.
     """
 
@@ -36,7 +35,7 @@ class Verdict:
     problem: str | None = None
 
 
-def check_loop(*, complete_steps: int, sequences: torch.Tensor | None, last_ids: torch.Tensor | None,
+def check_loop(*, complete_steps: int, sequences: torch.Tensor | None, seen_ids: torch.Tensor | None,
                prompt_length: int) -> Verdict:
     """Compare one decoding loop's recording with what it produced (outside beam search, whose rows keep
     their order from step to step: greedy search, sampling, assisted decoding...).
@@ -45,7 +44,7 @@ def check_loop(*, complete_steps: int, sequences: torch.Tensor | None, last_ids:
         complete_steps (`int`): leading steps for which every recorded stream has a record.
         sequences (`torch.LongTensor | None`): what the call returned as sequences, `(rows, length)`,
             any device; None when it returned none (nothing to compare the tokens with).
-        last_ids (`torch.LongTensor | None`): the loop's prompt and every token the stopping criteria saw
+        seen_ids (`torch.LongTensor | None`): the loop's prompt and every token the stopping criteria saw
             it append, `(rows, prompt_length + tokens)`, copied as they were seen (a result edited in
             place afterwards differs); None if they never ran.
         prompt_length (`int`): tokens of the loop's prompt (decoder start ids for encoder-decoder).
@@ -54,7 +53,7 @@ def check_loop(*, complete_steps: int, sequences: torch.Tensor | None, last_ids:
         `Verdict`: the steps to keep (the complete ones; with a disagreement they stay readable, marked
         incomplete) and the disagreement, if any.
     """
-    tokens = 0 if last_ids is None else int(last_ids.shape[-1]) - prompt_length
+    tokens = 0 if seen_ids is None else int(seen_ids.shape[-1]) - prompt_length
     if complete_steps < tokens:
         return Verdict(complete_steps, (
             f"the decoding loop appended {tokens} token(s), but the logits processors ran (and so the "
@@ -63,28 +62,27 @@ def check_loop(*, complete_steps: int, sequences: torch.Tensor | None, last_ids:
     kept = min(complete_steps, tokens)
     if sequences is None:
         return Verdict(kept)
-    if last_ids is None:
+    if seen_ids is None:
         if int(sequences.shape[-1]) <= prompt_length and complete_steps == 0:
             return Verdict(0)  # no step ran, and none was returned
         return Verdict(0, (
             f"the call returned sequences of shape {tuple(sequences.shape)}, but the recorder saw no step of "
             "a decoding loop end (its stopping criteria never ran)"
         ))
-    if tuple(sequences.shape) != tuple(last_ids.shape):
+    if tuple(sequences.shape) != tuple(seen_ids.shape):
         return Verdict(kept, (
             f"the call returned sequences of shape {tuple(sequences.shape)}, and its decoding loop ended with "
-            f"{tuple(last_ids.shape)} (rows, prompt of {prompt_length} + {tokens} recorded token(s)): not the "
+            f"{tuple(seen_ids.shape)} (rows, prompt of {prompt_length} + {tokens} recorded token(s)): not the "
             "same rows and steps"
         ))
-    returned = sequences.to(last_ids.device)
-    expected = last_ids
-    if not torch.equal(returned, expected):
+    returned = sequences.to(seen_ids.device)
+    if not torch.equal(returned, seen_ids):
         # The end of the call: a host sync here is fine.
-        row, position = (returned != expected).nonzero()[0].tolist()
+        row, position = (returned != seen_ids).nonzero()[0].tolist()
         where = f"prompt position {position}" if position < prompt_length else f"step {position - prompt_length}"
         return Verdict(kept, (
             f"the returned sequences differ from the recorded tokens first at row {row}, {where}: "
-            f"{int(returned[row, position])} returned, {int(expected[row, position])} recorded"
+            f"{int(returned[row, position])} returned, {int(seen_ids[row, position])} recorded"
         ))
     return Verdict(kept)
 
@@ -98,8 +96,8 @@ def check_beams(*, complete_steps: int, sequences: torch.Tensor | None, prompt: 
     beams, and each token, step by step, the one a running beam whose parent holds the sequence so far
     appended; where no running beam continues it, the hypothesis ended there (its last token left the
     running beams), and every later position is the fill after a finished hypothesis (the pad id, or
-    an EOS id: 5.x fills with the first EOS id where the pad id is 0). The last token of each hypothesis was chosen
-    from its row's scores and is not among the running beams: it is not checked.
+    an EOS id: 5.x fills with the first EOS id where the pad id is 0). The last token of each
+    hypothesis was chosen from its row's scores and is not among the running beams: it is not checked.
 
     Args:
         complete_steps (`int`): leading steps for which every recorded stream has a record.
