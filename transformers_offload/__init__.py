@@ -7,6 +7,7 @@ from .read.generation import Generation
 from .read.indexing import StreamNotRecorded
 from .read.reader import Recording, open_recording
 from .recorder import DeviceAccumulationWarning, Recorder, RecordingMismatchWarning
+from .rescore import RescoreError, rescore
 from .store.format import RecordingError
 from .store.shards import SpillError
 from .store.stored import TransferStats
@@ -20,12 +21,14 @@ __all__ = [
     "Recording",
     "RecordingError",
     "RecordingMismatchWarning",
+    "RescoreError",
     "SpillError",
     "StreamNotRecorded",
     "TransferStats",
     "UnsupportedModeError",
     "__version__",
     "open_recording",
+    "rescore",
     "to_arrow",
     "to_pandas",
     "write_html",

@@ -319,3 +319,15 @@ def ties_last_hidden_state(config: Any) -> bool:
     config may say otherwise)."""
     tie = getattr(config, "tie_last_hidden_states", None)
     return True if tie is None else bool(tie)
+
+
+def cache_argument(model: Any) -> str:
+    """The name a model's forward takes its KV cache by: `cache` from 5.24 (`past_key_values` is
+    deprecated there), `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
+
+def cache_of(output: Any) -> Any:
+    """The KV cache a forward returned (`output.cache` from 5.24, `output.past_key_values` before)."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else getattr(output, "past_key_values", None)

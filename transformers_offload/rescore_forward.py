@@ -1,0 +1,84 @@
+"""Rescore's forward mode: a generation's prompt and tokens scored by chunked forward passes.
+
+Where decode mode replays `generate()` one token per forward, this mode feeds the whole sequence
+(`sequences`: the left-padded prompt and every generated token) through the model `chunk_size` positions
+at a time, keeping the KV cache between chunks, with the attention mask and position ids `generate()`
+gives those positions (padding masked, positions counted from each row's first real token). The logits
+at position `prompt_length - 1 + t` are step `t`'s. They are handed to the recorder as a greedy decoding
+loop of the recorded tokens would hand them, so the result is a recording like decode mode's, checked
+the same way. Larger forwards sum in another order: the logits differ from decode mode's by float
+rounding (docs/rescore.md gives the measured difference).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+
+from . import _compat
+from .read.generation import Generation
+
+
+def score(gen: Generation, model: Any, rec: Any, call: dict[str, Any], chunk_size: int) -> None:
+    """Score generation `gen` (greedy search or sampling, decoder-only) with `model` into recorder `rec`.
+
+    Args:
+        gen (`Generation`): the recorded generation; its `sequences` are the ids scored.
+        model: the model (its device takes the inputs).
+        rec (`Recorder`): the recorder attached to `model`, which records the scored steps.
+        call (`dict`): the prompt inputs (`input_ids` `(prompts, prompt_length)`, `attention_mask`),
+            from the recording or the user's `inputs`.
+        chunk_size (`int`): positions per forward.
+    """
+    device = next(model.parameters()).device
+    rows, length, steps = gen.num_rows, gen.prompt_length, gen.num_steps
+    sequences = gen.sequences.to(device)[:, : length + steps]
+    repeat = rows // call["input_ids"].shape[0]
+    prompt_mask = call.get("attention_mask")
+    if prompt_mask is None:
+        prompt_mask = torch.ones(rows, length, dtype=torch.long)
+    else:
+        prompt_mask = torch.as_tensor(prompt_mask).repeat_interleave(repeat, dim=0)
+    prompt_mask = prompt_mask.to(device)
+    # generate() extends the mask with ones for every appended token, finished rows included.
+    mask = torch.cat([prompt_mask, prompt_mask.new_ones(rows, steps)], dim=1)
+    positions = mask.long().cumsum(-1) - 1
+    positions.masked_fill_(mask == 0, 1)
+    config = GenerationConfig(do_sample=False, max_new_tokens=steps, pad_token_id=gen.pad_token_id,
+                              eos_token_id=list(gen.eos_token_id) or None)
+    given_mask = None if call.get("attention_mask") is None else prompt_mask
+    if gen.sample_ids is not None:
+        rec.set_samples(list(gen.sample_ids), metadata=None if gen.sample_metadata is None else list(gen.sample_metadata))
+    capture = rec._begin_generation(assistant_model=None, custom_generate=None, attention_mask=given_mask,
+                                    inputs=sequences[:, :length])
+    error: BaseException | None = None
+    try:
+        capture.start(config, length, no_processors=True)
+        eos = torch.tensor(list(gen.eos_token_id), device=device, dtype=torch.long)
+        done = torch.zeros(rows, dtype=torch.bool, device=device)
+        cache = None
+        cache_argument = _compat.cache_argument(model)
+        end_of_scored = length + steps - 1  # the last token is appended, never scored
+        with torch.no_grad():
+            for start in range(0, end_of_scored, chunk_size):
+                end = min(start + chunk_size, end_of_scored)
+                out = model(input_ids=sequences[:, start:end], attention_mask=mask[:, :end],
+                            position_ids=positions[:, start:end], use_cache=True, **{cache_argument: cache})
+                cache = _compat.cache_of(out)
+                for position in range(max(start, length - 1), end):
+                    step = position - (length - 1)
+                    logits = out.logits[:, position - start].to(copy=True, dtype=torch.float32)
+                    ids = sequences[:, : length + step]
+                    capture.on_raw(ids, logits)
+                    capture.on_processed(ids, logits)
+                    appended = sequences[:, : length + step + 1]
+                    done = done | torch.isin(appended[:, -1], eos)
+                    capture.on_stopping(appended, done)
+                del out
+    except BaseException as exc:  # recorded so far stays readable, as a failed generate() call's
+        error = exc
+        rec._end_generation(capture, None, exc)
+        raise
+    rec._end_generation(capture, sequences, error)
