@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import LogitsProcessor
 
-from transformers_offload import Recorder, open_recording
-from transformers_offload.rescore import RescoreError, rescore
+from transformers_offload import Recorder, _compat, open_recording
+from transformers_offload.rescore import RescoreError, _distinct_parents, rescore
 
 from .conftest import EOS, PAD, left_padded_batch, make_tiny
 
@@ -68,6 +68,15 @@ def test_decode_replays_the_recorded_logits_exactly(model_name, name):
 
 
 @pytest.mark.parametrize("name", ["greedy", "sample", "beam"])
+def test_a_pair_named_twice_moves_to_a_beam_holding_the_same_hypothesis():
+    # Beam sampling extended the prompt's three (identical) beams by the same token: the recorder names
+    # beam 0 as the parent of all three; step 1 extends two identical hypotheses (rows 0 and 1) by token 7.
+    tokens = torch.tensor([[9, 9, 9], [7, 7, 5], [-1, -1, -1]])
+    parents = torch.tensor([[0, 0, 0], [0, 0, 2], [-1, -1, -1]])
+    distinct = _distinct_parents(tokens, parents, num_beams=3)
+    assert distinct[:2].tolist() == [[0, 1, 2], [0, 1, 2]]
+
+
 def test_rows_that_finish_and_beams_that_leave_are_replayed(name):
     model = make_tiny("gpt2")
     rec = _record(model, MODES[name], extra=[FavourEos(start=10)], steps=12)
@@ -114,7 +123,7 @@ def test_another_dtype_follows_the_tokens_and_differs_by_rounding():
     rec = _record(model, MODES["greedy"])
     other = make_tiny("llama").to(torch.bfloat16)
     rescored = rescore(rec, other).generation()
-    assert rescored.encodings == {"logits": "native"}
+    assert rescored.encodings == ({"logits": "native"} if _compat.UPCASTS_LOGITS else {})
     difference = max(float((a - b).abs().max()) for a, b in zip(rec.generation().logits(), rescored.logits()))
     assert 0 < difference < 1.0
 
@@ -146,6 +155,8 @@ def test_assisted_decoding_is_rescored_one_token_per_forward():
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 512])
 def test_forward_mode_is_one_chunked_forward_of_the_sequence(chunk_size):
+    if chunk_size < 512 and not _compat.CHUNKED_PADDED_FORWARD:
+        pytest.skip("this release's SDPA mask fails on a multi-position forward over a cache with left padding")
     model = make_tiny("llama")
     rec = _record(model, MODES["sample"])
     original = rec.generation()

@@ -331,3 +331,17 @@ def cache_of(output: Any) -> Any:
     """The KV cache a forward returned (`output.cache` from 5.24, `output.past_key_values` before)."""
     cache = getattr(output, "cache", None)
     return cache if cache is not None else getattr(output, "past_key_values", None)
+
+
+def _chunked_padded_forward() -> bool:
+    # 4.36's SDPA mask expansion (`_unmask_unattended(expanded_mask, attention_mask, unmasked_value)`) indexes
+    # out of range for a forward of several new positions over a cache when a row is left-padded; 4.37 rewrote it.
+    try:
+        from transformers.modeling_attn_mask_utils import AttentionMaskConverter
+    except ImportError:  # pragma: no cover - a release without the converter builds masks otherwise
+        return True
+    unmask = getattr(AttentionMaskConverter, "_unmask_unattended", None)
+    return unmask is None or "unmasked_value" not in inspect.signature(unmask).parameters
+
+
+CHUNKED_PADDED_FORWARD = _chunked_padded_forward()  # False on 4.36 (with SDPA attention)

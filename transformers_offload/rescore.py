@@ -199,10 +199,11 @@ class ForceTokens(LogitsProcessor):
 
 class ForceBeams(LogitsProcessor):
     """Beam search: at step `t` the only finite scores are the recorded `(parent, token)` pairs, each
-    valued so that its accumulated beam score is `-j` for the `j`-th running beam of its prompt: beam
-    search then keeps exactly the recorded beams, in the recorded order, and reorders the KV cache by
-    the recorded parents. It tracks the running beams' scores it set (the accumulated scores beam
-    search adds to what the processors return). After the last recorded choice (the last step's
+    valued so that its accumulated beam score is about `-GAP x j` for the `j`-th running beam of its
+    prompt: beam search then keeps exactly the recorded beams, in the recorded order, and reorders the
+    KV cache by the recorded parents. It tracks the running beams' accumulated scores as beam search
+    computes them (the float32 sum of what the processors return and the parent's score; at the start
+    0 for each prompt's first beam and -1e9 for the others, whose rounding GAP leaves far behind). After the last recorded choice (the last step's
     tokens are not recorded: they left the running beams) each beam continues itself.
 
     Args:
@@ -211,13 +212,17 @@ class ForceBeams(LogitsProcessor):
         num_beams (`int`), prompt_length (`int`).
     """
 
+    GAP = 1024.0  # between the accumulated scores of consecutive beams: beyond float32 rounding at 1e9
+
     def __init__(self, tokens: torch.Tensor, parents: torch.Tensor, num_beams: int, prompt_length: int) -> None:
         rows = tokens.shape[1]
         self._tokens = tokens
         self._parents = parents
         self._prompt_length = prompt_length
-        self._rank = torch.arange(rows, device=tokens.device).remainder(num_beams).to(torch.float32)
-        self._running = torch.zeros(rows, device=tokens.device)  # the running beams' accumulated scores
+        rank = torch.arange(rows, device=tokens.device).remainder(num_beams)
+        self._target = rank.to(torch.float32) * -self.GAP
+        # The running beams' accumulated scores, as beam search starts them: only each prompt's first beam counts.
+        self._running = torch.where(rank == 0, 0.0, -1e9).to(torch.float32)
         self._identity = torch.arange(rows, device=tokens.device)
         self._buffer: torch.Tensor | None = None
 
@@ -226,14 +231,16 @@ class ForceBeams(LogitsProcessor):
         if self._buffer is None or self._buffer.shape != scores.shape or self._buffer.dtype != scores.dtype:
             self._buffer = torch.empty_like(scores)
             self._running = self._running.to(scores.dtype)
-            self._rank = self._rank.to(scores.dtype)
+            self._target = self._target.to(scores.dtype)
         recorded = step < self._tokens.shape[0] - 1
         parents = self._parents[step] if recorded else self._identity
         tokens = self._tokens[step] if recorded else self._tokens.new_zeros(self._identity.shape)
         out = self._buffer.fill_(-math.inf)
-        # Parent p's candidate token v gets -j - running[p]: beam search adds running[p], so it ranks -j.
-        out.index_put_((parents, tokens), -self._rank - self._running.index_select(0, parents))
-        self._running = -self._rank
+        # Parent p's candidate token v gets target - running[p]: beam search adds running[p] back.
+        running = self._running.index_select(0, parents)
+        values = self._target - running
+        out.index_put_((parents, tokens), values)
+        self._running = values + running  # what beam search computes as the new beams' scores
         return out
 
 
@@ -243,7 +250,7 @@ def _replay(gen: Generation, model: Any, rec: Recorder, call: dict[str, Any]) ->
     replay_mode = _REPLAY_MODES[gen.mode]
     config = _replay_config(gen, replay_mode)
     if replay_mode == "beam_search":
-        parents = torch.stack(gen.beam_parents()).to(device)
+        parents = _distinct_parents(torch.stack(gen.tokens()), torch.stack(gen.beam_parents()), gen.num_beams).to(device)
         force: LogitsProcessor = ForceBeams(tokens, parents, gen.num_beams, gen.prompt_length)
     else:
         force = ForceTokens(tokens, gen.prompt_length)
@@ -254,6 +261,33 @@ def _replay(gen: Generation, model: Any, rec: Recorder, call: dict[str, Any]) ->
         model.generate(**call, generation_config=config, logits_processor=[rec, force])
 
 
+def _distinct_parents(tokens: torch.Tensor, parents: torch.Tensor, num_beams: int) -> torch.Tensor:
+    """The recorded parents `(steps, rows)`, with each `(parent, token)` pair made distinct within a step.
+
+    The recorder names as a row's parent the first running beam that held the same hypothesis; beam
+    sampling can extend two beams holding the same hypothesis by the same token, which that names as one
+    pair twice, and beam search keeps one candidate per pair. A repeated pair is moved to another beam
+    of the step that holds the very same hypothesis (the same tokens: the same forward inputs and cache).
+    """
+    steps, rows = tokens.shape
+    parents = parents.clone()
+    history = [row // num_beams for row in range(rows)]  # per running row, an id of the hypothesis it holds
+    ids: dict[tuple[int, int], int] = {}
+    for step in range(steps - 1):
+        holders: dict[int, list[int]] = {}
+        for row, h in enumerate(history):
+            holders.setdefault(h, []).append(row)
+        taken: set[tuple[int, int]] = set()
+        step_tokens, step_parents = tokens[step].tolist(), parents[step].tolist()
+        for row, (token, parent) in enumerate(zip(step_tokens, step_parents)):
+            if (parent, token) in taken:
+                parent = next((p for p in holders[history[parent]] if (p, token) not in taken), parent)
+                parents[step, row] = parent
+            taken.add((parent, token))
+        history = [ids.setdefault((history[p], t), len(ids) + rows) for p, t in zip(parents[step].tolist(), step_tokens)]
+    return parents
+
+
 def _replay_config(gen: Generation, replay_mode: str) -> GenerationConfig:
     original = gen.generation_config
     settings = {key: original[key] for key in _FORWARD_SETTINGS if original.get(key) is not None}
@@ -261,19 +295,12 @@ def _replay_config(gen: Generation, replay_mode: str) -> GenerationConfig:
     eos = list(gen.eos_token_id) if gen.eos_token_id and not beam else None
     if gen.pad_token_id is not None:
         settings["pad_token_id"] = gen.pad_token_id
-    return GenerationConfig(
-        **settings,
-        max_new_tokens=gen.num_steps,
-        min_new_tokens=None,
-        do_sample=replay_mode == "sample",
-        num_beams=gen.num_beams if beam else 1,
-        num_return_sequences=gen.num_return_sequences,
-        # Beam search without an EOS id keeps every running beam to the last step, as recorded; greedy search and
-        # sampling keep the original's, so rows finish (their tokens become padding) at the same steps.
-        eos_token_id=eos,
-        early_stopping=False if beam else None,
-        length_penalty=1.0,
-    )
+    if beam:  # every running beam kept to the last step (no EOS), as recorded
+        settings.update(num_beams=gen.num_beams, early_stopping=False, length_penalty=1.0)
+    # Greedy search and sampling keep the original's EOS ids, so rows finish (their tokens become padding)
+    # at the same steps.
+    return GenerationConfig(**settings, max_new_tokens=gen.num_steps, do_sample=replay_mode == "sample",
+                            num_return_sequences=gen.num_return_sequences, eos_token_id=eos)
 
 
 def _call_inputs(gen: Generation, model: Any, extra: dict[str, Any] | None, mode: str) -> dict[str, Any]:
