@@ -67,7 +67,6 @@ def test_decode_replays_the_recorded_logits_exactly(model_name, name):
     assert rescored.complete
 
 
-@pytest.mark.parametrize("name", ["greedy", "sample", "beam"])
 def test_a_pair_named_twice_moves_to_a_beam_holding_the_same_hypothesis():
     # Beam sampling extended the prompt's three (identical) beams by the same token: the recorder names
     # beam 0 as the parent of all three; step 1 extends two identical hypotheses (rows 0 and 1) by token 7.
@@ -77,6 +76,7 @@ def test_a_pair_named_twice_moves_to_a_beam_holding_the_same_hypothesis():
     assert distinct[:2].tolist() == [[0, 1, 2], [0, 1, 2]]
 
 
+@pytest.mark.parametrize("name", ["greedy", "sample", "beam"])
 def test_rows_that_finish_and_beams_that_leave_are_replayed(name):
     model = make_tiny("gpt2")
     rec = _record(model, MODES[name], extra=[FavourEos(start=10)], steps=12)
