@@ -1,5 +1,6 @@
-"""The command line: `python -m transformers_offload {inspect,verify,export,view,plot} PATH ...`, a thin
-layer over the public API (`open_recording`, `answers.table`, `answers.viewer`, `answers.plots`)."""
+"""The command line: `python -m transformers_offload {inspect,verify,export,view,plot,record,rescore} ...`, a
+thin layer over the public API (`open_recording`, `answers.table`, `answers.viewer`, `answers.plots`,
+`record`, `rescore_run`)."""
 
 from __future__ import annotations
 
@@ -71,9 +72,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="write the prompt-token table instead: each prompt token's logprob and rank "
                         "(recorded with prompt_logprobs / record --prompt-logprobs)")
     _add_record(commands)
+    _add_rescore(commands)
     arguments = parser.parse_args(argv)
     if arguments.command == "record":
         return _record(arguments, _command_line(argv))
+    if arguments.command == "rescore":
+        return _rescore(arguments, _command_line(argv))
     try:
         recording = open_recording(arguments.path)
         if arguments.command in ("export", "view", "plot"):
@@ -129,6 +133,74 @@ def _add_record(commands: Any) -> None:
                         "the rank's own GPU, cuda:LOCAL_RANK, when there is one; else cuda, else cpu)")
     record.add_argument("--no-progress", action="store_true")
     record.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def _add_rescore(commands: Any) -> None:
+    rescore = commands.add_parser(
+        "rescore", help="replay a recording's tokens through another model, dtype or release; record its logits",
+        description="Teacher-forces every generation of a recording through --model and records that model's logits "
+        "on the same tokens into --out (see transformers_offload.rescore; docs/rescore.md). Decode mode replays "
+        "generate() step by step (the same model gives bit-equal logits); forward mode scores each sequence in "
+        "chunked forwards. Run it again on the same --out to resume; under torchrun each rank rescores its share.",
+        epilog="example:\n  python -m transformers_offload rescore runs/france --model ./smollm2 --out runs/france-bf16 "
+        "--dtype bfloat16\n  python -m transformers_offload compare runs/france runs/france-bf16",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    rescore.add_argument("path", help="the recording directory to rescore")
+    rescore.add_argument("--model", required=True, help="a local model directory (from_pretrained)")
+    rescore.add_argument("--out", required=True, help="the rescored recording's directory (created, or resumed)")
+    rescore.add_argument("--dtype", help="load the model in this dtype (float32, bfloat16, float16)")
+    rescore.add_argument("--attn-implementation", help="eager, sdpa, flash_attention_2...")
+    rescore.add_argument("--mode", choices=("decode", "forward"), default="decode")
+    rescore.add_argument("--chunk-size", type=int, default=512, help="forward mode: positions per forward (512)")
+    rescore.add_argument("--streams", default="logits", help="what to record, e.g. logits,stats")
+    rescore.add_argument("--encodings", default="", help="e.g. logits=topk:20")
+    rescore.add_argument("--device", default="auto", help="as record's --device")
+    rescore.add_argument("--no-progress", action="store_true")
+    rescore.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def _rescore(arguments: argparse.Namespace, command: str) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .rescore_run import rescore_recording
+
+    try:
+        encodings = dict(part.split("=", 1) for part in arguments.encodings.split(",") if part)
+    except ValueError:
+        print(f"error: `--encodings` must read NAME=ENCODING,..., got {arguments.encodings!r}", file=sys.stderr)
+        return 2
+    dtype = None
+    if arguments.dtype is not None:
+        dtype = getattr(torch, arguments.dtype, None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            print(f"error: `--dtype` must name a torch floating dtype (float32, bfloat16, float16), got "
+                  f"{arguments.dtype!r}", file=sys.stderr)
+            return 2
+    try:
+        if not os.path.isdir(arguments.model):
+            raise ValueError(f"`--model` must be a local directory (save_pretrained), got {arguments.model!r}.")
+        open_recording(arguments.path).close()  # a bad recording is reported before the model loads
+        if arguments.no_progress:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+        options = {} if arguments.attn_implementation is None else {"attn_implementation": arguments.attn_implementation}
+        model = AutoModelForCausalLM.from_pretrained(arguments.model, local_files_only=True, **options)
+        model = model.to(device=_device(arguments.device), dtype=dtype).eval()
+        result = rescore_recording(arguments.path, model, arguments.out, mode=arguments.mode,
+                                   streams=tuple(arguments.streams.split(",")), encodings=encodings or None,
+                                   chunk_size=arguments.chunk_size, progress=not arguments.no_progress)
+    except (ValueError, TypeError, LookupError, ImportError, OSError, RuntimeError, RecordingError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"interrupted: every complete generation is kept in {arguments.out!r}; to rescore the rest, run:\n"
+              f"  {command}", file=sys.stderr)
+        return 130
+    _print(json.dumps(result) if arguments.json else ", ".join(f"{key} {value}" for key, value in result.items()))
+    return 0
 
 
 def _command_line(argv: list[str] | None) -> str:

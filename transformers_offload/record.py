@@ -202,7 +202,7 @@ def record(model: Any, tokenizer: Any, prompts: str | os.PathLike | Sequence[Any
     if Path(out).exists() and not Path(out).is_dir():
         raise FileExistsError(f"`out` {str(out)!r} is not a directory: `record` writes a recording directory. "
                               "Pick another path.")
-    target = _target(Path(out), rank, world_size)
+    target = target_directory(Path(out), rank, world_size)
     positions = {str(sample): number for number, (sample, _) in enumerate(found)}
     mine = [found[position] for position in share(len(found), rank, world_size)]
 
@@ -259,9 +259,9 @@ def _new_tokens(generated: Any, eos: tuple[int, ...]) -> int:
     return int((~after).sum())
 
 
-def _target(out: Path, rank: int, world_size: int) -> Path:
-    """Where this rank writes: `out` itself for a single process (unless ranks already wrote there),
-    else `out/rank-R`."""
+def target_directory(out: Path, rank: int, world_size: int) -> Path:
+    """Where this rank writes (`record`, `rescore_run`): `out` itself for a single process (unless ranks
+    already wrote there), else `out/rank-R`."""
     if world_size == 1 and not rank_directories(out):
         return out
     if (out / MANIFEST).is_file():
