@@ -149,8 +149,13 @@ def test_assisted_decoding_is_rescored_one_token_per_forward():
     assert rescored.mode == "greedy_search"
     for a, b in zip(original.tokens(), rescored.tokens()):
         assert torch.equal(a, b)
-    for a, b in zip(original.logits(), rescored.logits()):
-        assert float((a - b).abs().max()) < 1e-4  # several positions per forward against one: rounding
+    # The replay's one-token forwards against one clean forward of the whole sequence: rounding only. (The
+    # original's own candidate forwards are off by up to 1.0 on 4.40, Hugging Face's `out.logits` included:
+    # a transformers bug that rescoring shows, docs/rescore.md.)
+    with torch.no_grad():
+        clean = model(original.sequences).logits[0].float()
+    for step, got in enumerate(rescored.logits()):
+        assert float((got[0] - clean[original.prompt_length - 1 + step]).abs().max()) < 1e-4
 
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 512])
