@@ -25,7 +25,8 @@ from .capture.capture import Capture
 from .capture.hooks import CallRecorder
 from .capture.modes import UnsupportedModeError
 from .capture.verify import RecordingMismatch
-from .read.generation import Generation, Readable, generation_of, pick
+from .read.generation import Generation, generation_of, pick
+from .read.readable import Readable
 from .store import manifest as _manifest
 from .store.format import NATIVE
 from .store.memory import MemoryStore

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..store.format import RecordingError, damaged_files, rank_directories
-from .generation import Generation, Readable, pick
+from .generation import Generation, pick
+from .readable import Readable
 from .reader import Recording
 
 

@@ -13,7 +13,8 @@ from ..store import format as _format
 from ..store import manifest as _manifest
 from ..store.format import RecordingError
 from ..store.shard_reader import ShardSource, stored_generation
-from .generation import Generation, Readable, generation_of, pick
+from .generation import Generation, generation_of, pick
+from .readable import Readable
 
 if TYPE_CHECKING:
     from .ranks import RankedRecording
