@@ -1,20 +1,24 @@
 """The accessors of a recording: `Recording`, `RankedRecording` and the `Recorder` read one generation
 (default: the latest) through these, each a thin call of that `Generation`'s own accessor.
 
-`Readable` asks its subclass for `generations` and `generation(index)`.
+`Readable` asks its subclass for `generations` and `generation(index)`. `MemoryRecording` holds
+generations in memory; the `Recorder` owns one and reads through it (`reads_through`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import functools
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import torch
 
 from . import display
-from .generation import Generation
+from .generation import Generation, pick
 from .indexing import Rows, Steps
 from .layer_reading import LayerArray
 from .samples import samples as _samples
+
+T = TypeVar("T")
 
 
 class Readable:
@@ -145,3 +149,78 @@ class Readable:
                     framework: str = "pt") -> LayerArray:
         """One recorded layer as one zero-padded array with lengths; see `Generation.layer_array`."""
         return self.generation(generation).layer_array(kind, layer, steps=steps, rows=rows, framework=framework)
+
+
+class MemoryRecording(Readable):
+    """Generations held in host memory, read with a `Recording`'s accessors: what a `Recorder` reads
+    through. It holds them in the order appended, oldest first.
+
+    Args:
+        empty (`str`): the message of the `LookupError` raised when a generation is asked of it while
+            it holds none (say what to do).
+    """
+
+    def __init__(self, *, empty: str) -> None:
+        self._generations: list[Generation] = []
+        self._empty = empty
+
+    @property
+    def generations(self) -> tuple[Generation, ...]:
+        """Every generation, oldest first (incomplete ones included)."""
+        return tuple(self._generations)
+
+    def generation(self, index: int = -1) -> Generation:
+        """One generation by index (default: the latest).
+
+        Raises:
+            LookupError: it holds no generation (with the `empty` message), or `index` is out of range.
+        """
+        return pick(self._generations, index, self._empty)
+
+    def append(self, generation: Generation) -> None:
+        """Add the newest generation."""
+        self._generations.append(generation)
+
+    def clear(self) -> None:
+        """Forget every generation."""
+        self._generations.clear()
+
+    def __iter__(self) -> Iterator[Generation]:
+        return iter(self._generations)
+
+    def __len__(self) -> int:
+        return len(self._generations)
+
+
+# Readable's accessors that `reads_through` forwards: all but `generation`, which a reader defines itself.
+ACCESSORS = tuple(name for name, value in vars(Readable).items()
+                  if callable(value) and not name.startswith("__") and name != "generation")
+
+
+def reads_through(attribute: str) -> Callable[[type[T]], type[T]]:
+    """A class decorator: give the class every `Readable` accessor (`logits()`, `scores()`, `topk()`,
+    `attentions()`...) as a method that calls the same accessor of the `Readable` its instances hold in
+    `attribute`, with the accessor's name, signature and docstring (as `help()` shows them). A name the
+    class defines itself is left alone.
+
+    Example:
+        >>> @reads_through("_recording")  # doctest: +SKIP
+        ... class Recorder: ...
+    """
+
+    def decorate(cls: type[T]) -> type[T]:
+        for name in ACCESSORS:
+            if name not in vars(cls):
+                setattr(cls, name, _forward(cls, attribute, name))
+        return cls
+
+    return decorate
+
+
+def _forward(cls: type, attribute: str, name: str) -> Callable[..., Any]:
+    @functools.wraps(getattr(Readable, name))
+    def accessor(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return getattr(getattr(self, attribute), name)(*args, **kwargs)
+
+    accessor.__qualname__ = f"{cls.__qualname__}.{name}"
+    return accessor
