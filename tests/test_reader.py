@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import pickle
@@ -14,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from transformers_offload import Recorder, RecordingError, open_recording
+from transformers_offload import Recorder, Recording, RecordingError, open_recording
+from transformers_offload.read.readable import ACCESSORS
 from transformers_offload.store.format import STATS_COLUMNS
 
 from .conftest import left_padded_batch
@@ -248,6 +250,28 @@ def test_the_in_memory_recorder_takes_the_same_selections(gpt2):
     assert torch.equal(picked[1], everything[3][[2, 0]])
     with pytest.raises(TypeError, match="`generation` must be an int"):
         rec.scores("last")
+
+
+@pytest.mark.parametrize("name", ACCESSORS)
+def test_the_recorder_has_each_accessor_of_a_recording(name):
+    # The Recorder reads through the in-memory recording it owns, each accessor with the recording's
+    # signature and docstring (what help(Recorder) shows).
+    assert inspect.signature(getattr(Recorder, name)) == inspect.signature(getattr(Recording, name))
+    assert inspect.getdoc(getattr(Recorder, name)) == inspect.getdoc(getattr(Recording, name))
+    assert getattr(Recorder, name).__qualname__ == f"Recorder.{name}"
+
+
+def test_an_empty_recorder_says_what_to_do(gpt2):
+    with Recorder(gpt2) as rec:
+        assert rec.generations == () and rec._repr_html_() is None
+        with pytest.raises(LookupError, match=r"recorded no generation yet: pass it to `model.generate"):
+            rec.logits()
+        gpt2.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=2)
+    assert [g.index for g in rec.generations] == [0] and rec.generation() is rec.generations[0]
+    assert torch.equal(rec.tokens(0)[1], rec.generation().tokens()[1])
+    assert "1 generation(s)" in repr(rec)
+    rec.clear()
+    assert rec.generations == () and "0 generation(s)" in repr(rec)
 
 
 def _resident_bytes() -> int:

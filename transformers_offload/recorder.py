@@ -25,7 +25,8 @@ from .capture.capture import Capture
 from .capture.hooks import CallRecorder
 from .capture.modes import UnsupportedModeError
 from .capture.verify import RecordingMismatch
-from .read.generation import Generation, Readable, generation_of, pick
+from .read.generation import Generation, generation_of
+from .read.readable import MemoryRecording, reads_through
 from .store import manifest as _manifest
 from .store.format import NATIVE
 from .store.memory import MemoryStore
@@ -46,7 +47,8 @@ class DeviceAccumulationWarning(UserWarning):
     states), which it keeps on the device until it returns."""
 
 
-class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
+@reads_through("_recording")  # logits(), scores(), topk()...: those of the `MemoryRecording` it owns
+class Recorder(CallRecorder, LogitsProcessor, StoppingCriteria):
     """Records every step of `model.generate()` and moves it off the device within the step.
 
     Hand it to a stock call, anywhere in the list: `model.generate(**enc, logits_processor=[rec])`.
@@ -248,7 +250,10 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
         self._model_name = type(model).__name__ + (f" {name_or_path!r}" if name_or_path else "")
         self._streams = tuple(dict.fromkeys(streams))
         self._ring_slots = ring_slots
-        self._generations: list[Generation] = []
+        self._recording = MemoryRecording(
+            empty="this Recorder has recorded no generation yet: pass it to "
+            "`model.generate(..., logits_processor=[rec])` first."
+        )
         self._lock = threading.Lock()
         self._active: Capture | None = None
         self._warned_accumulation = False
@@ -282,7 +287,7 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
     @property
     def generations(self) -> tuple[Generation, ...]:
         """Every recorded `generate()` call, oldest first (incomplete ones included)."""
-        return tuple(self._generations)
+        return self._recording.generations
 
     def generation(self, index: int = -1) -> Generation:
         """One recorded generation, by index into `generations` (default: the latest).
@@ -290,12 +295,7 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
         Raises:
             LookupError: nothing was recorded yet, or `index` is out of range.
         """
-        return pick(
-            self._generations,
-            index,
-            "this Recorder has recorded no generation yet: pass it to "
-            "`model.generate(..., logits_processor=[rec])` first.",
-        )
+        return self._recording.generation(index)
 
     @property
     def spill_dir(self) -> Path | None:
@@ -316,7 +316,7 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
                 "disk. Delete that directory to remove them."
             )
         with self._lock:
-            self._generations.clear()
+            self._recording.clear()
 
     def set_samples(self, ids: Sequence[str | int], *, metadata: Sequence[dict[str, Any]] | None = None) -> None:
         """Name the prompts of the next recorded `generate()` call: your ids (dataset row ids, say) and,
@@ -400,7 +400,7 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
                 ring_slots=self._ring_slots,
                 assistant_model=assistant_model,
                 open_store=self._open_store,
-                index=self._spill.next_index if self._spill is not None else len(self._generations),
+                index=self._spill.next_index if self._spill is not None else len(self._recording),
                 attention_mask=attention_mask,
                 threaded=_on_cuda(self._model),
                 layer_tap=_layers.LayerTap(kinds, self._selection, self._streams, self._model) if kinds else None,
@@ -434,7 +434,7 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
                     )
                 generation = generation_of(capture.finish(output, error))
                 with self._lock:
-                    self._generations.append(generation)
+                    self._recording.append(generation)
                 mismatch = capture.mismatch or (str(error) if isinstance(error, RecordingMismatch) else None)
                 if mismatch is not None:
                     warnings.warn(
@@ -488,7 +488,7 @@ class Recorder(Readable, CallRecorder, LogitsProcessor, StoppingCriteria):
         state = "closed" if self._closed else "open"
         return (
             f"Recorder({self._model_name}, streams={self._streams}, ring_slots={self._ring_slots}, "
-            f"{len(self._generations)} generation(s), {state})"
+            f"{len(self._recording)} generation(s), {state})"
         )
 
 

@@ -2,7 +2,7 @@
 
 `EncodedReading` gives `Generation` what `logits()` / `scores()` read through (dense tensors back from
 `"sparse"` records; a pointer to `topk()` for `"topk:K"`) and the `topk()` and `sparse()` accessors;
-`ReadableEncoded` the same accessors on `Recorder` and `Recording` (one generation, default the latest).
+`read.readable` the same accessors on `Recorder` and `Recording` (one generation, default the latest).
 The records' layouts are `store.format`'s.
 """
 
@@ -122,20 +122,3 @@ class EncodedReading:
                                      f"{self.num_rows}; the recording is damaged.")
             found.append(parsed)
         return found, picked, isinstance(index, int)
-
-
-class ReadableEncoded:
-    """The encoded-stream accessors of `Recorder` and `Recording`; see `EncodedReading`."""
-
-    def generation(self, index: int = -1) -> Any:  # pragma: no cover - overridden
-        raise NotImplementedError
-
-    def topk(self, stream: str = "scores", generation: int = -1, *, steps: Steps = None, rows: Rows = None,
-             framework: str = "pt") -> tuple[dict[str, Any], ...]:
-        """The top-k record of `stream` per step of one generation; see `Generation.topk`."""
-        return self.generation(generation).topk(stream, steps=steps, rows=rows, framework=framework)
-
-    def sparse(self, stream: str = "scores", generation: int = -1, *, steps: Steps = None, rows: Rows = None,
-               framework: str = "pt") -> tuple[dict[str, Any], ...]:
-        """The entries of `stream` that are not -inf, per step of one generation; see `Generation.sparse`."""
-        return self.generation(generation).sparse(stream, steps=steps, rows=rows, framework=framework)

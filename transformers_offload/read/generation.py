@@ -1,8 +1,8 @@
 """What one `generate()` call recorded: per-step tensors in Hugging Face's layout.
 
 A `Generation` reads its per-step tensors from a source a store hands over (`store.stored`): host
-memory (the in-memory store) or the shards of a recording directory. `Readable` gives the recorder and
-the reader the same accessors.
+memory (the in-memory store) or the shards of a recording directory. `read.readable` gives the
+recorder and the reader the same accessors.
 """
 
 from __future__ import annotations
@@ -16,12 +16,11 @@ from ..store.format import BEAM_MODES, STATS_STREAM, stats_columns
 from ..store.stored import StepSource, StoredGeneration, TransferStats
 from .indexing import Rows, Steps, StreamNotRecorded, as_framework, check_framework, row_index, step_range
 from . import display
-from .encoded_reading import EncodedReading, ReadableEncoded
-from .layer_reading import LayerReading, ReadableLayers
+from .encoded_reading import EncodedReading
+from .layer_reading import LayerReading
 from .logprobs import logprobs as _logprobs
 from .prompt_logprobs import prompt_logprobs as _prompt_logprobs
 from .prompt_logprobs import prompt_tensors as _prompt_tensors
-from .samples import samples as _samples
 from .transition_scores import transition_scores as _transition_scores
 
 _STEP_STREAMS = ("logits", "scores", "tokens", "finished", "beam_parents", STATS_STREAM)
@@ -390,84 +389,6 @@ def generation_of(stored: StoredGeneration) -> Generation:
     fields = dict(stored.fields)
     sequences = fields.pop("sequences")  # a tensor, None, or (from a directory) a function that reads it
     return Generation(**fields, _sequences=sequences, _source=stored.source)
-
-
-class Readable(ReadableLayers, ReadableEncoded):
-    """Accessors shared by `Recorder` and `Recording`: each reads one generation (default: the latest)."""
-
-    def generation(self, index: int = -1) -> Generation:  # pragma: no cover - overridden
-        raise NotImplementedError
-
-    def _repr_html_(self) -> str | None:
-        """The viewer's page of every generation, for notebooks (`answers.viewer`); None while empty."""
-        return display.html(self) if getattr(self, "generations", ()) else None
-
-    def logits(self, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
-               framework: str = "pt") -> tuple[Any, ...]:
-        """Raw logits per step of one generation; see `Generation.logits` (mirrors `out.logits`)."""
-        return self.generation(generation).logits(steps=steps, rows=rows, framework=framework)
-
-    def scores(self, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
-               framework: str = "pt") -> tuple[Any, ...]:
-        """Processed scores per step of one generation; see `Generation.scores` (mirrors `out.scores`)."""
-        return self.generation(generation).scores(steps=steps, rows=rows, framework=framework)
-
-    def tokens(self, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
-               framework: str = "pt") -> tuple[Any, ...]:
-        """Chosen token per row and step; see `Generation.tokens`."""
-        return self.generation(generation).tokens(steps=steps, rows=rows, framework=framework)
-
-    def stats(self, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
-              framework: str = "pt") -> tuple[dict[str, Any], ...]:
-        """Per-token statistics per step of one generation: a dict of `(rows,)` tensors per step; see
-        `Generation.step_stats`."""
-        return self.generation(generation).step_stats(steps=steps, rows=rows, framework=framework)
-
-    def finished(self, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
-                 framework: str = "pt") -> tuple[Any, ...]:
-        """Rows already finished before each step; see `Generation.finished`."""
-        return self.generation(generation).finished(steps=steps, rows=rows, framework=framework)
-
-    def beam_parents(self, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
-                     framework: str = "pt") -> tuple[Any, ...]:
-        """Parent row of each running beam, per step; see `Generation.beam_parents`."""
-        return self.generation(generation).beam_parents(steps=steps, rows=rows, framework=framework)
-
-    def beam_indices(self, generation: int = -1, *, framework: str = "pt") -> Any:
-        """Rows behind each returned beam-search sequence; see `Generation.beam_indices`."""
-        return self.generation(generation).beam_indices(framework=framework)
-
-    def logprobs(self, generation: int = -1, *, kind: str = "raw", top: int = 0, tokenizer: Any = None,
-                 chunk_steps: int = 16) -> list[list[dict[str, Any]]]:
-        """Per returned sequence and token: logprob, rank and top alternatives; see `Generation.logprobs`."""
-        return self.generation(generation).logprobs(kind=kind, top=top, tokenizer=tokenizer, chunk_steps=chunk_steps)
-
-    def prompt_logprobs(self, generation: int = -1, *, tokenizer: Any = None) -> list[list[dict[str, Any]]]:
-        """Per prompt and prompt token: logprob, rank and top alternatives; see `Generation.prompt_logprobs`."""
-        return self.generation(generation).prompt_logprobs(tokenizer=tokenizer)
-
-    def samples(self) -> list[dict[str, Any]]:
-        """Every prompt of every generation, in order, mapped to its rows and returned sequences.
-
-        Returns:
-            `list[dict]`, one per prompt: `sample` (its id: what `Recorder.set_samples` gave, else its
-            position among every prompt of the recording, an int), `generation` and `prompt` (its
-            position in that call's batch), `rows` (its rows in each step: `num_beams` or
-            `num_return_sequences` of them), `sequences` (its rows of `out.sequences`; empty for an
-            incomplete generation), `prompt_length` (tokens without padding, or None without an
-            attention mask), `metadata` (what `set_samples` gave with it, or None) and `complete` (its
-            generation's: after a resumed `record`, keep the complete entries for one per sample).
-
-        Example:
-            >>> run.samples()[0]  # doctest: +SKIP
-            {'sample': 'q1', 'generation': 0, 'prompt': 0, 'rows': [0], 'sequences': [0], 'prompt_length': 9, 'metadata': None}
-        """
-        return _samples(self.generations)
-
-    def transition_scores(self, generation: int = -1, *, normalize_logits: bool = False) -> torch.Tensor:
-        """Each returned sequence's token score per step; see `Generation.transition_scores` (equals
-        `model.compute_transition_scores(out.sequences, out.scores, out.beam_indices, normalize_logits)`)."""
-        return self.generation(generation).transition_scores(normalize_logits=normalize_logits)
 
 
 def pick(generations: Sequence[Generation], index: int, empty: str) -> Generation:

@@ -1,7 +1,7 @@
 """Reading recorded attentions and hidden states: Hugging Face's nested layout, and per-layer arrays.
 
-`LayerReading` gives `Generation` its per-layer accessors, `ReadableLayers` the same on `Recorder` and
-`Recording` (one generation, default the latest). Each recorded layer is its own stream
+`LayerReading` gives `Generation` its per-layer accessors (`read.readable` the same on `Recorder` and
+`Recording`: one generation, default the latest). Each recorded layer is its own stream
 (`attentions.3`, see `store.format.layer_stream`), stored without padding; these accessors put the layers
 back in `generate()`'s layout, or join one layer's steps into one zero-padded array with lengths.
 """
@@ -9,15 +9,12 @@ back in `generate()`'s layout, or join one layer's steps into one zero-padded ar
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
 from ..store import format as _format
 from .indexing import Rows, Steps, StreamNotRecorded, as_framework, check_framework, step_range
-
-if TYPE_CHECKING:
-    from .generation import Generation
 
 
 class LayerArray(NamedTuple):
@@ -243,51 +240,3 @@ def _join_positions(parts: list[torch.Tensor], steps: list[int], like: torch.Ten
         step_of += [step] * count
         at += count
     return LayerArray(values, torch.tensor(lengths, dtype=torch.int64), torch.tensor(step_of, dtype=torch.int64))
-
-
-class ReadableLayers:
-    """The per-layer accessors of `Recorder` and `Recording`: each reads one generation (default: the
-    latest); see `LayerReading` for what they return."""
-
-    def generation(self, index: int = -1) -> Generation:  # pragma: no cover - overridden
-        raise NotImplementedError
-
-    def attentions(self, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
-                   layers: Sequence[int] | None = None, framework: str = "pt") -> tuple[tuple[Any, ...], ...]:
-        """Attention weights per step and layer; see `Generation.attentions` (mirrors `out.attentions`)."""
-        return self.generation(generation).attentions(steps=steps, rows=rows, layers=layers, framework=framework)
-
-    def hidden_states(self, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
-                      layers: Sequence[int] | None = None, framework: str = "pt") -> tuple[tuple[Any, ...], ...]:
-        """Hidden states per step and layer; see `Generation.hidden_states` (mirrors `out.hidden_states`)."""
-        return self.generation(generation).hidden_states(steps=steps, rows=rows, layers=layers, framework=framework)
-
-    def decoder_attentions(self, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
-                           layers: Sequence[int] | None = None, framework: str = "pt") -> tuple[tuple[Any, ...], ...]:
-        """See `Generation.decoder_attentions` (mirrors `out.decoder_attentions`)."""
-        return self.generation(generation).decoder_attentions(steps=steps, rows=rows, layers=layers, framework=framework)
-
-    def cross_attentions(self, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
-                         layers: Sequence[int] | None = None, framework: str = "pt") -> tuple[tuple[Any, ...], ...]:
-        """See `Generation.cross_attentions` (mirrors `out.cross_attentions`)."""
-        return self.generation(generation).cross_attentions(steps=steps, rows=rows, layers=layers, framework=framework)
-
-    def decoder_hidden_states(self, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
-                              layers: Sequence[int] | None = None, framework: str = "pt") -> tuple[tuple[Any, ...], ...]:
-        """See `Generation.decoder_hidden_states` (mirrors `out.decoder_hidden_states`)."""
-        return self.generation(generation).decoder_hidden_states(steps=steps, rows=rows, layers=layers, framework=framework)
-
-    def encoder_attentions(self, generation: int = -1, *, rows: Rows = None, layers: Sequence[int] | None = None,
-                           framework: str = "pt") -> tuple[Any, ...]:
-        """See `Generation.encoder_attentions` (mirrors `out.encoder_attentions`)."""
-        return self.generation(generation).encoder_attentions(rows=rows, layers=layers, framework=framework)
-
-    def encoder_hidden_states(self, generation: int = -1, *, rows: Rows = None, layers: Sequence[int] | None = None,
-                              framework: str = "pt") -> tuple[Any, ...]:
-        """See `Generation.encoder_hidden_states` (mirrors `out.encoder_hidden_states`)."""
-        return self.generation(generation).encoder_hidden_states(rows=rows, layers=layers, framework=framework)
-
-    def layer_array(self, kind: str, layer: int, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
-                    framework: str = "pt") -> LayerArray:
-        """One recorded layer as one zero-padded array with lengths; see `Generation.layer_array`."""
-        return self.generation(generation).layer_array(kind, layer, steps=steps, rows=rows, framework=framework)

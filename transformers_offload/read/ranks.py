@@ -1,16 +1,38 @@
 """A data-parallel recording read as one: every rank's sub-directory (`rank-0`, `rank-1`...) merged,
-its generations ordered by sample id."""
+its generations ordered by sample id.
+
+Each rank's directory is opened by the function it is handed (`read.reader` hands `Recording`), so
+this module never imports the reader, which dispatches to it.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import re
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from ..store.format import RecordingError, damaged_files, rank_directories
-from .generation import Generation, Readable, pick
-from .reader import Recording
+from .generation import Generation, pick
+from .readable import Readable
+
+
+class RankPart(Protocol):
+    """What `RankedRecording` needs of one rank's recording (`read.reader.Recording` is one)."""
+
+    path: Path
+    format_version: int
+    created_by: dict[str, Any]
+    model: dict[str, Any]
+
+    @property
+    def generations(self) -> Sequence[Generation]: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+    def _check_files(self) -> tuple[int, int, list[RecordingError]]: ...
+
+    def close(self) -> None: ...
 
 
 class RankedRecording(Readable):
@@ -25,22 +47,31 @@ class RankedRecording(Readable):
     Attributes:
         path (`pathlib.Path`): the run's directory, which holds the rank sub-directories.
         ranks (`tuple[int, ...]`): the ranks found (those that wrote a manifest).
-        parts (`tuple[Recording, ...]`): each rank's recording, in rank order.
+        parts (`tuple[Recording, ...]`): each rank's recording (`open_part(directory)`), in rank order.
         format_version, created_by, model: as `Recording`'s (of rank `ranks[0]`; every rank recorded
             the same model).
         generation_ranks (`tuple[int, ...]`): the rank behind each generation, in order.
+
+    Args:
+        path (`pathlib.Path`): the run's directory.
+        open_part (`Callable[[Path], RankPart]`): opens one rank's directory (`open_recording` passes
+            `Recording`).
+
+    Raises:
+        RecordingError: no rank sub-directory holds a manifest, a rank's recording cannot be opened, or
+            the ranks recorded different models.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, open_part: Callable[[Path], RankPart]) -> None:
         self.path = path
         found = rank_directories(path)
         if not found:
             raise RecordingError(path, "holds no rank sub-directory with a manifest.")
         self.ranks = tuple(rank for rank, _ in found)
-        parts = []
+        parts: list[RankPart] = []
         try:
             for _, directory in found:
-                parts.append(Recording(directory))
+                parts.append(open_part(directory))
         except BaseException:
             for part in parts:
                 part.close()

@@ -5,18 +5,16 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
-
+from typing import Any, Iterator
 
 from ..store import files as _files
 from ..store import format as _format
 from ..store import manifest as _manifest
 from ..store.format import RecordingError
 from ..store.shard_reader import ShardSource, stored_generation
-from .generation import Generation, Readable, generation_of, pick
-
-if TYPE_CHECKING:
-    from .ranks import RankedRecording
+from .generation import Generation, generation_of, pick
+from .ranks import RankedRecording
+from .readable import Readable
 
 
 def open_recording(path: str | os.PathLike, *, verify: bool = False) -> Recording | RankedRecording:
@@ -57,9 +55,7 @@ def open_recording(path: str | os.PathLike, *, verify: bool = False) -> Recordin
     """
     root = Path(path)
     if not (root / _format.MANIFEST).exists() and _format.rank_directories(root):
-        from .ranks import RankedRecording  # which builds on Recording
-
-        recording: Recording | RankedRecording = RankedRecording(root)
+        recording: Recording | RankedRecording = RankedRecording(root, Recording)  # each rank a Recording
     else:
         recording = Recording(root)
     if verify:
