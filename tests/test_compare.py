@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
 import torch
 
-from transformers_offload import CompareError, Comparison, Generation, Recorder, compare, open_recording, rescore
+from transformers_offload import (CompareError, Comparison, Generation, Recorder, compare, open_recording, rescore,
+                                  write_html)
 from transformers_offload.cli import main
 
 from .conftest import EOS, PAD, left_padded_batch, make_tiny
+from .test_viewer import browser  # noqa: F401  (the headless Chromium fixture; skips without it)
 
 MODES = {
     "greedy": {"do_sample": False},
@@ -315,3 +318,67 @@ def test_compare_on_the_command_line(tmp_path, capsys):
 
 def test_a_comparison_is_exported():
     assert Comparison.__name__ == "Comparison" and callable(compare)
+
+
+def _page_data(page: str) -> dict:
+    found = re.search(r"const DATA = (.*?);\n", page)
+    assert found, "the page carries no data"
+    return json.loads(found.group(1).replace("<\\/", "</"))
+
+
+def test_the_compare_page_holds_the_comparisons_values_and_needs_no_network(tmp_path):
+    model = make_tiny("llama")
+    rec = _record(model, MODES["beam"])
+    cmp = compare(rec, rescore(rec, _perturbed("llama")))
+    write_html(cmp, tmp_path / "page.html", max_rows=4, max_steps=5)
+    page = (tmp_path / "page.html").read_text()
+    assert not re.search(r"""(src|href)=["']?(https?:)?//""", page), "the page loads something from the network"
+    data = _page_data(page)
+    rows = {(r["row"], r["step"]): r for r in cmp.to_arrow().to_pylist()}
+    shown = data["generations"][0]["rows"]
+    assert [r["row"] for r in shown] == [0, 1, 2, 3] and data["generations"][0]["hidden_rows"] == 5
+    for row in shown:
+        assert [t[0] for t in row["tokens"]] == list(range(5))
+        for token in row["tokens"]:
+            want = rows[(row["row"], token[0])]
+            assert token[1] == want["token"] and token[3] == want["kl_ab"] and token[4] == want["kl_ba"]
+            assert token[5] == want["prob_change"] and token[7] == want["rank_b"]
+            assert [a[0] for a in token[8][0]] == want["top_tokens_a"] and [a[2] for a in token[8][1]] == want["top_logprobs_b"]
+    assert "KL divergence statistics" in data["summary"]
+
+
+def test_in_chromium_the_compare_page_colours_by_kl_and_a_click_shows_both_sides(browser, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    model = make_tiny("llama")
+    rec = _record(model, MODES["sample"])
+    cmp = compare(rec, rescore(rec, _perturbed("llama")))
+    write_html(cmp, tmp_path / "page.html")
+    browser.get((tmp_path / "page.html").as_uri())
+    data = _page_data((tmp_path / "page.html").read_text())
+    spans = browser.find_elements(By.CSS_SELECTOR, ".tok")
+    tokens = [t for g in data["generations"] for r in g["rows"] for t in r["tokens"]]
+    assert len(spans) == len(tokens) == len(cmp)
+    edges = [1e-4, 1e-3, 1e-2, 1e-1]
+
+    def bucket(value):
+        return f"k{next((i for i, edge in enumerate(edges) if value < edge), 4)}"
+
+    for span, token in zip(spans, tokens):
+        assert bucket(token[3]) in span.get_attribute("class").split()
+    target, token = spans[3], tokens[3]
+    target.click()
+    details = browser.find_element(By.ID, "details")
+    assert f"step {token[0]}: token {token[1]}" in details.text and "selected" in target.get_attribute("class")
+    for side, alternatives in zip(("a", "b"), token[8]):
+        cells = [row.find_elements(By.TAG_NAME, "td")
+                 for row in details.find_elements(By.CSS_SELECTOR, f'table[data-side="{side}"] tr')][1:]
+        assert [int(c[0].text) for c in cells] == [a[0] for a in alternatives]
+        assert [c[3].text for c in cells] == [f"{a[2]:.4f}" for a in alternatives]
+    Select(browser.find_element(By.ID, "colour")).select_by_value("4")
+    assert bucket(token[4]) in target.get_attribute("class").split()
+    browser.save_screenshot(str(tmp_path / "compare.png"))
+    assert (tmp_path / "compare.png").stat().st_size > 10_000
+    errors = [entry for entry in browser.get_log("browser") if entry["level"] in ("SEVERE", "ERROR")]
+    assert errors == []
