@@ -382,3 +382,20 @@ def test_in_chromium_the_compare_page_colours_by_kl_and_a_click_shows_both_sides
     assert (tmp_path / "compare.png").stat().st_size > 10_000
     errors = [entry for entry in browser.get_log("browser") if entry["level"] in ("SEVERE", "ERROR")]
     assert errors == []
+
+
+def test_the_fast_path_for_finite_logits_is_the_documented_expression_bit_for_bit():
+    from transformers_offload.answers.compare_metrics import Side, step_values
+
+    generator = torch.Generator().manual_seed(3)
+    xa = torch.randn(6, 1000, generator=generator) * 8
+    xb = xa + torch.randn(6, 1000, generator=generator)
+    xa[0, :5] = -800.0  # probabilities that underflow to 0 in float64
+    rows = torch.arange(6)
+    values = step_values(Side(full=xa), Side(full=xb), rows, rows, torch.zeros(6, dtype=torch.long))
+    la, lb = torch.log_softmax(xa.double(), -1), torch.log_softmax(xb.double(), -1)
+    pa, pb = la.exp(), lb.exp()
+    assert torch.equal(values["kl_ab"], torch.where(pa > 0, pa * (la - lb), 0.0).sum(-1))
+    assert torch.equal(values["kl_ba"], torch.where(pb > 0, pb * (lb - la), 0.0).sum(-1))
+    assert torch.equal(values["max_logit_diff"],
+                       torch.where(xa == xb, 0.0, (xa.double() - xb.double()).abs()).amax(-1))

@@ -38,7 +38,7 @@ def compare(a: Any, b: Any, *, stream: str = "logits", chunk_steps: int = 16) ->
     docs/compare.md gives the bound).
 
     Steps are read `chunk_steps` at a time (every row), so memory holds one chunk's tensors (and, per
-    token, the results: about 200 bytes), whatever the length.
+    token, the results: about 350 bytes), whatever the length.
 
     Args:
         a: the reference: a `Recording` (`open_recording(path)`), a `Recorder`, a `Generation`, or a
