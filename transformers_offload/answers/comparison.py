@@ -208,14 +208,24 @@ def percentile_stats(values: np.ndarray, *, percent: bool = False) -> dict[str, 
     if n == 0:
         return {"count": 0, "mean": None, "stderr": None, "max": None, "min": None,
                 "percentiles": {str(p): None for p in PERCENTILES}}
-    with np.errstate(invalid="ignore"):
+    with np.errstate(invalid="ignore"):  # an infinite KL (a token one side rules out) gives inf or nan
         mean = float(values.mean())
         stderr = float(values.std(ddof=1) / math.sqrt(n)) if n > 1 else None
+        percentiles = {str(p): _percentile(values, p) * scale for p in PERCENTILES}
+        if stderr is not None and math.isnan(stderr) and math.isinf(mean):
+            stderr = math.inf
     return {
         "count": n, "mean": mean * scale, "stderr": None if stderr is None else stderr * scale,
-        "max": float(values.max()) * scale, "min": float(values.min()) * scale,
-        "percentiles": {str(p): float(np.percentile(values, p)) * scale for p in PERCENTILES},
+        "max": float(values.max()) * scale, "min": float(values.min()) * scale, "percentiles": percentiles,
     }
+
+
+def _percentile(values: np.ndarray, p: float) -> float:
+    """`numpy.percentile` (linear interpolation); between two infinite KLs, where it gives nan, inf."""
+    found = float(np.percentile(values, p))
+    if math.isnan(found) and np.isinf(values).any():
+        found = float(np.percentile(values, p, method="higher"))
+    return found
 
 
 def _number(value: Any, digits: int = 6) -> str:
