@@ -1,5 +1,6 @@
 """Record what Hugging Face `generate()` computes at every step, moved off the device at once."""
 
+from .answers.compare import CompareError, Comparison, compare
 from .answers.table import to_arrow, to_pandas, write_parquet
 from .answers.viewer import write_html  # importing the viewer registers the notebooks' `_repr_html_`
 from .capture.modes import UnsupportedModeError
@@ -15,6 +16,8 @@ from .store.stored import TransferStats
 __version__ = "0.1.0"
 
 __all__ = [
+    "CompareError",
+    "Comparison",
     "DeviceAccumulationWarning",
     "Generation",
     "Recorder",
@@ -27,6 +30,7 @@ __all__ = [
     "TransferStats",
     "UnsupportedModeError",
     "__version__",
+    "compare",
     "open_recording",
     "rescore",
     "to_arrow",

@@ -1,6 +1,6 @@
-"""The command line: `python -m transformers_offload {inspect,verify,export,view,plot,record,rescore} ...`, a
-thin layer over the public API (`open_recording`, `answers.table`, `answers.viewer`, `answers.plots`,
-`record`, `rescore_run`)."""
+"""The command line: `python -m transformers_offload {inspect,verify,export,view,plot,record,rescore,compare} ...`,
+a thin layer over the public API (`open_recording`, `answers.table`, `answers.viewer`, `answers.plots`,
+`record`, `rescore_run`, `answers.compare`)."""
 
 from __future__ import annotations
 
@@ -73,7 +73,10 @@ def main(argv: list[str] | None = None) -> int:
                         "(recorded with prompt_logprobs / record --prompt-logprobs)")
     _add_record(commands)
     _add_rescore(commands)
+    _add_compare(commands)
     arguments = parser.parse_args(argv)
+    if arguments.command == "compare":
+        return _compare(arguments)
     if arguments.command == "record":
         return _record(arguments, _command_line(argv))
     if arguments.command == "rescore":
@@ -200,6 +203,50 @@ def _rescore(arguments: argparse.Namespace, command: str) -> int:
               f"  {command}", file=sys.stderr)
         return 130
     _print(json.dumps(result) if arguments.json else ", ".join(f"{key} {value}" for key, value in result.items()))
+    return 0
+
+
+def _add_compare(commands: Any) -> None:
+    compare = commands.add_parser(
+        "compare", help="compare two recordings of the same tokens: KL divergences, probability change, top-1 agreement",
+        description="Token by token, in float64: KL(A||B) and KL(B||A) in nats, the chosen token's probability "
+        "change, top-1 and top-k agreement, the largest logit difference and the chosen token's rank under B; "
+        "the summary as llama.cpp's perplexity tool prints its KL-divergence statistics (docs/compare.md). "
+        "Exit status: 0 compared; 1 a recording is missing or damaged; 2 the two do not line up, or a bad option.",
+        epilog="example:\n  python -m transformers_offload rescore runs/france --model ./smollm2 --out runs/france-bf16 "
+        "--dtype bfloat16\n  python -m transformers_offload compare runs/france runs/france-bf16 --html report.html",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    compare.add_argument("a", help="the reference recording directory")
+    compare.add_argument("b", help="the recording to compare with it (e.g. its rescore)")
+    compare.add_argument("--stream", choices=("logits", "scores"), default="logits")
+    compare.add_argument("--chunk-steps", type=int, default=16, help="steps read at once (16)")
+    compare.add_argument("--html", help="also write the compare page (one self-contained HTML file) here")
+    compare.add_argument("--tokenizer", help="a local tokenizer directory, to show each token's text on the page")
+    compare.add_argument("--json", action="store_true", help="print the summary and the per-sample results as JSON")
+
+
+def _compare(arguments: argparse.Namespace) -> int:
+    from .answers.compare import CompareError, compare
+
+    try:
+        result = compare(arguments.a, arguments.b, stream=arguments.stream, chunk_steps=arguments.chunk_steps)
+    except RecordingError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    except (CompareError, ValueError, TypeError, LookupError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    try:
+        if arguments.html:
+            from .answers.viewer import write_html
+
+            write_html(result, arguments.html, tokenizer=_tokenizer(arguments.tokenizer))
+    except (ValueError, TypeError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    _print(json.dumps({**result.summary(), "samples": result.samples()}, indent=2) if arguments.json
+           else result.summary_text())
     return 0
 
 

@@ -150,15 +150,24 @@ def fragment(source: Any, **options: Any) -> str:
 
 
 def write_html(source: Any, path: str | os.PathLike, **options: Any) -> dict[str, int]:
-    """Write the viewer's page to `path` (whole or not at all: written beside it, then renamed).
+    """Write the viewer's page to `path` (whole or not at all: written beside it, then renamed); for a
+    `Comparison` (`compare(a, b)`), the compare page (`answers.compare_view`: tokens coloured by KL, a
+    click shows both distributions' alternatives side by side; options `max_rows`, `max_steps`,
+    `tokenizer`).
 
     Returns:
         `dict`: `bytes` (the page's size).
     """
+    from .comparison import Comparison
     from .table import output_path
 
     target = output_path(source, path, "page")
-    document = render(source, **options)
+    if isinstance(source, Comparison):
+        from .compare_view import render as render_comparison
+
+        document = render_comparison(source, **options)
+    else:
+        document = render(source, **options)
     return {"bytes": write_atomically(target, lambda temporary: temporary.write_text(document, encoding="utf-8"))["bytes"]}
 
 

@@ -1,0 +1,234 @@
+"""`compare(a, b)`: where and how far two recordings of the same tokens part, token by token.
+
+`a` is the reference (e.g. the original recording), `b` the candidate (e.g. `rescore(a, model)` under
+another dtype, quantization, attention kernel or transformers release). Both must hold the same
+generations, rows, steps and tokens; the values per token are `answers.compare_metrics`' float64
+expressions, read a chunk of steps at a time; the summary follows llama.cpp's perplexity tool's
+KL-divergence statistics (docs/compare.md).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from ..read.samples import sample_ids
+from ..store.format import ENCODED_STREAMS, topk_width
+from .compare_metrics import Side, step_values
+from .comparison import Comparison
+
+class CompareError(ValueError):
+    """The two recordings do not line up (other generations, samples, rows, steps, tokens or
+    vocabulary): their distributions cannot be paired token by token. The message says what differs."""
+
+
+def compare(a: Any, b: Any, *, stream: str = "logits", chunk_steps: int = 16) -> Comparison:
+    """Compare two recordings of the same tokens, token by token, in float64.
+
+    Generations are paired by their sample ids where both recordings carry them (`Recorder.set_samples`,
+    `record`; `rescore` keeps them), else by order. For every row and step (a finished row's padding
+    left out, as the per-token table does) the comparison holds both KL divergences, the chosen token's
+    probability change, top-1 agreement, top-k overlaps, the largest logit difference and the chosen
+    token's rank under `b`: `answers.compare_metrics` gives each as a torch expression. They are exact
+    on dense, sparse and native recordings; where either side is `topk:K`, the KLs are those over the
+    kept ids plus one bucket for the rest, a lower bound (an estimate, flagged `estimate`;
+    docs/compare.md gives the bound).
+
+    Steps are read `chunk_steps` at a time (every row), so memory holds one chunk's tensors (and, per
+    token, the results: about 350 bytes), whatever the length.
+
+    Args:
+        a: the reference: a `Recording` (`open_recording(path)`), a `Recorder`, a `Generation`, or a
+            recording directory's path.
+        b: the candidate, of the same kinds, with the same generations, rows, steps and tokens.
+        stream (`str`, *optional*, defaults to `"logits"`): `"logits"` (raw, `out.logits`) or `"scores"`
+            (processed, `out.scores`).
+        chunk_steps (`int`, *optional*, defaults to 16): steps read at once.
+
+    Returns:
+        `Comparison`: per-token values (`to_arrow()`), per sample (`samples()`), and the summary
+        (`summary()`, `summary_text()`).
+
+    Raises:
+        CompareError (a `ValueError`): the two do not line up; the message names the generation and
+            what differs.
+        ValueError: a bad `stream` or `chunk_steps`; a stream one side did not record.
+        TypeError: `a` or `b` is not a recording, a recorder, a generation or a path.
+        RecordingError: a path that is not a recording, or a damaged shard met while reading.
+
+    Example:
+        >>> from transformers_offload import compare, open_recording, rescore  # doctest: +SKIP
+        >>> cmp = compare("run", rescore(open_recording("run"), model.to(torch.bfloat16)))  # doctest: +SKIP
+        >>> print(cmp.summary_text())  # doctest: +SKIP
+    """
+    if stream not in ENCODED_STREAMS:
+        raise ValueError(f"`stream` must be one of {ENCODED_STREAMS}, got {stream!r}.")
+    if isinstance(chunk_steps, bool) or not isinstance(chunk_steps, int) or chunk_steps < 1:
+        raise ValueError(f"`chunk_steps` must be an int of at least 1 (steps), got {chunk_steps!r}.")
+    opened = []
+    try:
+        gens_a = _generations(a, "a", opened)
+        gens_b = _generations(b, "b", opened)
+        pairs = _pair(gens_a, gens_b)
+        plans = [_check_pair(ga, gb, stream) for ga, gb in pairs]  # every refusal before any work
+        ids = dict(zip(map(id, gens_a), sample_ids(gens_a)))
+        columns: dict[str, list[Any]] = {}
+        for (ga, gb), plan in zip(pairs, plans):
+            for values in _pair_values(ga, gb, stream, plan, chunk_steps, ids[id(ga)]):
+                for name, value in values.items():
+                    columns.setdefault(name, []).append(value)
+    finally:
+        for recording in opened:
+            recording.close()
+    joined = {name: np.concatenate(parts) for name, parts in columns.items()}
+    return Comparison(joined, stream=stream, pairs=[(ga.index, gb.index) for ga, gb in pairs],
+                      sample_as_text=any(isinstance(i, str) for per in ids.values() for i in per))
+
+
+def _generations(source: Any, name: str, opened: list[Any]) -> list[Any]:
+    if isinstance(source, (str, os.PathLike)):
+        from ..read.reader import open_recording
+
+        source = open_recording(source)
+        opened.append(source)
+    if hasattr(source, "generations"):
+        return list(source.generations)
+    if hasattr(source, "logits") and hasattr(source, "index") and hasattr(source, "num_steps"):
+        return [source]
+    raise TypeError(f"`{name}` must be a Recording (`open_recording(path)`), a Recorder, a Generation or a recording "
+                    f"directory's path, got {type(source).__name__}.")
+
+
+def _pair(gens_a: list[Any], gens_b: list[Any]) -> list[tuple[Any, Any]]:
+    """Pair generations by sample ids where both sides have them for every generation, else by order."""
+    gens_a, gens_b = _current(gens_a), _current(gens_b)
+    by_ids = all(g.sample_ids is not None for g in gens_a + gens_b)
+    if not by_ids:
+        if len(gens_a) != len(gens_b):
+            raise CompareError(
+                f"`a` holds {len(gens_a)} generation(s) and `b` {len(gens_b)}, without sample ids to pair them by: "
+                "compare recordings of the same generations (rescore every generation of `a`), or one generation "
+                "of each (`compare(a.generation(i), b.generation(j))`).")
+        return list(zip(gens_a, gens_b))
+    keyed_b = {tuple(g.sample_ids): g for g in gens_b}
+    pairs, missing = [], []
+    for ga in gens_a:
+        gb = keyed_b.pop(tuple(ga.sample_ids), None)
+        if gb is None:
+            missing.append(ga)
+        else:
+            pairs.append((ga, gb))
+    if missing or keyed_b:
+        parts = []
+        if missing:
+            parts.append(f"`a`'s generation {missing[0].index} (samples {_short(missing[0].sample_ids)}) has no "
+                         "generation of the same samples in `b`")
+        if keyed_b:
+            extra = next(iter(keyed_b.values()))
+            parts.append(f"`b`'s generation {extra.index} (samples {_short(extra.sample_ids)}) has none in `a`")
+        raise CompareError("the two recordings hold other samples: " + "; ".join(parts) + ". Compare a recording with "
+                           "its rescore (`rescore(a, model)`), or one generation of each.")
+    return pairs
+
+
+def _current(generations: list[Any]) -> list[Any]:
+    """Without incomplete generations whose samples a complete one holds (a resumed `record`)."""
+    done = {i for g in generations if g.complete and g.sample_ids is not None for i in g.sample_ids}
+    return [g for g in generations
+            if g.complete or g.sample_ids is None or not set(g.sample_ids) <= done]
+
+
+def _short(values: Any, limit: int = 4) -> str:
+    values = list(values)
+    return repr(values[:limit])[:-1] + (f", ... ({len(values)} in all)]" if len(values) > limit else "]")
+
+
+def _check_pair(ga: Any, gb: Any, stream: str) -> dict[str, Any]:
+    """Refuse a pair that does not line up; return what the comparison reads of it."""
+    where = f"generation {ga.index} of `a` and {gb.index} of `b`"
+    for what, va, vb in (("decoding mode", ga.is_beam, gb.is_beam), ("rows per step", ga.num_rows, gb.num_rows),
+                         ("steps", ga.num_steps, gb.num_steps), ("beams", ga.num_beams, gb.num_beams)):
+        if va != vb:
+            shown = (ga.mode, gb.mode) if what == "decoding mode" else (va, vb)
+            raise CompareError(f"{where} differ in {what}: {shown[0]!r} and {shown[1]!r}. They are not the same "
+                               "tokens: compare a recording with its rescore (`rescore(a, model)`).")
+    for side, g in (("a", ga), ("b", gb)):
+        if g.num_steps and stream not in g.streams:
+            raise ValueError(f"`{side}`'s generation {g.index} has no {stream!r} stream (it holds {sorted(g.streams)}): "
+                             f"compare another `stream`, or record {stream!r}.")
+    tokens_a, tokens_b = ga.tokens(), gb.tokens()
+    for t, (ya, yb) in enumerate(zip(tokens_a, tokens_b)):
+        if not torch.equal(ya, yb):
+            r = int((ya != yb).nonzero()[0, 0])
+            raise CompareError(f"{where} differ in their tokens from step {t}: row {r} chose {int(ya[r])} in `a` and "
+                               f"{int(yb[r])} in `b`. Compare a recording with its rescore (`rescore(a, model)`), "
+                               "which replays `a`'s tokens.")
+    finished = [ga.finished(), gb.finished()] if not ga.is_beam and ga.num_steps else [(), ()]
+    for t, (fa, fb) in enumerate(zip(*finished)):
+        if not torch.equal(fa, fb):
+            raise CompareError(f"{where} differ in which rows had finished before step {t}: compare a recording "
+                               "with its rescore.")
+    parents = ga.beam_parents() if ga.is_beam and ga.num_steps else ()
+    if parents and not all(torch.equal(pa, pb) for pa, pb in zip(parents, gb.beam_parents())):
+        raise CompareError(f"{where} differ in their beams' parents: compare a recording with its rescore.")
+    widths = [_width(g, stream) for g in (ga, gb)]
+    if None not in widths and widths[0] != widths[1]:
+        raise CompareError(f"{where} differ in vocabulary: {widths[0]} and {widths[1]} entries per row. Compare "
+                           "models that share a tokenizer (and vocabulary size).")
+    return {"tokens": tokens_a, "finished": finished[0], "parents": parents}
+
+
+def _width(generation: Any, stream: str) -> int | None:
+    """The vocabulary a full stream spans (None for top-k or no steps)."""
+    if not generation.num_steps or topk_width(generation.encodings.get(stream, "")) is not None:
+        return None
+    return int(_read(generation, stream, range(0, 1), rows=[0])[0].full.shape[-1])
+
+
+def _read(generation: Any, stream: str, steps: range, rows: Any = None) -> list[Side]:
+    if topk_width(generation.encodings.get(stream, "")) is not None:
+        return [Side(topk=record) for record in generation.topk(stream, steps=steps, rows=rows)]
+    read = generation.logits if stream == "logits" else generation.scores
+    return [Side(full=x.reshape(-1, x.shape[-1])) for x in read(steps=steps, rows=rows)]
+
+
+def _pair_values(ga: Any, gb: Any, stream: str, plan: dict[str, Any], chunk_steps: int,
+                 ids: list[Any]) -> Iterator[dict[str, np.ndarray]]:
+    """Per chunk of steps, the pair's per-token columns as NumPy arrays."""
+    per_row = ga.rows_per_prompt
+    for start in range(0, ga.num_steps, chunk_steps):
+        steps = range(start, min(start + chunk_steps, ga.num_steps))
+        sides_a, sides_b = _read(ga, stream, steps), _read(gb, stream, steps)
+        for offset, t in enumerate(steps):
+            tokens = plan["tokens"][t]
+            if ga.is_beam:
+                rows = torch.arange(ga.num_rows)
+                chosen_rows = plan["parents"][t].clamp(min=0)
+                tokens = torch.where(plan["parents"][t] >= 0, tokens, -1)
+            else:
+                rows = torch.nonzero(~plan["finished"][t]).flatten() if plan["finished"] else torch.arange(ga.num_rows)
+                chosen_rows = rows
+                tokens = tokens[rows]
+            if rows.numel() == 0:
+                continue
+            for side in (sides_a[offset], sides_b[offset]):
+                if side.topk is None and tokens.numel() and int(tokens.max()) >= side.full.shape[-1]:
+                    raise CompareError(f"step {t}: token {int(tokens.max())} lies outside the {side.full.shape[-1]} "
+                                       "entries per row: the recordings do not share a vocabulary.")
+            values = step_values(sides_a[offset], sides_b[offset], rows, chosen_rows, tokens)
+            prompt = rows // per_row
+            n = int(rows.shape[0])
+            yield {
+                "generation": np.full(n, ga.index, np.int32), "generation_b": np.full(n, gb.index, np.int32),
+                "sample": np.array([ids[p] for p in prompt.tolist()], dtype=object),
+                "prompt": prompt.numpy().astype(np.int32), "row": rows.numpy().astype(np.int32),
+                "sequence": (np.full(n, -1, np.int32) if ga.is_beam else rows.numpy().astype(np.int32)),
+                "step": np.full(n, t, np.int32), "token": tokens.numpy().astype(np.int64),
+                **{name: value.numpy() for name, value in values.items()},
+            }
+
+
+__all__ = ["CompareError", "Comparison", "compare"]

@@ -1,0 +1,218 @@
+"""The per-token values of a comparison (`answers.compare`): two next-token distributions of the same
+row and step, `a` (the reference) and `b`, compared in float64.
+
+For one row and step, with `xa`, `xb` the recorded `(vocab,)` tensors (`out.logits[t][r]` or
+`out.scores[t][r]`) of `a` and `b`, and in full (dense, sparse or native recordings), the values are
+these torch expressions (`docs/compare.md` explains them):
+
+    la, lb          = torch.log_softmax(xa.double(), -1), torch.log_softmax(xb.double(), -1)
+    pa, pb          = la.exp(), lb.exp()
+    kl_ab           = torch.where(pa > 0, pa * (la - lb), 0).sum()          # KL(a||b), nats
+    kl_ba           = torch.where(pb > 0, pb * (lb - la), 0).sum()          # KL(b||a), nats
+    top_a, top_b    = torch.topk(xa.double(), 5).indices, torch.topk(xb.double(), 5).indices
+    top1_a, top1_b  = top_a[0], top_b[0];  same_top1 = top1_a == top1_b
+    top_overlap_k   = len(set(top_a[:k]) & set(top_b[:k])) / k              # k = 1..5
+    max_logit_diff  = torch.where(xa == xb, 0, (xa.double() - xb.double()).abs()).max()
+and for the chosen token `y` (read from row `q`: `r` itself, or in beam search the parent row
+`beam_parents()[t][r]` whose distribution chose it, as the `stats` stream does):
+    logprob_a, logprob_b = la[q, y], lb[q, y]
+    prob_change     = pb[q, y] - pa[q, y]                                  # p_b - p_a
+    rank_b          = (xb[q] > xb[q, y]).sum()                              # 0 = b's most likely
+
+A `topk:K` record keeps each row's K largest entries, its logsumexp and the mass outside the K. Where
+`a` or `b` (or both) is one, the KLs are those of the two distributions coarsened to the same
+partition: each token id kept by every top-k side (all of the other side's vocabulary when it is
+full), plus one bucket for everything else (its mass: `mass_outside` plus the kept-elsewhere ids'
+probability on a top-k side, `exp(logsumexp of the rest)` on a full side). By the log-sum inequality
+this is a lower bound of the true KL, short of it by `tail_a * KL(a's tail || b's tail)` (the
+renormalised distributions over the bucket), and exact when the tails agree or carry no mass.
+Where neither tensor holds -inf (raw logits), the KLs are computed as `(pa * (la - lb)).sum()` and
+`-(pb * (la - lb)).sum()` and `max_logit_diff` as `(xa - xb).abs().max()`: the same values, bit for
+bit (a 0 term stays 0, and negation is exact), in fewer passes.
+`top_overlap_k` needs K >= k on the top-k sides; the chosen token's values need it among the kept ids
+(else null); `max_logit_diff` needs both in full (else null).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+TOP = 5  # top-k overlaps for k = 1..TOP; the alternatives kept per token for the compare view
+_BLOCK = 1 << 17  # float64 entries computed at once (1 MiB a temporary, or one row): rows are taken in blocks
+
+
+class Side:
+    """One side's distributions at one step: the full `(rows, vocab)` tensor, or a top-k record."""
+
+    def __init__(self, full: torch.Tensor | None = None, topk: dict[str, torch.Tensor] | None = None) -> None:
+        self.full = full
+        self.topk = topk
+
+    @property
+    def width(self) -> int | None:
+        """K of a top-k record, None when full."""
+        return None if self.topk is None else int(self.topk["indices"].shape[-1])
+
+    def rows(self) -> int:
+        return int((self.full if self.full is not None else self.topk["indices"]).shape[0])
+
+
+def step_values(a: Side, b: Side, rows: torch.Tensor, chosen_rows: torch.Tensor,
+                tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The per-token values (the module's docstring) of one step's `rows`, each a `(n,)` tensor (the
+    top alternatives `(n, TOP)`), float64 for values, int64 for ids and ranks, bool for masks.
+
+    Args:
+        a, b (`Side`): the step's distributions of every row.
+        rows (`torch.LongTensor` of shape `(n,)`): the rows whose distributions are compared.
+        chosen_rows (`torch.LongTensor` of shape `(n,)`): per row, the row its chosen token was drawn from.
+        tokens (`torch.LongTensor` of shape `(n,)`): the chosen tokens (-1: none, e.g. a beam search's
+            last step: the chosen-token values are then unknown).
+
+    Masks (True: the value is known): `chosen_known` (logprobs, `prob_change`, `rank_b`), `logit_known`
+    (`max_logit_diff`), `overlap_known` `(n, TOP)`, and `estimate` (True where a side is top-k).
+    """
+    n = int(rows.shape[0])
+    out: dict[str, list[torch.Tensor]] = {}
+    block = max(1, _BLOCK // max(1, _vocab(a, b)))
+    for start in range(0, n, block):
+        part = slice(start, start + block)
+        values = _block_values(a, b, rows[part], chosen_rows[part], tokens[part])
+        for name, value in values.items():
+            out.setdefault(name, []).append(value)
+    if not out:
+        return {}
+    return {name: torch.cat(parts) for name, parts in out.items()}
+
+
+def _vocab(a: Side, b: Side) -> int:
+    for side in (a, b):
+        if side.full is not None:
+            return int(side.full.shape[-1])
+    return max(a.width or 1, b.width or 1)
+
+
+def _block_values(a: Side, b: Side, rows: torch.Tensor, chosen_rows: torch.Tensor,
+                  tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    n = int(rows.shape[0])
+    known_token = tokens >= 0
+    y = tokens.clamp(min=0)
+    # Each side's top TOP ids and logprobs, its chosen token's logprob and value (for b's rank).
+    da, db = _describe(a, rows, chosen_rows, y), _describe(b, rows, chosen_rows, y)
+    if a.full is not None and b.full is not None:
+        la, lb, xa, xb = da["log_softmax"], db["log_softmax"], da["x"], db["x"]
+        difference = la - lb
+        if bool(torch.isfinite(xa).all()) and bool(torch.isfinite(xb).all()):
+            # No -inf entry: `pa * (la - lb)` is 0 wherever `pa` is, and `pb * (lb - la)` is exactly
+            # `-(pb * (la - lb))`; the same sums as the documented `where` expressions, with fewer passes.
+            kl_ab = (la.exp() * difference).sum(-1)
+            kl_ba = -(lb.exp() * difference).sum(-1)
+            max_diff = (xa - xb).abs().amax(-1)
+        else:
+            pa, pb = la.exp(), lb.exp()
+            kl_ab = torch.where(pa > 0, pa * difference, 0.0).sum(-1)
+            kl_ba = torch.where(pb > 0, pb * (lb - la), 0.0).sum(-1)
+            max_diff = torch.where(xa == xb, 0.0, (xa - xb).abs()).amax(-1)
+        logit_known = torch.ones(n, dtype=torch.bool)
+        estimate = torch.zeros(n, dtype=torch.bool)
+    else:
+        kl_ab, kl_ba = _coarse_kls(da, db)
+        max_diff = torch.full((n,), float("nan"), dtype=torch.float64)
+        logit_known = torch.zeros(n, dtype=torch.bool)
+        estimate = torch.ones(n, dtype=torch.bool)
+    top_a, top_b = da["top_ids"], db["top_ids"]
+    width = min(top_a.shape[-1], top_b.shape[-1])
+    overlap = torch.full((n, TOP), float("nan"), dtype=torch.float64)
+    for k in range(1, width + 1):
+        shared = (top_a[:, :k, None] == top_b[:, None, :k]).any(-1).sum(-1)
+        overlap[:, k - 1] = shared.double() / k
+    overlap_known = torch.zeros((n, TOP), dtype=torch.bool)
+    overlap_known[:, :width] = True
+    chosen_known = known_token & da["chosen_known"] & db["chosen_known"]
+    nan = torch.tensor(float("nan"), dtype=torch.float64)
+    logprob_a = torch.where(chosen_known, da["chosen_logprob"], nan)
+    logprob_b = torch.where(chosen_known, db["chosen_logprob"], nan)
+    return {
+        "kl_ab": kl_ab, "kl_ba": kl_ba,
+        "logprob_a": logprob_a, "logprob_b": logprob_b,
+        "prob_change": torch.where(chosen_known, logprob_b.exp() - logprob_a.exp(), nan),
+        "top1_a": top_a[:, 0], "top1_b": top_b[:, 0], "same_top1": top_a[:, 0] == top_b[:, 0],
+        "top_overlap": overlap, "overlap_known": overlap_known,
+        "max_logit_diff": max_diff, "logit_known": logit_known,
+        "rank_b": torch.where(chosen_known, db["chosen_rank"], -1),
+        "chosen_known": chosen_known, "estimate": estimate,
+        "top_ids_a": _pad(top_a, -1), "top_logprobs_a": _pad(da["top_logprobs"], float("nan")),
+        "top_ids_b": _pad(top_b, -1), "top_logprobs_b": _pad(db["top_logprobs"], float("nan")),
+    }
+
+
+def _pad(values: torch.Tensor, fill: Any) -> torch.Tensor:
+    if values.shape[-1] >= TOP:
+        return values[:, :TOP]
+    padding = torch.full((values.shape[0], TOP - values.shape[-1]), fill, dtype=values.dtype)
+    return torch.cat([values, padding], -1)
+
+
+def _describe(side: Side, rows: torch.Tensor, chosen_rows: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+    """One side's top ids and logprobs of `rows`, and the chosen token's logprob and rank (read from
+    `chosen_rows`), in float64; the full log-softmax where the side is full, the kept ids where top-k."""
+    if side.full is not None:
+        x = side.full[rows].double()
+        log_softmax = torch.log_softmax(x, -1)
+        best = torch.topk(x, min(TOP, x.shape[-1]), dim=-1)
+        xq = x if torch.equal(chosen_rows, rows) else side.full[chosen_rows].double()
+        lq = log_softmax if xq is x else torch.log_softmax(xq, -1)
+        picked = xq.gather(-1, y[:, None])
+        return {
+            "x": x, "log_softmax": log_softmax, "top_ids": best.indices,
+            "top_logprobs": log_softmax.gather(-1, best.indices),
+            "chosen_logprob": lq.gather(-1, y[:, None])[:, 0],
+            "chosen_rank": (xq > picked).sum(-1),
+            "chosen_known": torch.ones(rows.shape[0], dtype=torch.bool),
+        }
+    record = side.topk
+    ids = record["indices"][rows]
+    logprobs = record["values"][rows].double() - record["logsumexp"][rows].double()[:, None]
+    q_ids, q_values = record["indices"][chosen_rows], record["values"][chosen_rows].double()
+    q_logprobs = q_values - record["logsumexp"][chosen_rows].double()[:, None]
+    hit = q_ids == y[:, None]
+    found = hit.any(-1)
+    where = hit.to(torch.int8).argmax(-1, keepdim=True)
+    value = q_values.gather(-1, where)
+    return {
+        "ids": ids, "logprobs": logprobs, "mass_outside": record["mass_outside"][rows].double(),
+        "top_ids": ids[:, :TOP], "top_logprobs": logprobs[:, :TOP],
+        "chosen_logprob": q_logprobs.gather(-1, where)[:, 0],
+        # Every entry above a kept one is kept too: its rank among the kept values is its rank.
+        "chosen_rank": (q_values > value).sum(-1),
+        "chosen_known": found,
+    }
+
+
+def _coarse_kls(da: dict[str, Any], db: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both KLs over the shared kept ids plus one bucket for the rest (the module's docstring)."""
+    if "ids" in da and "ids" in db:
+        match = da["ids"][:, :, None] == db["ids"][:, None, :]  # (n, Ka, Kb)
+        in_b, in_a = match.any(-1), match.any(-2)
+        la = da["logprobs"]
+        lb = db["logprobs"].gather(-1, match.to(torch.int8).argmax(-1))
+        shared = in_b
+        tail_a = da["mass_outside"] + torch.where(in_b, 0.0, la.exp()).sum(-1)
+        tail_b = db["mass_outside"] + torch.where(in_a, 0.0, db["logprobs"].exp()).sum(-1)
+    else:
+        top, full = (da, db) if "ids" in da else (db, da)
+        ids = top["ids"]
+        lt, lf = top["logprobs"], full["log_softmax"].gather(-1, ids)
+        rest = full["log_softmax"].scatter(-1, ids, float("-inf"))
+        tail_t, tail_f = top["mass_outside"], torch.logsumexp(rest, -1).exp()
+        shared = torch.ones_like(ids, dtype=torch.bool)
+        (la, tail_a), (lb, tail_b) = ((lt, tail_t), (lf, tail_f)) if "ids" in da else ((lf, tail_f), (lt, tail_t))
+    la = torch.cat([la, tail_a.log()[:, None]], -1)
+    lb = torch.cat([lb, tail_b.log()[:, None]], -1)
+    keep = torch.cat([shared, torch.ones_like(shared[:, :1])], -1)
+    pa, pb = la.exp(), lb.exp()
+    kl_ab = torch.where(keep & (pa > 0), pa * (la - lb), 0.0).sum(-1)
+    kl_ba = torch.where(keep & (pb > 0), pb * (lb - la), 0.0).sum(-1)
+    return kl_ab, kl_ba
