@@ -125,7 +125,7 @@ def _row(release: str, reference: Path, rescored: Path | str, compare) -> dict:
         return {"release": release, "error": rescored}
     summary = compare(reference, rescored).summary()
     return {"release": release, "kl_mean": summary["kl_ab"]["mean"], "kl_max": summary["kl_ab"]["max"],
-            "same_top1": summary["same_top1"], "tokens": summary["tokens"]}
+            "same_top1": summary["same_top1_percent"]["value"], "tokens": summary["tokens"]}
 
 
 def _table(rows: list[dict], args: argparse.Namespace) -> str:
@@ -142,7 +142,7 @@ def _table(rows: list[dict], args: argparse.Namespace) -> str:
             lines.append(f"| {row['release']} | — | — | — | failed: {row['error'][:80]} |")
         else:
             lines.append(f"| {row['release']} | {row['tokens']} | {row['kl_mean']:.3g} | {row['kl_max']:.3g} | "
-                         f"{100 * row['same_top1']:.2f} % |")
+                         f"{row['same_top1']:.2f} % |")
     return "\n".join(lines)
 
 
