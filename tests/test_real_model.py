@@ -124,13 +124,13 @@ def _bench(name: str):
 
 def _peak_rss(store: str, *, steps: int = STEPS, checkpoint: int = CHECKPOINT, streams: str = "logits,scores",
               shard_mib: int = SHARD_MIB) -> dict:
-    # With glibc's malloc thresholds fixed: the peak repeats from one process to the next (it moved by
-    # tens of MiB otherwise, enough to break the bounds below now and then).
+    # A process as users run it: the C library's default allocator settings (no MALLOC_* variables,
+    # `_common.default_env`); the recorder's per-step buffers are made once, so its peak repeats.
     done = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "peak_rss.py"), "--store", store, "--steps", str(steps),
          "--checkpoint", str(checkpoint), "--batch", str(BATCH), "--shard-mib", str(shard_mib), "--streams", streams],
         capture_output=True, text=True, timeout=900,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", **_bench("_common").STEADY_MALLOC},
+        env=_bench("_common").default_env(HF_HUB_OFFLINE="1"),
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
