@@ -77,16 +77,20 @@ def timed(call: Callable[[], Any]) -> float:
 
 
 def interleaved(cases: Mapping[str, Callable[[int], Any]], repeats: int, *,
-                warmup: Callable[[], Any] | None = None, show: bool = False) -> dict[str, list[Any]]:
+                warmup: Callable[[], Any] | None = None, rotate: bool = False, show: bool = False) -> dict[str, list[Any]]:
     """`warmup()` once (not kept), then `repeats` rounds, each calling every case once, in `cases`'
-    order, with the round's index. A case returns its measurement: seconds (`timed`, `stopwatch`) or
+    order (`rotate`: round i starts at case i, for a disk whose speed drifts with what was written
+    before), with the round's index. A case returns its measurement: seconds (`timed`, `stopwatch`) or
     anything else (a dict of seconds and bytes). Returns each case's measurements, one per round; round
     i of every case ran in the same minute (`summarize` pairs them). `show` prints each as it comes."""
     if warmup is not None:
         warmup()
     found: dict[str, list[Any]] = {name: [] for name in cases}
+    names = list(cases)
     for round_ in range(repeats):
-        for name, case in cases.items():
+        shift = round_ % len(names) if rotate else 0
+        for name in names[shift:] + names[:shift]:
+            case = cases[name]
             found[name].append(case(round_))
             if show:
                 print(f"round {round_ + 1}/{repeats}: {name}: {json.dumps(found[name][-1], default=str)}", flush=True)
