@@ -65,10 +65,13 @@ def spill(root: Path, steps: list[dict[str, torch.Tensor]], shard_bytes: int) ->
         {"index": 0, "mode": "sample", "prompt_length": 1, "prompt_lengths": None, "num_beams": 1,
          "pad_token_id": 0, "eos_token_id": (), "generation_config": {}},
     )
+    # The call's sequences (a one-token prompt, then the steps' tokens): a complete recording names them.
+    rows = steps[0]["tokens"].shape[0]
+    sequences = torch.cat([torch.zeros(rows, 1, dtype=torch.long), torch.stack([s["tokens"] for s in steps], dim=1)], dim=1)
     started = time.perf_counter()
     for step, tensors in enumerate(steps):
         store.drain(step, tensors)
-    generation = store.finish(len(steps), {"num_rows": steps[0]["tokens"].shape[0]}, None, None, ring_waits=0)
+    generation = store.finish(len(steps), {"num_rows": rows}, sequences, None, ring_waits=0)
     seconds = time.perf_counter() - started
     stats = generation.fields["stats"]  # a StoredGeneration (store/stored.py) holds the Generation's fields
     return {"bytes": stats.bytes_written, "seconds": seconds, "writer_seconds": stats.write_seconds,
