@@ -145,6 +145,23 @@ def fresh_runs(script: str | Path, cases: Mapping[str, Sequence[str]], runs: int
     return found
 
 
+def print_peaks(found: Mapping[str, Sequence[Mapping[str, Any]]], *, key: str = "growth_mib",
+                base: str | None = None, label: str = "growth", unit: str = "MiB") -> dict[str, dict[str, Any]]:
+    """Print, and return, each case's `key` over its runs (`fresh_runs`' results) as median, min and max,
+    and with `base` (stock's case) its excess over base round by round (run i against base's run i)."""
+    values = {case: [run[key] for run in runs] for case, runs in found.items()}
+    rows, summary = [], {}
+    for case, measured in values.items():
+        summary[case] = {key: spread(measured)}
+        if base is not None and base in values and case != base:
+            summary[case][f"over_{base}"] = spread([a - b for a, b in zip(measured, values[base])])
+        over = summary[case].get(f"over_{base}")
+        rows.append([case, *summary[case][key].values(), *(over.values() if over else ("-", "-", "-"))])
+    over_header = f"over {base} median {unit}" if base else "over base"
+    print_table(["case", f"{label} median {unit}", "min", "max", over_header, "min", "max"], rows)
+    return summary
+
+
 def rss_bytes() -> int:
     """This process's resident set now, in bytes (Linux `/proc/self/statm`; the peak elsewhere)."""
     try:
