@@ -52,8 +52,10 @@ def spread(values: Sequence[float]) -> dict[str, float]:
 
 
 class Stopwatch:
-    """Wall seconds of a `with stopwatch() as clock:` block, in `clock.seconds` once it ends."""
+    """Wall seconds of a `with stopwatch() as clock:` block, in `clock.seconds` once it ends; `started`
+    is the host clock (`time.perf_counter()`) when it began."""
 
+    started: float = 0.0
     seconds: float = 0.0
 
 
@@ -62,11 +64,11 @@ def stopwatch() -> Iterator[Stopwatch]:
     """Time a block by the host clock (`time.perf_counter()`): `with stopwatch() as clock: ...`, then
     `clock.seconds`. On a device, synchronise inside the block before it ends."""
     clock = Stopwatch()
-    started = time.perf_counter()
+    clock.started = time.perf_counter()
     try:
         yield clock
     finally:
-        clock.seconds = time.perf_counter() - started
+        clock.seconds = time.perf_counter() - clock.started
 
 
 def timed(call: Callable[[], Any]) -> float:

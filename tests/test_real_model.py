@@ -171,8 +171,8 @@ def test_spilling_every_layers_attentions_keeps_peak_memory_flat(real_model):
 
 
 def _layer_peak(case: dict, prompt_tokens: int = 1000) -> float:
-    """Peak RSS growth of one generate() call over a `prompt_tokens` prompt, in a fresh process with
-    glibc's malloc thresholds fixed (bench/layer_peak.py: repeatable to about 1 MiB)."""
+    """Peak RSS growth of one generate() call over a `prompt_tokens` prompt, in a fresh process with the
+    C library's default allocator settings (bench/layer_peak.py)."""
     return _bench("layer_peak").measure(case, prompt_tokens, 4)["growth_mib"]
 
 
