@@ -34,7 +34,6 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # and MALLOC_TRIM_THRESHOLD_, made peaks repeat to about 1 MiB, but hid that freed per-chunk buffers
 # stayed with glibc: +31 MiB measured, +1.3 GiB seen by a user. Report the spread over runs instead.)
 ALLOCATOR_VARIABLES = ("MALLOC_", "GLIBC_TUNABLES")  # glibc malloc's environment settings
-STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}  # older results only
 
 
 def default_env(**extra: str) -> dict[str, str]:
