@@ -81,6 +81,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=1000)
     parser.add_argument("--new-tokens", type=int, default=4)
     parser.add_argument("--runs", type=int, default=5, help="each case this many times, interleaved")
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES),
+                        help="only these cases (stock generate always runs: the baseline)")
     parser.add_argument("--case", help="run one case (a JSON object of Recorder options) and print its JSON")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -90,7 +92,8 @@ def main() -> None:
     from _common import RESULTS, fresh_runs, machine, print_peaks, write_json
 
     options = ["--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens)]
-    found = fresh_runs(__file__, {name: ["--case", json.dumps(case), *options] for name, case in CASES.items()},
+    names = ["stock generate", *(name for name in args.cases if name != "stock generate")]
+    found = fresh_runs(__file__, {name: ["--case", json.dumps(CASES[name]), *options] for name in names},
                        args.runs, timeout=900)
     layer_mib = 9 * args.prompt_tokens**2 * 4 / 2**20
     print(f"prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens; the last layer's prefill weights: "
