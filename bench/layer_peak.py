@@ -68,12 +68,13 @@ def run_case(case: dict, prompt_tokens: int, new_tokens: int) -> dict:
             "loaded_mib": round(loaded, 1), "growth_mib": round(peak_mib() - loaded, 1)}
 
 
-def measure(case: dict, prompt_tokens: int, new_tokens: int) -> dict:
-    """`run_case` in a fresh process (a peak never goes down) with default allocator settings."""
+def measure(case: dict, prompt_tokens: int, new_tokens: int, runs: int = 1) -> list[dict]:
+    """`run_case` `runs` times, each in a fresh process (a peak never goes down) with default allocator
+    settings: one result per run."""
     from _common import fresh_runs
 
     arguments = ["--case", json.dumps(case), "--prompt-tokens", str(prompt_tokens), "--new-tokens", str(new_tokens)]
-    return fresh_runs(__file__, {"case": arguments}, 1, timeout=900, show=False)["case"][0]
+    return fresh_runs(__file__, {"case": arguments}, runs, timeout=900, show=False)["case"]
 
 
 def main() -> None:

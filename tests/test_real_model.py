@@ -170,10 +170,16 @@ def test_spilling_every_layers_attentions_keeps_peak_memory_flat(real_model):
     assert spill["bytes_written"] > late_mib * 2**20
 
 
+LAYER_PEAK_RUNS = 3
+
+
 def _layer_peak(case: dict, prompt_tokens: int = 1000) -> float:
-    """Peak RSS growth of one generate() call over a `prompt_tokens` prompt, in a fresh process with the
-    C library's default allocator settings (bench/layer_peak.py)."""
-    return _bench("layer_peak").measure(case, prompt_tokens, 4)["growth_mib"]
+    """Peak RSS growth of one generate() call over a `prompt_tokens` prompt, the least of
+    `LAYER_PEAK_RUNS` fresh processes with the C library's default allocator settings
+    (bench/layer_peak.py). The least, not one run: there stock generate() itself spreads by 67 MiB
+    (122.6 to 190.0 MiB over 3 runs, 2026-12-03: glibc's reuse of the blocks the eager attention frees
+    layer by layer), more than the hidden state's bound below; the least is what the call needs."""
+    return min(run["growth_mib"] for run in _bench("layer_peak").measure(case, prompt_tokens, 4, LAYER_PEAK_RUNS))
 
 
 @pytest.fixture(scope="module")
