@@ -1,4 +1,13 @@
-"""What the benchmarks share: the per-step memory probe, the machine description, tables, JSON, plots."""
+"""What the benchmarks share: the timing harness (warm-up, interleaved rounds, medians, spreads, ratios
+to stock, fresh processes with default allocator settings), the per-step memory probe, the machine
+description, tables, JSON, plots.
+
+Every timed comparison runs the same way: one warm-up call, then `repeats` rounds, each round every
+case once in the same order (`interleaved`), so that a slow minute of the machine falls on every case
+alike; a case's figure is its median over the rounds with the spread (min..max), and its ratio to stock
+is median over stock's median (`summarize`). A peak is measured in a fresh process per run, as users
+run it (`fresh_runs`, no allocator environment variables), and reported the same way.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +15,13 @@ import json
 import os
 import platform
 import resource
+import statistics
+import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import transformers
@@ -22,7 +34,6 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # and MALLOC_TRIM_THRESHOLD_, made peaks repeat to about 1 MiB, but hid that freed per-chunk buffers
 # stayed with glibc: +31 MiB measured, +1.3 GiB seen by a user. Report the spread over runs instead.)
 ALLOCATOR_VARIABLES = ("MALLOC_", "GLIBC_TUNABLES")  # glibc malloc's environment settings
-STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}  # older results only
 
 
 def default_env(**extra: str) -> dict[str, str]:
@@ -37,6 +48,119 @@ def spread(values: Sequence[float]) -> dict[str, float]:
     middle = len(ordered) // 2
     median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
     return {"median": round(median, 1), "min": round(ordered[0], 1), "max": round(ordered[-1], 1)}
+
+
+class Stopwatch:
+    """Wall seconds of a `with stopwatch() as clock:` block, in `clock.seconds` once it ends; `started`
+    is the host clock (`time.perf_counter()`) when it began."""
+
+    started: float = 0.0
+    seconds: float = 0.0
+
+
+@contextmanager
+def stopwatch() -> Iterator[Stopwatch]:
+    """Time a block by the host clock (`time.perf_counter()`): `with stopwatch() as clock: ...`, then
+    `clock.seconds`. On a device, synchronise inside the block before it ends."""
+    clock = Stopwatch()
+    clock.started = time.perf_counter()
+    try:
+        yield clock
+    finally:
+        clock.seconds = time.perf_counter() - clock.started
+
+
+def timed(call: Callable[[], Any]) -> float:
+    """Wall seconds of `call()`."""
+    with stopwatch() as clock:
+        call()
+    return clock.seconds
+
+
+def interleaved(cases: Mapping[str, Callable[[int], Any]], repeats: int, *,
+                warmup: Callable[[], Any] | None = None, rotate: bool = False, show: bool = False) -> dict[str, list[Any]]:
+    """`warmup()` once (not kept), then `repeats` rounds, each calling every case once, in `cases`'
+    order (`rotate`: round i starts at case i, for a disk whose speed drifts with what was written
+    before), with the round's index. A case returns its measurement: seconds (`timed`, `stopwatch`) or
+    anything else (a dict of seconds and bytes). Returns each case's measurements, one per round; round
+    i of every case ran in the same minute (`summarize` pairs them). `show` prints each as it comes."""
+    if warmup is not None:
+        warmup()
+    found: dict[str, list[Any]] = {name: [] for name in cases}
+    names = list(cases)
+    for round_ in range(repeats):
+        shift = round_ % len(names) if rotate else 0
+        for name in names[shift:] + names[:shift]:
+            case = cases[name]
+            found[name].append(case(round_))
+            if show:
+                print(f"round {round_ + 1}/{repeats}: {name}: {json.dumps(found[name][-1], default=str)}", flush=True)
+    return found
+
+
+def summarize(values: Mapping[str, Sequence[float]], base: str | None = None) -> dict[str, dict[str, Any]]:
+    """Per case: its values, their `spread` (median, min, max), and with `base` (stock's case) the ratio
+    of its median to base's (`over_base`) and the spread of its excess over base round by round
+    (`excess`: value i minus base's value i, the same round of `interleaved` or `fresh_runs`)."""
+    summary: dict[str, dict[str, Any]] = {}
+    for name, found in values.items():
+        entry: dict[str, Any] = {"values": list(found), **spread(found)}
+        entry["median_exact"] = statistics.median(found)
+        if base is not None:
+            entry["over_base"] = entry["median_exact"] / statistics.median(values[base])
+            entry["excess"] = spread([a - b for a, b in zip(found, values[base])])
+        summary[name] = entry
+    return summary
+
+
+def timing_columns(entry: Mapping[str, Any]) -> list[str]:
+    """A `summarize` entry as table cells: median seconds, min..max, and its ratio to stock if known."""
+    cells = [f"{entry['median_exact']:.2f}", f"{min(entry['values']):.2f}..{max(entry['values']):.2f}"]
+    return cells + ([f"{entry['over_base']:.3f}x"] if "over_base" in entry else [])
+
+
+TIMING_HEADERS = ["median s", "min..max s", "over stock"]
+
+
+def fresh_runs(script: str | Path, cases: Mapping[str, Sequence[str]], runs: int, *, timeout: float = 1800,
+               show: bool = True, **env: str) -> dict[str, list[dict[str, Any]]]:
+    """Each case `runs` times, interleaved, each `python script ARGS...` in a fresh process (a peak never
+    goes down) with the C library's default allocator settings (`default_env`, plus `env`) and
+    `HF_HUB_OFFLINE=1`; the child prints its result as JSON on its last line of output. Returns each
+    case's results, one per round.
+
+    Raises:
+        SystemExit: a run failed (its stderr's end in the message).
+    """
+    environment = default_env(HF_HUB_OFFLINE="1", **env)
+    found: dict[str, list[dict[str, Any]]] = {name: [] for name in cases}
+    for round_ in range(runs):
+        for name, arguments in cases.items():
+            done = subprocess.run([sys.executable, str(script), *arguments], capture_output=True, text=True,
+                                  env=environment, timeout=timeout)
+            if done.returncode != 0:
+                raise SystemExit(f"{name} (run {round_ + 1}) failed:\n{done.stderr[-3000:]}")
+            found[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            if show:
+                print(f"run {round_ + 1}/{runs}: {name}: {json.dumps(found[name][-1])}", flush=True)
+    return found
+
+
+def print_peaks(found: Mapping[str, Sequence[Mapping[str, Any]]], *, key: str = "growth_mib",
+                base: str | None = None, label: str = "growth", unit: str = "MiB") -> dict[str, dict[str, Any]]:
+    """Print, and return, each case's `key` over its runs (`fresh_runs`' results) as median, min and max,
+    and with `base` (stock's case) its excess over base round by round (run i against base's run i)."""
+    values = {case: [run[key] for run in runs] for case, runs in found.items()}
+    rows, summary = [], {}
+    for case, measured in values.items():
+        summary[case] = {key: spread(measured)}
+        if base is not None and base in values and case != base:
+            summary[case][f"over_{base}"] = spread([a - b for a, b in zip(measured, values[base])])
+        over = summary[case].get(f"over_{base}")
+        rows.append([case, *summary[case][key].values(), *(over.values() if over else ("-", "-", "-"))])
+    over_header = f"over {base} median {unit}" if base else "over base"
+    print_table(["case", f"{label} median {unit}", "min", "max", over_header, "min", "max"], rows)
+    return summary
 
 
 def rss_bytes() -> int:

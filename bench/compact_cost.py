@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -37,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from _common import RESULTS, machine, print_table, write_json  # noqa: E402
+from _common import (RESULTS, TIMING_HEADERS, interleaved, machine, print_table,  # noqa: E402
+                     summarize, timed, timing_columns, write_json)
 from transformers_offload import Recorder  # noqa: E402
 from transformers_offload.demo_model import load  # noqa: E402
 
@@ -93,35 +92,27 @@ def main() -> None:
     def run(case):
         torch.manual_seed(0)
         if case is None:
-            start = time.perf_counter()
-            model.generate(**batch, **options)
-            return time.perf_counter() - start, 0
+            return timed(lambda: model.generate(**batch, **options)), 0
         streams, encodings = case
         with Recorder(model, streams=streams, encodings=encodings) as rec:
-            start = time.perf_counter()
-            model.generate(**batch, logits_processor=[rec], **options)
-            seconds = time.perf_counter() - start
+            seconds = timed(lambda: model.generate(**batch, logits_processor=[rec], **options))
             return seconds, recorded_bytes(rec)
 
-    run(None)  # warm-up
-    times: dict[str, list[float]] = {name: [] for name in CASES}
-    sizes: dict[str, int] = {}
-    for _ in range(args.repeats):
-        for name, case in CASES.items():
-            seconds, size = run(case)
-            times[name].append(seconds)
-            sizes[name] = size
-    base = statistics.median(times["stock generate"])
+    found = interleaved({name: (lambda _, case=case: run(case)) for name, case in CASES.items()}, args.repeats,
+                        warmup=lambda: run(None))
+    times = {name: [seconds for seconds, _ in found[name]] for name in CASES}
+    sizes = {name: found[name][-1][1] for name in CASES}
+    summary = summarize(times, "stock generate")
     rows = []
     record = {"machine": machine(), "batch": args.batch, "new_tokens": args.new_tokens, "repeats": args.repeats,
               "sampling": args.sampling, "cases": {}}
     for name in CASES:
-        median = statistics.median(times[name])
+        entry = summary[name]
         per_row_step = sizes[name] / (args.batch * args.new_tokens)
-        rows.append([name, f"{median:.2f}", f"{median / base:.3f}x", f"{sizes[name]:,}", f"{per_row_step:,.0f}"])
-        record["cases"][name] = {"seconds": times[name], "median_s": median, "ratio": median / base,
+        rows.append([name, *timing_columns(entry), f"{sizes[name]:,}", f"{per_row_step:,.0f}"])
+        record["cases"][name] = {"seconds": times[name], "median_s": entry["median_exact"], "ratio": entry["over_base"],
                                  "bytes": sizes[name], "bytes_per_row_and_step": per_row_step}
-    print_table(["case", "s (median)", "/ stock", "bytes recorded", "per row and step"], rows)
+    print_table(["case", *TIMING_HEADERS, "bytes recorded", "per row and step"], rows)
     suffix = "" if (args.sampling, args.batch) == ("top_p", 4) else f"-{args.sampling}-b{args.batch}"
     write_json(args.out / f"compact_cost{suffix}.json", record)
 

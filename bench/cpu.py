@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,7 +29,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from _common import RESULTS, MemoryProbe, machine, plot_traces, print_table, rss_bytes, write_json  # noqa: E402
+from _common import RESULTS, MemoryProbe, fresh_runs, machine, plot_traces, print_table, rss_bytes, write_json  # noqa: E402
 
 CASES = ("baseline", "recorder (memory)", "output_scores + output_logits", "recorder (spill)")
 PROMPTS = [
@@ -94,11 +93,11 @@ def main() -> None:
     started = time.perf_counter()
     runs = []
     for batch_size in args.batches:
+        # One run of each case, each in a fresh process with default allocator settings, one after the other.
+        found = fresh_runs(__file__, {case: ["--worker", case, str(batch_size), "--new-tokens", str(args.new_tokens),
+                                             "--shard-mib", str(args.shard_mib)] for case in CASES}, 1, show=False)
         for case in CASES:
-            command = [sys.executable, __file__, "--worker", case, str(batch_size),
-                       "--new-tokens", str(args.new_tokens), "--shard-mib", str(args.shard_mib)]
-            done = subprocess.run(command, check=True, capture_output=True, text=True)
-            run = json.loads(done.stdout.strip().splitlines()[-1])
+            run = found[case][0]
             runs.append(run)
             print(f"[batch {batch_size}] {case}: {run['total_seconds']:.1f} s, peak RSS above the loaded model "
                   f"{(max(run['rss_bytes']) - run['loaded_bytes']) / 2**20:.1f} MiB", flush=True)

@@ -28,10 +28,8 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -40,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from _common import RESULTS, machine, print_table, write_json  # noqa: E402
+from _common import (RESULTS, TIMING_HEADERS, interleaved, machine, print_table, stopwatch,  # noqa: E402
+                     summarize, timed, timing_columns, write_json)
 from transformers_offload import Recorder  # noqa: E402
 from transformers_offload.demo_model import load  # noqa: E402
 
@@ -106,42 +105,35 @@ def main() -> None:
                     case = CASES[name]
                     torch.manual_seed(0)
                     if case is None:
-                        start = time.perf_counter()
-                        model.generate(**batch, **options)
-                        return time.perf_counter() - start, 0
+                        return timed(lambda: model.generate(**batch, **options)), 0
                     root = scratch / "run"
                     shutil.rmtree(root, ignore_errors=True)
-                    start = time.perf_counter()
-                    with Recorder(model, spill_dir=root, **case) as rec:
-                        model.generate(**batch, logits_processor=[rec], **options)
-                    seconds = time.perf_counter() - start
+                    with stopwatch() as clock:
+                        with Recorder(model, spill_dir=root, **case) as rec:
+                            model.generate(**batch, logits_processor=[rec], **options)
+                    seconds = clock.seconds
                     size = shard_bytes(root)
                     shutil.rmtree(root)
                     return seconds, size
 
-                run("stock generate()")  # warm-up
-                times: dict[str, list[float]] = {name: [] for name in cases_run}
-                sizes: dict[str, int] = {}
-                for _ in range(args.repeats):
-                    for name in cases_run:
-                        seconds, size = run(name)
-                        times[name].append(seconds)
-                        sizes[name] = size
-                base = statistics.median(times["stock generate()"])
+                found = interleaved({name: (lambda _, name=name: run(name)) for name in cases_run}, args.repeats,
+                                    warmup=lambda: run("stock generate()"))
+                times = {name: [seconds for seconds, _ in found[name]] for name in cases_run}
+                sizes = {name: found[name][-1][1] for name in cases_run}
+                summary = summarize(times, "stock generate()")
                 # The dense recording's bytes per row and step; without it, its two float32 tensors alone.
                 dense = (sizes["dense"] / (batch_size * args.new_tokens) if "dense" in sizes
                          else 2 * 4 * model.config.vocab_size)
                 rows, cases = [], {}
                 for name in cases_run:
-                    median = statistics.median(times[name])
+                    entry = summary[name]
                     per = sizes[name] / (batch_size * args.new_tokens)
-                    cases[name] = {"seconds": times[name], "median_s": median, "over_stock": median / base,
-                                   "bytes": sizes[name], "bytes_per_row_and_step": per,
+                    cases[name] = {"seconds": times[name], "median_s": entry["median_exact"],
+                                   "over_stock": entry["over_base"], "bytes": sizes[name], "bytes_per_row_and_step": per,
                                    "smaller_than_dense": dense / per if per else None}
-                    rows.append([name, f"{median:.2f}", f"{median / base:.3f}x", f"{per:,.0f}",
-                                 f"{dense / per:,.1f}x" if per else "-"])
+                    rows.append([name, *timing_columns(entry), f"{per:,.0f}", f"{dense / per:,.1f}x" if per else "-"])
                 print(f"\n{setting}, batch {batch_size}, {args.new_tokens} steps, median of {args.repeats}, spilled")
-                print_table(["case", "s", "over stock", "bytes per row and step", "smaller than dense"], rows)
+                print_table(["case", *TIMING_HEADERS, "bytes per row and step", "smaller than dense"], rows)
                 record["runs"].append({"setting": setting, "batch": batch_size, "cases": cases})
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

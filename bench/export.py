@@ -1,18 +1,19 @@
 """The per-token table's export on a recording of more than 1 GB: rows per second and peak memory.
 
-    .venv/bin/python bench/export.py [--new-tokens 112] [--chunk-steps 16] [--out bench/results]
+    .venv/bin/python bench/export.py [--new-tokens 112] [--chunk-steps 16] [--runs 5] [--out bench/results]
 
 Records 24 chat prompts with SmolLM2-135M-Instruct (CPU, float32, vocabulary 49,152) in 3 batches of 8
 (sampling: temperature 0.7, top_p 0.9; `--new-tokens` steps each, `min_new_tokens` too), raw logits and
 processed scores spilled to disk (393 KB per row and step: 1.06 GB at 112 steps), each prompt named with
-`set_samples`. Then, each in a fresh process (peak RSS from `ru_maxrss`, glibc's thresholds fixed):
+`set_samples`. Then, `--runs` times, interleaved, each in a fresh process with the C library's default
+allocator settings (`_common.fresh_runs`; peak RSS from `ru_maxrss`):
 
 - the baseline: open the recording and read one step (the imports, torch, the reader);
 - `write_parquet(run, path)`: logprob, rank and entropy under both kinds, from the full tensors;
 - `write_parquet(run, path, top=5)`: the same with 5 alternatives per kind.
 
 Reports tokens (table rows) per second, recording bytes read per second, and each export's peak RSS
-over the baseline, and of it the anonymous memory (`RssAnon`, sampled every 5 ms; the rest is the
+over the baseline of the same round (median, min..max), and of it the anonymous memory (`RssAnon`, sampled every 5 ms; the rest is the
 recording's shard pages the reader maps, file-backed and reclaimable), next to the bytes of one chunk of steps (`--chunk-steps` x 8 rows x 2 streams x
 vocabulary x 4); writes `export.json` under `--out`.
 """
@@ -23,7 +24,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +33,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import RESULTS, STEADY_MALLOC, machine, peak_rss_bytes, print_table, write_json  # noqa: E402
+from _common import (RESULTS, TIMING_HEADERS, fresh_runs, machine, peak_rss_bytes, print_table,  # noqa: E402
+                     summarize, timing_columns, write_json)
 
 PROMPTS = [
     "Write a haiku about the sea.", "What is the capital of France?", "Explain photosynthesis briefly.",
@@ -110,6 +111,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--new-tokens", type=int, default=112)
     parser.add_argument("--chunk-steps", type=int, default=16)
+    parser.add_argument("--runs", type=int, default=5, help="each export this many times, each in a fresh default process")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--child", nargs=4, metavar=("ROOT", "CASE", "TARGET", "CHUNK"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -119,32 +121,39 @@ def main() -> None:
         return
     work = Path(tempfile.mkdtemp(prefix="bench-export-"))
     try:
-        seconds = record(work / "run", args.new_tokens)
+        seconds_recorded = record(work / "run", args.new_tokens)
         size = sum(p.stat().st_size for p in (work / "run").rglob("*") if p.is_file())
-        print(f"recorded {size / 1e9:.2f} GB in {seconds:.0f} s")
-        results = {}
-        for case in ("baseline", "no alternatives", "top 5"):
-            target = work / f"{case.replace(' ', '-')}.parquet"
-            done = subprocess.run([sys.executable, __file__, "--child", str(work / "run"), case, str(target),
-                                   str(args.chunk_steps)], capture_output=True, text=True, check=True,
-                                  env={**os.environ, **STEADY_MALLOC})
-            results[case] = json.loads(done.stdout.strip().splitlines()[-1])
+        print(f"recorded {size / 1e9:.2f} GB in {seconds_recorded:.0f} s")
+        cases = ("baseline", "no alternatives", "top 5")
+        found = fresh_runs(__file__, {case: ["--child", str(work / "run"), case,
+                                             str(work / f"{case.replace(' ', '-')}.parquet"), str(args.chunk_steps)]
+                                      for case in cases}, args.runs)
         vocab = 49152
         chunk_bytes = args.chunk_steps * 8 * 2 * vocab * 4  # a generation has 8 rows
-        base = results["baseline"]["peak_rss"]
-        rows = []
-        for case in ("no alternatives", "top 5"):
-            r = results[case]
-            rows.append([case, r["rows"], f"{r['seconds']:.1f}", f"{r['rows'] / r['seconds']:,.0f}",
-                         f"{size / r['seconds'] / 1e6:,.0f}", f"{(r['peak_rss'] - base) / 2**20:,.0f}",
-                         f"{(r['peak_anonymous'] - results['baseline']['peak_anonymous']) / 2**20:,.0f}",
-                         f"{r['bytes'] / 1e6:.2f}"])
-        print(print_table(["export", "rows", "s", "rows/s", "recording MB/s", "peak RSS over baseline (MiB)",
-                           "of it anonymous (MiB)", "parquet MB"], rows))
-        print(f"baseline peak RSS {base / 2**20:,.0f} MiB; one chunk of steps is {chunk_bytes / 2**20:,.0f} MiB")
+        mib = {key: {case: [run[key] / 2**20 for run in found[case]] for case in cases}
+               for key in ("peak_rss", "peak_anonymous")}
+        over = {key: summarize(values, "baseline") for key, values in mib.items()}
+        rows, summary = [], {}
+        for case in cases[1:]:
+            seconds = summarize({case: [run["seconds"] for run in found[case]]})[case]
+            rss, anonymous = over["peak_rss"][case]["excess"], over["peak_anonymous"][case]["excess"]
+            last = found[case][-1]
+            summary[case] = {"seconds": seconds, "rows": last["rows"], "parquet_bytes": last["bytes"],
+                             "peak_rss_over_baseline_mib": rss, "peak_anonymous_over_baseline_mib": anonymous}
+            rows.append([case, last["rows"], *timing_columns(seconds), f"{last['rows'] / seconds['median_exact']:,.0f}",
+                         f"{size / seconds['median_exact'] / 1e6:,.0f}",
+                         f"{rss['median']:,.0f} ({rss['min']:,.0f}..{rss['max']:,.0f})",
+                         f"{anonymous['median']:,.0f} ({anonymous['min']:,.0f}..{anonymous['max']:,.0f})",
+                         f"{last['bytes'] / 1e6:.2f}"])
+        print_table(["export", "rows", *TIMING_HEADERS[:2], "rows/s", "recording MB/s",
+                     "peak RSS over baseline, MiB (min..max)", "of it anonymous, MiB (min..max)", "parquet MB"], rows)
+        base = over["peak_rss"]["baseline"]
+        print(f"baseline peak RSS {base['median']:,.0f} MiB ({base['min']:,.0f}..{base['max']:,.0f}) over {args.runs} "
+              f"runs, each in a fresh default process; one chunk of steps is {chunk_bytes / 2**20:,.0f} MiB")
         write_json(args.out / "export.json", {
-            "machine": machine(), "recording_bytes": size, "record_seconds": seconds, "chunk_steps": args.chunk_steps,
-            "chunk_bytes": chunk_bytes, "new_tokens": args.new_tokens, "results": results,
+            "machine": machine(), "recording_bytes": size, "record_seconds": seconds_recorded, "chunk_steps": args.chunk_steps,
+            "chunk_bytes": chunk_bytes, "new_tokens": args.new_tokens, "runs": args.runs, "allocator_env": "default",
+            "summary": summary, "each": found,
         })
     finally:
         shutil.rmtree(work, ignore_errors=True)

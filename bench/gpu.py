@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from _common import RESULTS, MemoryProbe, machine, plot_traces, print_table, rss_bytes, write_json  # noqa: E402
+from _common import RESULTS, MemoryProbe, machine, plot_traces, print_table, rss_bytes, stopwatch, write_json  # noqa: E402
 from transformers_offload import Recorder  # noqa: E402
 from transformers_offload.capture.transfer import HostRing  # noqa: E402
 
@@ -113,11 +113,11 @@ class Meter:
         initial = self.allocated()
         probe = MemoryProbe(self.allocated)
         cpu_started = time.process_time()
-        started = time.perf_counter()
-        sequences = case(probe)
-        if self.cuda:
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - started
+        with stopwatch() as clock:
+            sequences = case(probe)
+            if self.cuda:
+                torch.cuda.synchronize()
+        started, seconds = clock.started, clock.seconds
         peak = torch.cuda.max_memory_allocated() if self.cuda else max([initial, *probe.trace])
         # Milliseconds per step as the host saw it; the first one holds the prefill.
         ends = [started, *probe.times]

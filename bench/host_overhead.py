@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -38,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from _common import RESULTS, machine, plot_bars, print_table, write_json  # noqa: E402
+from _common import RESULTS, interleaved, machine, plot_bars, print_table, summarize, write_json  # noqa: E402
 from transformers_offload import Recorder, recorder as recorder_module  # noqa: E402
 
 CASES = ("baseline", "Recorder, drained inline (CPU path)", "Recorder, drained by a thread (CUDA path)",
@@ -84,20 +83,11 @@ def main() -> None:
         finally:
             recorder_module._on_cuda = original
 
-    for case in CASES:  # warm-up
-        run(case)
-    seconds = {case: [] for case in CASES}
-    cpu_seconds = {case: [] for case in CASES}
-    thread_seconds = {case: [] for case in CASES}
-    for _ in range(args.repeats):
-        for case in CASES:
-            wall, cpu, own = run(case)
-            seconds[case].append(wall)
-            cpu_seconds[case].append(cpu)
-            thread_seconds[case].append(own)
-    median = {case: statistics.median(values) for case, values in seconds.items()}
-    cpu_median = {case: statistics.median(values) for case, values in cpu_seconds.items()}
-    thread_median = {case: statistics.median(values) for case, values in thread_seconds.items()}
+    found = interleaved({case: (lambda _, case=case: run(case)) for case in CASES}, args.repeats,
+                        warmup=lambda: [run(case) for case in CASES])  # every case warmed up once
+    seconds, cpu_seconds, thread_seconds = ({case: [r[i] for r in found[case]] for case in CASES} for i in range(3))
+    median, cpu_median, thread_median = ({case: entry["median_exact"] for case, entry in summarize(values).items()}
+                                         for values in (seconds, cpu_seconds, thread_seconds))
     rows = []
     for case in CASES:
         rows.append({

@@ -1,15 +1,16 @@
 """Peak memory of recording a selection of layers over a long prompt, against stock generate().
 
-    .venv/bin/python bench/layer_peak.py [--prompt-tokens 1000] [--new-tokens 4] [--out bench/results]
+    .venv/bin/python bench/layer_peak.py [--prompt-tokens 1000] [--new-tokens 4] [--runs 5] [--out bench/results]
     .venv/bin/python bench/layer_peak.py --case '{"streams": ["attentions"], "layers": [-1]}'   # one case, JSON out
 
 SmolLM2-135M-Instruct (CPU, float32, eager attention), one prompt of `--prompt-tokens` tokens, greedy
 for `--new-tokens` steps. Each case runs in a fresh process: the model is loaded and warmed up, the
 peak RSS is started over (Linux `VmHWM` via `/proc/self/clear_refs`), then one generate() call; the
-figure is the peak's rise over the loaded model ("growth"), with glibc's malloc thresholds fixed
-(`STEADY_MALLOC`) so that it repeats from run to run. Cases: stock generate (the baseline),
+figure is the peak's rise over the loaded model ("growth"), in a process with the C library's default
+allocator settings (no `MALLOC_*` variables, as users run it), each case `--runs` times, interleaved,
+reported as median, min and max (`_common.fresh_runs`, `print_peaks`). Cases: stock generate (the baseline),
 generate with `output_attentions=True` (what asking the forward for every layer costs), and the
-Recorder (in memory) with a selection. "over stock" is a case's growth minus the baseline's; the
+Recorder (in memory) with a selection. "over stock" is a case's growth minus the baseline's of the same round; the
 last layer's prefill attention weights are `heads x P x P x 4` bytes (36 MB for P = 1,000).
 Writes `layer_peak.json` under `--out`.
 """
@@ -19,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -68,41 +68,41 @@ def run_case(case: dict, prompt_tokens: int, new_tokens: int) -> dict:
             "loaded_mib": round(loaded, 1), "growth_mib": round(peak_mib() - loaded, 1)}
 
 
-def measure(case: dict, prompt_tokens: int, new_tokens: int) -> dict:
-    """`run_case` in a fresh process (a peak never goes down), with `_common.STEADY_MALLOC`."""
-    from _common import STEADY_MALLOC
+def measure(case: dict, prompt_tokens: int, new_tokens: int, runs: int = 1) -> list[dict]:
+    """`run_case` `runs` times, each in a fresh process (a peak never goes down) with default allocator
+    settings: one result per run."""
+    from _common import fresh_runs
 
-    done = subprocess.run(
-        [sys.executable, __file__, "--case", json.dumps(case), "--prompt-tokens", str(prompt_tokens),
-         "--new-tokens", str(new_tokens)],
-        capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1", **STEADY_MALLOC}, timeout=900,
-    )
-    if done.returncode:
-        raise RuntimeError(done.stderr[-3000:])
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    arguments = ["--case", json.dumps(case), "--prompt-tokens", str(prompt_tokens), "--new-tokens", str(new_tokens)]
+    return fresh_runs(__file__, {"case": arguments}, runs, timeout=900, show=False)["case"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt-tokens", type=int, default=1000)
     parser.add_argument("--new-tokens", type=int, default=4)
+    parser.add_argument("--runs", type=int, default=5, help="each case this many times, interleaved")
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES),
+                        help="only these cases (stock generate always runs: the baseline)")
     parser.add_argument("--case", help="run one case (a JSON object of Recorder options) and print its JSON")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.case:
         print(json.dumps(run_case(json.loads(args.case), args.prompt_tokens, args.new_tokens)))
         return
-    from _common import RESULTS, machine, print_table, write_json
+    from _common import RESULTS, fresh_runs, machine, print_peaks, write_json
 
-    results = {name: measure(case, args.prompt_tokens, args.new_tokens) for name, case in CASES.items()}
-    stock = results["stock generate"]["growth_mib"]
+    options = ["--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens)]
+    names = ["stock generate", *(name for name in args.cases if name != "stock generate")]
+    found = fresh_runs(__file__, {name: ["--case", json.dumps(CASES[name]), *options] for name in names},
+                       args.runs, timeout=900)
     layer_mib = 9 * args.prompt_tokens**2 * 4 / 2**20
-    print(f"prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens; the last layer's prefill weights: {layer_mib:.1f} MiB")
-    print_table(["case", "peak growth (MiB)", "over stock (MiB)"],
-                [[name, r["growth_mib"], round(r["growth_mib"] - stock, 1)] for name, r in results.items()])
+    print(f"prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens; the last layer's prefill weights: "
+          f"{layer_mib:.1f} MiB; {args.runs} runs, each case in a fresh default process")
+    summary = print_peaks(found, key="growth_mib", base="stock generate", label="peak growth")
     write_json((args.out or RESULTS) / "layer_peak.json",
-               {"machine": machine(), "layer_prefill_mib": layer_mib, "results": results})
-
+               {"machine": machine(), "layer_prefill_mib": layer_mib, "runs": args.runs, "allocator_env": "default",
+                "summary": summary, "each": found})
 
 if __name__ == "__main__":
     main()

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -99,28 +98,13 @@ def _finish(result: dict, tokens: int, size: int, loaded: float) -> dict:
 
 def runs(cases: list[str], count: int, options: list[str]) -> dict:
     """Each case `count` times, interleaved, each in a fresh process with default allocator settings."""
-    from _common import RESULTS, default_env, machine, print_table, spread, write_json
+    from _common import RESULTS, fresh_runs, machine, print_peaks, write_json
 
-    found: dict[str, list[dict]] = {case: [] for case in cases}
-    for _ in range(count):
-        for case in cases:
-            done = subprocess.run([sys.executable, __file__, "--case", case, *options], capture_output=True,
-                                  text=True, env=default_env(HF_HUB_OFFLINE="1"), timeout=1800)
-            if done.returncode != 0:
-                raise SystemExit(f"{case} failed:\n{done.stderr[-3000:]}")
-            found[case].append(json.loads(done.stdout.strip().splitlines()[-1]))
-            print(json.dumps(found[case][-1]), flush=True)
-    growth = {case: [run["growth_mib"] for run in found[case]] for case in cases}
-    rows, summary = [], {}
-    for case in cases:
-        summary[case] = {"growth_mib": spread(growth[case])}
-        if "stock" in growth and case != "stock":
-            # Run i of a case against run i of stock (the same round of the interleaving).
-            summary[case]["over_stock_mib"] = spread([a - b for a, b in zip(growth[case], growth["stock"])])
-        over = summary[case].get("over_stock_mib")
-        rows.append([case, *summary[case]["growth_mib"].values(),
-                     *(over.values() if over else ("-", "-", "-"))])
-    print_table(["case", "growth median MiB", "min", "max", "over stock median MiB", "min", "max"], rows)
+    found = fresh_runs(__file__, {case: ["--case", case, *options] for case in cases}, count)
+    summary = print_peaks(found, key="growth_mib", base="stock")
+    for entry in summary.values():  # the keys this file's results have always had
+        if "over_stock" in entry:
+            entry["over_stock_mib"] = entry.pop("over_stock")
     record = {"machine": machine(), "runs": count, "options": options, "allocator_env": "default",
               "summary": summary, "each": found}
     write_json(RESULTS / "prompt_peak.json", record)

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import torch  # noqa: E402
 
-from _common import RESULTS, machine, plot_bars, print_table, write_json  # noqa: E402
+from _common import RESULTS, interleaved, machine, plot_bars, print_table, timed, write_json  # noqa: E402
 from spill_throughput import add_recording_arguments, made_up_steps, spill  # noqa: E402
 from transformers_offload import open_recording  # noqa: E402
 
@@ -99,9 +99,7 @@ def main() -> None:
     root = base / "recording"
     try:
         written = spill(root, made_up_steps(args.rows, args.vocab, args.steps), int(args.shard_mib * 2**20))
-        started = time.perf_counter()
-        open_recording(root).close()
-        open_seconds = time.perf_counter() - started
+        open_seconds = timed(lambda: open_recording(root).close())
         cold = latencies(root, args.samples, cold=True, seed=1)
         warm = latencies(root, args.samples, cold=False, seed=2)
 
@@ -109,10 +107,9 @@ def main() -> None:
         stream_bytes = 2 * args.steps * args.rows * args.vocab * 4  # logits and scores, float32
         step_buffer = torch.empty(args.rows, args.vocab)
         file_buffer = bytearray(8 * 2**20)
-        reader_s, plain_s = [], []
-        for _ in range(args.repeats):
-            reader_s.append(read_recording(root, step_buffer))
-            plain_s.append(read_plain(root, file_buffer))
+        found = interleaved({"reader": lambda _: read_recording(root, step_buffer),
+                             "plain": lambda _: read_plain(root, file_buffer)}, args.repeats)
+        reader_s, plain_s = found["reader"], found["plain"]
     finally:
         if args.dir is None:
             shutil.rmtree(base, ignore_errors=True)

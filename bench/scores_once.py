@@ -15,19 +15,17 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
 
-from _common import RESULTS, machine, print_table, write_json  # noqa: E402
+from _common import (RESULTS, TIMING_HEADERS, interleaved, machine, print_table, stopwatch,  # noqa: E402
+                     summarize, timed, timing_columns, write_json)
 from compact_cost import PROMPTS  # noqa: E402
 from transformers_offload import Recorder, open_recording  # noqa: E402
 from transformers_offload.demo_model import load  # noqa: E402
@@ -47,36 +45,37 @@ def main() -> None:
     texts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]
     batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     options = dict(max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    model.generate(**batch, max_new_tokens=2, pad_token_id=tokenizer.pad_token_id)  # warm-up
     work = Path(tempfile.mkdtemp(prefix="bench-scores-once-"))
-    times: dict[str, list[float]] = {name: [] for name in CASES}
     sizes: dict[str, dict] = {}
+
+    def case(number: int, name: str, encodings: dict | None):
+        def run(repeat: int) -> float:
+            out = work / f"{repeat}-{number}"
+            if encodings is None:
+                return timed(lambda: model.generate(**batch, **options))
+            with stopwatch() as clock:
+                with Recorder(model, spill_dir=out, encodings=encodings or None) as rec:
+                    model.generate(**batch, logits_processor=[rec], **options)
+            generation = open_recording(out).generation()
+            steps, rows = generation.num_steps, generation.num_rows
+            on_disk = sum(p.stat().st_size for p in out.iterdir() if "sequences" not in p.name and p.suffix == ".safetensors")
+            sizes[name] = {"steps": steps, "rows": rows, "bytes_per_row_step": on_disk / (steps * rows)}
+            shutil.rmtree(out)
+            return clock.seconds
+        return run
+
     try:
-        for repeat in range(args.repeats):
-            for name, encodings in CASES.items():
-                out = work / f"{repeat}-{len(times[name])}-{name[:8].replace(' ', '')}"
-                start = time.perf_counter()
-                if encodings is None:
-                    model.generate(**batch, **options)
-                else:
-                    with Recorder(model, spill_dir=out, encodings=encodings or None) as rec:
-                        model.generate(**batch, logits_processor=[rec], **options)
-                times[name].append(time.perf_counter() - start)
-                if encodings is not None:
-                    generation = open_recording(out).generation()
-                    steps, rows = generation.num_steps, generation.num_rows
-                    on_disk = sum(p.stat().st_size for p in out.iterdir() if "sequences" not in p.name and p.suffix == ".safetensors")
-                    sizes[name] = {"steps": steps, "rows": rows, "bytes_per_row_step": on_disk / (steps * rows)}
-                    shutil.rmtree(out)
+        times = interleaved({name: case(number, name, encodings) for number, (name, encodings) in enumerate(CASES.items())},
+                            args.repeats, warmup=lambda: model.generate(**batch, max_new_tokens=2, pad_token_id=tokenizer.pad_token_id))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    medians = {name: statistics.median(values) for name, values in times.items()}
-    stock = medians["stock generate"]
-    rows = [[name, f"{medians[name]:.2f}", f"{medians[name] / stock:.3f}x",
+    summary = summarize(times, "stock generate")
+    medians = {name: entry["median_exact"] for name, entry in summary.items()}
+    rows = [[name, *timing_columns(summary[name]),
              f"{sizes[name]['bytes_per_row_step']:,.0f}" if name in sizes else "-"] for name in CASES]
-    print_table(["case", "median s", "over stock", "bytes per row and step on disk"], rows)
+    print_table(["case", *TIMING_HEADERS, "bytes per row and step on disk"], rows)
     write_json(args.out / "scores_once.json", {"machine": machine(), "args": vars(args) | {"out": str(args.out)},
-                                               "times": times, "medians": medians, "sizes": sizes})
+                                               "times": times, "medians": medians, "summary": summary, "sizes": sizes})
 
 
 if __name__ == "__main__":

@@ -21,17 +21,17 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 import torch  # noqa: E402
 
-from _common import RESULTS, machine, plot_bars, print_table, write_json  # noqa: E402
+from _common import RESULTS, interleaved, machine, plot_bars, print_table, summarize, write_json  # noqa: E402
 from transformers_offload.store import files as _files  # noqa: E402
 from transformers_offload.store.shards import Spill  # noqa: E402
 
@@ -65,12 +65,15 @@ def spill(root: Path, steps: list[dict[str, torch.Tensor]], shard_bytes: int) ->
         {"index": 0, "mode": "sample", "prompt_length": 1, "prompt_lengths": None, "num_beams": 1,
          "pad_token_id": 0, "eos_token_id": (), "generation_config": {}},
     )
+    # The call's sequences (a one-token prompt, then the steps' tokens): a complete recording names them.
+    rows = steps[0]["tokens"].shape[0]
+    sequences = torch.cat([torch.zeros(rows, 1, dtype=torch.long), torch.stack([s["tokens"] for s in steps], dim=1)], dim=1)
     started = time.perf_counter()
     for step, tensors in enumerate(steps):
         store.drain(step, tensors)
-    generation = store.finish(len(steps), {"num_rows": steps[0]["tokens"].shape[0]}, None, None, ring_waits=0)
+    generation = store.finish(len(steps), {"num_rows": rows}, sequences, None, ring_waits=0)
     seconds = time.perf_counter() - started
-    stats = generation.stats
+    stats = generation.fields["stats"]  # a StoredGeneration (store/stored.py) holds the Generation's fields
     return {"bytes": stats.bytes_written, "seconds": seconds, "writer_seconds": stats.write_seconds,
             "shards": len(list(root.glob("*-s*.safetensors")))}
 
@@ -118,7 +121,6 @@ def main() -> None:
     steps = made_up_steps(args.rows, args.vocab, args.steps)
     base = args.dir or Path(tempfile.mkdtemp(prefix="spill-bench-"))
     base.mkdir(parents=True, exist_ok=True)
-    runs: dict[str, list[dict[str, float]]] = {"spill": [], "plain": [], "no_checksums": [], "checksum": []}
     shard_bytes = int(args.shard_mib * 2**20)
     total = spill(base / "size", steps, shard_bytes)  # also a warm-up; sizes the plain write
     shutil.rmtree(base / "size")
@@ -127,23 +129,27 @@ def main() -> None:
         "plain": lambda root: plain_write(root, total["bytes"], total["shards"]),
         "no_checksums": lambda root: spill_without_checksums(root, steps, shard_bytes),
     }
-    try:
-        for repeat in range(args.repeats):
-            # The writing cases in a rotated order: a disk's speed drifts with what was written before.
-            order = list(cases)[repeat % len(cases):] + list(cases)[: repeat % len(cases)]
-            for name in order:
-                root = base / f"{name}-{repeat}"
-                runs[name].append(cases[name](root))
-                if name == "spill":
-                    runs["checksum"].append(checksum_only(root))
-                shutil.rmtree(root)
-                os.sync()
+
+    def case(name: str):
+        def run(repeat: int) -> dict[str, Any]:
+            root = base / f"{name}-{repeat}"
+            result = cases[name](root)
+            if name == "spill":
+                result = {**result, "checksum": checksum_only(root)}
+            shutil.rmtree(root)
+            os.sync()
+            return result
+        return run
+
+    try:  # the writing cases in a rotated order: a disk's speed drifts with what was written before
+        runs = interleaved({name: case(name) for name in cases}, args.repeats, rotate=True)
     finally:
         if args.dir is None:
             shutil.rmtree(base, ignore_errors=True)
+    runs["checksum"] = [run.pop("checksum") for run in runs["spill"]]
 
     def rate(results: list[dict[str, float]], key: str = "seconds") -> float:
-        return statistics.median(r["bytes"] / 1e6 / r[key] for r in results)
+        return summarize({"": [r["bytes"] / 1e6 / r[key] for r in results]})[""]["median_exact"]
 
     table = {
         "plain write + fsync (baseline)": rate(runs["plain"]),

@@ -131,3 +131,37 @@ def test_dense_is_the_default_and_can_be_named(gpt2):
     with Recorder(gpt2, encodings={"scores": "dense"}) as rec:
         gpt2.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=2)
     assert rec.generation().encodings == {} and len(rec.scores()) == 2
+
+
+@pytest.mark.parametrize("encoding", ["sparse", "native", "topk:5"])
+def test_cpu_encodings_reuse_their_buffers_step_after_step(encoding):
+    """On the host an encoding's `(rows, vocab)` work goes into buffers made at the first step (so a
+    process's peak does not depend on how the C library reuses freed blocks), and every step's record
+    equals the one a fresh encoder makes."""
+    from transformers_offload.capture import encodings
+    from transformers_offload.capture.workspace import ChunkBuffers
+
+    def made_up(step: int) -> torch.Tensor:
+        x = torch.randn(3, 500, generator=torch.Generator().manual_seed(step)).bfloat16().float()
+        x[0, ::2] = float("-inf")  # row 0 sparse, row 1 whole, row 2 one entry
+        x[2, 1:] = float("-inf")
+        return x
+
+    def encoder():
+        if encoding == "sparse":
+            sparse = encodings.Sparse()
+            return sparse.on_cpu, sparse.buffers
+        if encoding == "native":
+            native = encodings.Native(torch.bfloat16)
+            return native.on_cpu, native.buffers
+        buffers = ChunkBuffers()
+        return (lambda x: encodings.encode(encoding, x, buffers)), buffers
+
+    encode, buffers = encoder()
+    made = []
+    for step in range(4):
+        x = made_up(step)
+        fresh, _ = encoder()
+        assert torch.equal(encode(x), fresh(x)), f"step {step}"
+        made.append(buffers.allocations)
+    assert made[0] > 0 and made[-1] == made[0], made

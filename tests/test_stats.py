@@ -228,3 +228,55 @@ def test_a_vocabulary_past_float32s_integers_gets_a_float64_record(gpt2, tmp_pat
     assert manifest["generations"][0]["streams"]["stats"]["dtype"] == "float64"
     tokens = open_recording(tmp_path / "run").generation().tokens()
     assert_stats_equal(rec.stats(), reference, tokens, None)
+
+
+def _made_up_step(rows: int, vocab: int, dtype: torch.dtype, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's raw logits and processed scores (masked to -inf in places, one row all -inf but one)."""
+    generator = torch.Generator().manual_seed(step)
+    x = (torch.randn(rows, vocab, generator=generator) * 4).to(dtype)
+    s = torch.log_softmax(x.float() / 0.7, -1)
+    s[:, ::3] = float("-inf")
+    s[-1, 1:] = float("-inf")
+    return x, s
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("beam", [False, True])
+def test_stats_reuse_their_buffers_and_equal_the_expressions(dtype, beam):
+    """StepStats computes into buffers made in the first steps (a process's peak then does not depend
+    on the C library's reuse of freed blocks) and its values still equal the expressions exactly."""
+    from transformers_offload.capture.stats import StepStats
+
+    rows, vocab = 4, 1_000
+    stats = StepStats()
+    made = []
+    for step in range(6):
+        x, s = _made_up_step(rows, vocab, dtype, step)
+        stats.raw(step, x)
+        stats.raw(step, x)  # a step written again (assisted decoding) replaces the first write
+        stats.processed(step, s)
+        tokens = torch.tensor([3, -1, 7, 1])
+        parents = torch.tensor([2, 0, -1, 0]) if beam else None
+        record = stats.record(step, tokens, parents)
+        expected = expected_stats(x, s, tokens, parents)
+        for column, name in enumerate(KEYS):
+            mine, theirs = record[:, column], expected[name].to(record.dtype)
+            assert torch.equal(mine.isnan(), theirs.isnan()), (step, name)
+            assert torch.equal(mine.nan_to_num(0.0), theirs.nan_to_num(0.0)), f"step {step}: {name} differs"
+        made.append(stats.buffers.allocations + stats.raw_allocations)
+    assert made[-1] == made[1], f"tensors made per step after the first: {made}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_workspace_logsumexp_equals_torchs(dtype):
+    """`workspace.logsumexp` follows ATen's own steps: equal to `torch.logsumexp`, infinities included
+    (a torch whose logsumexp changed its steps fails here, before any recording differs)."""
+    from transformers_offload.capture.workspace import logsumexp
+
+    x = (torch.randn(6, 3_001, generator=torch.Generator().manual_seed(0)) * 30).to(dtype)
+    x[1, ::2] = float("-inf")
+    x[2] = float("-inf")
+    x[3, 7] = float("inf")
+    mine, theirs = logsumexp(x, torch.empty_like(x)), torch.logsumexp(x, -1)
+    assert torch.equal(mine.isnan(), theirs.isnan())
+    assert torch.equal(mine.nan_to_num(0.0), theirs.nan_to_num(0.0))

@@ -28,6 +28,7 @@ from .prompt_logprobs import PromptScoring
 from .stats import StepStats
 from .transfer import HostRing
 from .verify import RecordingMismatch, check_beams, check_loop
+from .workspace import ChunkBuffers
 
 # Opens the store of one call: given the stream names, the call's header and the most steps it can
 # run, returns an object with `drain(step, tensors)`, `has(name, step)`, `finish(...) -> StoredGeneration`
@@ -48,6 +49,7 @@ class Capture:
         self.encodings = dict(encodings or {})  # logits/scores not recorded dense (`encodings`)
         self._sparse = _encodings.Sparse()
         self._native = _encodings.Native(model_dtype)
+        self._topk_buffers = ChunkBuffers()  # the topk encoding's (rows, vocab) work, made at the first step
         self.layer_tap = layer_tap  # attentions and hidden states, when the recorder records them
         self._layer_names: list[str] = []  # per-step layer streams, known from the first forward
         self._layers_fired = 0  # selected layers the module hooks put in the current forward
@@ -390,7 +392,7 @@ class Capture:
         elif encoding == _format.NATIVE:
             self.ring.put(step, name, tensor, encoder=self._native)
         else:
-            self.ring.put(step, name, _encodings.encode(encoding, tensor))
+            self.ring.put(step, name, _encodings.encode(encoding, tensor, self._topk_buffers))
 
     def _take_forward_logits(self) -> torch.Tensor:
         parts, self._forward_logits = self._forward_logits, []

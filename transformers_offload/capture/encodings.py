@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 
 from ..store.format import ENCODED_STREAMS, NATIVE, SPARSE, SPARSE_DTYPES, topk_width
+from .workspace import ChunkBuffers, logsumexp
 
 SPARSE_CAPACITY = 256  # entries per row the device part keeps; a row with more is copied whole
 
@@ -83,16 +84,20 @@ def sampling_masks(generation_config: Any, vocab_size: int | None = None) -> boo
     )
 
 
-def encode(encoding: str, tensor: torch.Tensor) -> torch.Tensor:
+def encode(encoding: str, tensor: torch.Tensor, buffers: ChunkBuffers | None = None) -> torch.Tensor:
     """`tensor` `(rows, vocab)` as stored under `encoding` (a `"topk:K"`): a `(rows, 2K + 2)` float64
-    record on the tensor's device."""
+    record on the tensor's device. With `buffers` (one per call, reused every step), the two
+    logsumexps' `(rows, vocab)` work is written into a buffer made once (the same values)."""
     k = topk_width(encoding)
     x = tensor.detach()
     values, indices = torch.topk(x, k, dim=-1)
-    logsumexp = torch.logsumexp(x, -1)
-    mass_outside = torch.exp(torch.logsumexp(x.scatter(-1, indices, float("-inf")), -1) - logsumexp)
+    buffers = ChunkBuffers() if buffers is None else buffers
+    work = buffers.take("topk", x.shape, x.dtype, x.device)
+    total = logsumexp(x, work)
+    # x.scatter(-1, indices, -inf) is a clone then scatter_: here the clone is into the buffer.
+    mass_outside = torch.exp(logsumexp(work.copy_(x).scatter_(-1, indices, float("-inf")), work) - total)
     return torch.cat(
-        [values.float().double(), indices.double(), logsumexp.float().double()[:, None],
+        [values.float().double(), indices.double(), total.float().double()[:, None],
          mass_outside.float().double()[:, None]],
         dim=-1,
     )
@@ -113,6 +118,7 @@ class Sparse:
 
     def __init__(self, capacity: int | None = None) -> None:
         self.capacity = SPARSE_CAPACITY if capacity is None else capacity
+        self.buffers = ChunkBuffers()  # on_cpu's (rows, vocab) work, made at the first step
 
     def on_device(self, x: torch.Tensor) -> torch.Tensor:
         """`x` `(rows, vocab)` -> `(rows, 1 + (1 + w) C)` int32 on `x`'s device; no host synchronisation."""
@@ -160,8 +166,11 @@ class Sparse:
         x = x.detach()
         rows, vocab = x.shape
         w = value_words(x.dtype)
-        keep = x != float("-inf")
-        counts = keep.sum(-1)
+        keep = torch.ne(x, float("-inf"), out=self.buffers.take("keep", x.shape, torch.bool, x.device))
+        # Counted as 0.0 / 1.0 floats (exact below 2**24, 2**53 in float64): summing the bool tensor
+        # would make an int64 copy of it, 8 bytes an entry, every step.
+        tally = torch.float32 if vocab <= 2**24 else torch.float64
+        counts = torch.ne(x, float("-inf"), out=self.buffers.take("count", x.shape, tally, x.device)).sum(-1).long()
         whole = (1 + w) * counts >= w * vocab
         header = torch.tensor([rows, vocab, SPARSE_DTYPES.index(x.dtype)], dtype=torch.int32)
         marks = torch.where(whole, -1, counts).to(torch.int32)
@@ -176,7 +185,7 @@ class Sparse:
             return torch.cat([header, marks, items[keys.sort(stable=True).indices]])
         parts: list[torch.Tensor] = []
         for r in range(rows):
-            _row_parts(x[r], parts)
+            _row_parts(x[r], parts, keep[r])
         return torch.cat([header, marks, *parts])
 
 
@@ -186,11 +195,11 @@ def value_words(dtype: torch.dtype) -> int:
     return 2 if dtype == torch.float64 else 1
 
 
-def _row_parts(row: torch.Tensor, parts: list[torch.Tensor]) -> int:
+def _row_parts(row: torch.Tensor, parts: list[torch.Tensor], keep: torch.Tensor | None = None) -> int:
     """Append one dense host row to a record's `parts`, whole or as its ids and values, whichever is
-    smaller; returns its mark (its count of entries, or -1 for whole)."""
+    smaller; returns its mark (its count of entries, or -1 for whole). `keep`: `row != -inf`, if known."""
     w, vocab = value_words(row.dtype), row.shape[-1]
-    ids = (row != float("-inf")).nonzero().flatten()
+    ids = (row != float("-inf") if keep is None else keep).nonzero().flatten()
     if (1 + w) * ids.numel() >= w * vocab:
         parts.append(_words(row))
         return -1
@@ -217,6 +226,7 @@ class Native:
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype  # the model's
+        self.buffers = ChunkBuffers()  # on_cpu's narrowed and widened copies, made at the first step
 
     def _narrow(self, dtype: torch.dtype) -> torch.dtype | None:
         """The dtype a step of `dtype` may be stored in, or None when it is stored as it is."""
@@ -251,8 +261,10 @@ class Native:
         rows, vocab = x.shape
         narrow = self._narrow(x.dtype)
         if narrow is not None:
-            small = x.to(narrow)
-            if torch.equal(small.to(x.dtype).view(torch.int32), x.view(torch.int32)):
+            # x.to(narrow) and its .to(x.dtype), as copies into buffers made once (the same conversions).
+            small = self.buffers.take("narrow", x.shape, narrow, x.device).copy_(x)
+            wide = self.buffers.take("wide", x.shape, x.dtype, x.device).copy_(small)
+            if torch.equal(wide.view(torch.int32), x.view(torch.int32)):
                 return _native_record(small.reshape(-1).view(torch.int16), rows, vocab, x.dtype, narrow)
         return _native_record(x.contiguous().reshape(-1).view(torch.int16), rows, vocab, x.dtype, x.dtype)
 

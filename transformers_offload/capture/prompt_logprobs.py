@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from .workspace import ChunkBuffers
+
 CHUNK_ELEMENTS = 2**24  # default chunk: at most this many logits (64 MiB of float32) at once
 FLOAT32_INTEGERS = 2**24  # every integer up to this is a float32 value (a rank's count of 0.0 / 1.0)
 # Config fields of models whose forward scales the head's output (Cohere, Granite, Falcon-H1): refused.
@@ -157,26 +159,6 @@ def _plain_weight(head: torch.nn.Module, states: torch.Tensor) -> torch.Tensor |
     if weight.device != states.device or weight.dtype != states.dtype or weight.is_meta:
         return None
     return weight
-
-
-class ChunkBuffers:
-    """The per-chunk buffers of one scoring: one flat tensor per name, made at its first use (the first
-    chunk, the largest) and viewed in each later chunk's shape, so no chunk allocates them again.
-    `allocations` counts the tensors made."""
-
-    def __init__(self) -> None:
-        self._flat: dict[str, torch.Tensor] = {}
-        self.allocations = 0
-
-    def take(self, name: str, shape: torch.Size | tuple[int, ...], dtype: torch.dtype,
-             device: torch.device) -> torch.Tensor:
-        """A contiguous `shape` view of the buffer `name` (made, or made again larger, when it does not fit)."""
-        size = math.prod(shape)
-        flat = self._flat.get(name)
-        if flat is None or flat.numel() < size or flat.dtype != dtype or flat.device != device:
-            flat = self._flat[name] = torch.empty(size, dtype=dtype, device=device)
-            self.allocations += 1
-        return flat[:size].view(shape)
 
 
 def _results(prompts: int, positions: int, top: int, device: torch.device) -> dict[str, torch.Tensor]:

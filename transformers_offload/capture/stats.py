@@ -34,20 +34,41 @@ from __future__ import annotations
 import torch
 
 from ..store.format import STATS_COLUMNS as COLUMNS
+from .workspace import ChunkBuffers, logsumexp
 
 FLOAT32_INTEGERS = 2**24  # every integer up to this is a float32 value
 
 
 class StepStats:
-    """Each pending step's raw logits and processed scores, until its tokens are known."""
+    """Each pending step's raw logits and processed scores, until its tokens are known.
+
+    Nothing here allocates a `(rows, vocab)` tensor after the first steps of a call: a step's raw logits
+    are copied into a buffer a recorded step gave back, and the statistics are computed into workspaces
+    made once per (shape, dtype, device) (`ChunkBuffers`), so the host's peak does not depend on how the
+    C library reuses freed blocks. `buffers.allocations` (plus `raw_allocations`) counts the tensors made.
+    """
 
     def __init__(self) -> None:
         self._raw: dict[int, torch.Tensor] = {}
         self._processed: dict[int, torch.Tensor] = {}
+        self._free: list[torch.Tensor] = []  # raw buffers of steps already recorded, to copy into again
+        self.buffers = ChunkBuffers()
+        self.raw_allocations = 0
 
     def raw(self, step: int, logits: torch.Tensor) -> None:
         """The step's raw logits `(rows, vocab)`, copied (a later write of the same step replaces it)."""
-        self._raw[step] = logits.detach().clone()
+        logits = logits.detach()
+        kept = self._raw.pop(step, None)
+        if kept is not None:
+            self._free.append(kept)
+        # Only contiguous logits (what generate() hands the processors) reuse a buffer: a clone keeps a
+        # dense tensor's strides, and the statistics must reduce over the same layout as before.
+        for index, free in enumerate(self._free if logits.is_contiguous() else ()):
+            if (free.shape, free.dtype, free.device) == (logits.shape, logits.dtype, logits.device) and free.is_contiguous():
+                self._raw[step] = self._free.pop(index).copy_(logits)
+                return
+        self._raw[step] = logits.clone()
+        self.raw_allocations += 1
 
     def processed(self, step: int, scores: torch.Tensor) -> None:
         """The step's processed scores `(rows, vocab)`, as the decoding loop uses them."""
@@ -67,9 +88,10 @@ class StepStats:
                 step each running beam extends (-1: none); None means row r extends row r.
         """
         x, s = self._raw[step], self._processed[step]
-        for pending in (self._raw, self._processed):
-            for old in [t for t in pending if t < step]:
-                del pending[old]
+        for old in [t for t in self._raw if t < step]:
+            self._free.append(self._raw.pop(old))
+        for old in [t for t in self._processed if t < step]:
+            del self._processed[old]
         rows = torch.arange(tokens.shape[0], device=x.device)
         tokens = tokens.to(x.device)
         continues = tokens >= 0
@@ -80,14 +102,15 @@ class StepStats:
         y = torch.where(continues, tokens, torch.zeros_like(tokens))
         columns = {
             "token": torch.where(continues, tokens, torch.full_like(tokens, -1)),
-            "logprob_raw": torch.log_softmax(x, -1)[rows, y].float(),
-            "logprob_processed": torch.log_softmax(s, -1)[rows, y].float(),
-            "rank_raw": (x[rows] > x[rows, y][:, None]).sum(-1),
-            "rank_processed": (s[rows] > s[rows, y][:, None]).sum(-1),
-            "entropy_raw": torch.special.entr(torch.softmax(x, -1)).sum(-1)[rows].float(),
-            "entropy_processed": torch.special.entr(torch.softmax(s, -1)).sum(-1)[rows].float(),
-            "logsumexp_raw": torch.logsumexp(x, -1)[rows].float(),
-            "support_processed": torch.isfinite(s).sum(-1)[rows],
+            "logprob_raw": torch.log_softmax(x, -1, out=self._work(x))[rows, y].float(),
+            "logprob_processed": torch.log_softmax(s, -1, out=self._work(s))[rows, y].float(),
+            "rank_raw": self._rank(x, rows, y, parents is not None),
+            "rank_processed": self._rank(s, rows, y, parents is not None),
+            "entropy_raw": self._entropy(x)[rows].float(),
+            "entropy_processed": self._entropy(s)[rows].float(),
+            "logsumexp_raw": self._logsumexp(x)[rows].float(),
+            # isfinite(s) as |s| < inf (False for NaN and +-inf), held as 0.0 / 1.0 and counted exactly.
+            "support_processed": torch.lt(torch.abs(s, out=self._work(s)), float("inf"), out=self._above(s)).sum(-1)[rows],
         }
         for name in ("logprob_raw", "logprob_processed"):
             columns[name] = torch.where(continues, columns[name], torch.full_like(columns[name], float("nan")))
@@ -99,3 +122,31 @@ class StepStats:
     def clear(self) -> None:
         self._raw.clear()
         self._processed.clear()
+        self._free.clear()
+
+    # Each expression below equals (torch.equal) the one in the module's docstring: the same kernels,
+    # written into workspaces instead of new tensors. A count sums a comparison held as 0.0 / 1.0 in a
+    # float32 buffer (float64 above 2**24 entries): exact in any order, without the int64 copy that
+    # summing a bool tensor makes.
+    def _work(self, t: torch.Tensor) -> torch.Tensor:
+        return self.buffers.take(f"work {t.dtype}", t.shape, t.dtype, t.device)
+
+    def _above(self, t: torch.Tensor) -> torch.Tensor:
+        dtype = torch.float32 if t.shape[-1] <= FLOAT32_INTEGERS else torch.float64
+        return self.buffers.take("above", t.shape, dtype, t.device)
+
+    def _rank(self, t: torch.Tensor, rows: torch.Tensor, y: torch.Tensor, gathered: bool) -> torch.Tensor:
+        """`(t[rows] > t[rows, y][:, None]).sum(-1)`, as float counts."""
+        threshold = t[rows, y][:, None]
+        if gathered:  # beam search: rows are the running beams' parents
+            t = torch.index_select(t, 0, rows, out=self._work(t))
+        return torch.gt(t, threshold, out=self._above(t)).sum(-1)
+
+    def _entropy(self, t: torch.Tensor) -> torch.Tensor:
+        """`torch.special.entr(torch.softmax(t, -1)).sum(-1)`."""
+        probabilities = torch.softmax(t, -1, out=self._work(t))
+        return torch.special.entr(probabilities, out=probabilities).sum(-1)
+
+    def _logsumexp(self, t: torch.Tensor) -> torch.Tensor:
+        """`torch.logsumexp(t, -1)` (`workspace.logsumexp`)."""
+        return logsumexp(t, self._work(t))

@@ -82,6 +82,17 @@ CHECKSUM_ALGORITHM = "crc32c" if google_crc32c.implementation == "c" else "crc32
 _CHECKSUMS: dict[str, Callable[[Any], int]] = {"crc32c": google_crc32c.value, "crc32": zlib.crc32}
 _EXTEND: dict[str, Callable[[int, Any], int]] = {"crc32c": google_crc32c.extend, "crc32": lambda crc, data: zlib.crc32(data, crc)}
 _CHECKSUM_BLOCK = 8 * 2**20  # bytes read at a time
+_blocks = threading.local()  # per thread (a recording's writer), its checksum block
+
+
+def _checksum_block(size: int) -> memoryview:
+    """A `size`-byte view of this thread's checksum block, made once (and again larger when a larger
+    file comes): a shard's checksum then allocates nothing, so a writer thread's heap does not grow by
+    a freed block per shard with the C library's default allocator settings."""
+    block = getattr(_blocks, "block", None)
+    if block is None or len(block) < size:
+        block = _blocks.block = bytearray(size)
+    return memoryview(block)[:size]
 
 
 def file_checksum(file: Any, algorithm: str = CHECKSUM_ALGORITHM) -> str:
@@ -89,7 +100,7 @@ def file_checksum(file: Any, algorithm: str = CHECKSUM_ALGORITHM) -> str:
     blocks of at most 8 MiB (a map of the whole file would count the file in the process's resident
     set: a shard's size more at the writer's peak)."""
     size = os.fstat(file.fileno()).st_size
-    block = bytearray(min(size, _CHECKSUM_BLOCK) or 1)
+    block = _checksum_block(min(size, _CHECKSUM_BLOCK) or 1)
     view = numpy.frombuffer(block, dtype=numpy.uint8)  # google-crc32c takes arrays, not bytearrays
     crc = _CHECKSUMS[algorithm](b"")
     file.seek(0)
