@@ -119,7 +119,7 @@ def rescore(
     Example:
         >>> from transformers_offload import open_recording, rescore, compare  # doctest: +SKIP
         >>> rescored = rescore(open_recording("run"), model.to(torch.bfloat16), "run-bf16")  # doctest: +SKIP
-        >>> print(compare("run", rescored).summary())  # doctest: +SKIP
+        >>> print(compare("run", rescored))  # the summary, as text  # doctest: +SKIP
     """
     if mode not in MODES:
         raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}.")

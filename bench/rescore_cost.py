@@ -1,0 +1,175 @@
+"""What rescoring and comparing cost: time against stock, compare's tokens per second, peak memory at
+long lengths and large vocabularies, and the bytes of a reference.
+
+    .venv/bin/python bench/rescore_cost.py [--batch 4] [--new-tokens 64] [--repeats 3]
+    .venv/bin/python bench/rescore_cost.py --part memory [--tokens 32768] [--vocab 152064] [--runs 3]
+
+`--part time` (SmolLM2-135M-Instruct, CPU, float32, `--batch` chat prompts, greedy, `--new-tokens`):
+a reference recording is made once (logits, dense, spilled); then, interleaved `--repeats` times:
+stock `generate()` of the same prompts (greedy: the same tokens) against `rescore(..., mode="decode")`
+(in memory); one forward of each sequence (prompt and tokens) against `rescore(..., mode="forward")`;
+reading both recordings' logits against `compare(reference, rescored).summary()` (the rescored one in
+bfloat16, spilled). Also the bytes of the reference per token, dense and `topk:20`, against 16-bit
+full-vocabulary log-probabilities (llama.cpp's `--kl-divergence-base` file holds those).
+
+`--part memory` (a tiny Llama with a `--vocab` vocabulary, one row, `--tokens` steps): records a greedy
+run of that length spilled to disk, then in fresh processes with default allocator settings measures the
+peak resident memory of: loading the model and the recording only (the base), `rescore(mode="forward")`
+into a spilled recording, and `compare` of the two; `--runs` times, median and min..max. Writes
+`rescore_cost.json` / `rescore_memory.json` under `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from _common import (RESULTS, TIMING_HEADERS, fresh_runs, interleaved, machine, peak_rss_bytes,  # noqa: E402
+                     print_peaks, print_table, summarize, timed, timing_columns, write_json)
+from compact_cost import PROMPTS  # noqa: E402
+from transformers_offload import Recorder, compare, open_recording, rescore  # noqa: E402
+
+
+def time_part(args: argparse.Namespace) -> None:
+    from transformers_offload.demo_model import load
+
+    model, tokenizer = load()
+    chats = [[{"role": "user", "content": p}] for p in (PROMPTS * args.batch)[: args.batch]]
+    texts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    options = dict(max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    work = Path(tempfile.mkdtemp(prefix="bench-rescore-"))
+    try:
+        with Recorder(model, spill_dir=work / "reference", streams=("logits",)) as rec:
+            model.generate(**batch, logits_processor=[rec], **options)
+        reference = open_recording(work / "reference")
+        generation = reference.generation()
+        sequences = generation.sequences
+        mask = torch.cat([batch["attention_mask"], torch.ones(len(sequences), generation.num_steps, dtype=torch.long)], 1)
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+        end = generation.prompt_length + generation.num_steps - 1
+        rescore(reference, model.to(torch.bfloat16), work / "bf16")
+        model.to(torch.float32)
+        rescored = open_recording(work / "bf16")
+
+        def one_forward(_: int) -> float:
+            with torch.no_grad():
+                return timed(lambda: model(input_ids=sequences[:, :end], attention_mask=mask[:, :end],
+                                           position_ids=positions[:, :end]))
+
+        def read_both(_: int) -> float:
+            return timed(lambda: [g.logits() for r in (reference, rescored) for g in r.generations])
+
+        cases = {
+            "stock generate (same tokens)": lambda _: timed(lambda: model.generate(**batch, **options)),
+            "rescore, decode": lambda _: timed(lambda: rescore(reference, model)),
+            "one forward of the sequences": one_forward,
+            "rescore, forward": lambda _: timed(lambda: rescore(reference, model, mode="forward")),
+            "read both recordings": read_both,
+            "compare": lambda _: timed(lambda: compare(reference, rescored).summary()),
+        }
+        times = interleaved(cases, args.repeats, warmup=lambda: model.generate(**batch, max_new_tokens=2,
+                                                                                pad_token_id=tokenizer.pad_token_id))
+        tokens = compare(reference, rescored).summary()["tokens"]
+        dense = sum(p.stat().st_size for p in (work / "reference").glob("*-s*.safetensors"))
+        rows_steps = generation.num_rows * generation.num_steps
+        vocab = int(generation.logits(steps=range(1))[0].shape[-1])
+        with Recorder(model, spill_dir=work / "topk", streams=("logits",), encodings={"logits": "topk:20"}) as rec:
+            model.generate(**batch, logits_processor=[rec], **options)
+        topk = sum(p.stat().st_size for p in (work / "topk").glob("*-s*.safetensors"))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    pairs = {"rescore, decode": "stock generate (same tokens)", "rescore, forward": "one forward of the sequences",
+             "compare": "read both recordings"}
+    rows, summary = [], {}
+    for case, base in pairs.items():
+        entry = summarize({case: times[case], base: times[base]}, base)
+        summary[case] = entry[case]
+        summary[base] = entry[base]
+        rows.append([case, *timing_columns(entry[case])[:2], base, *timing_columns(entry[base])[:2],
+                     f"{entry[case]['over_base']:.3f}x"])
+    print_table(["case", "median s", "min..max s", "against", "median s", "min..max s", "ratio"], rows)
+    compare_rate = tokens / summary["compare"]["median_exact"]
+    sizes = {"dense float32": dense / rows_steps, "topk:20": topk / rows_steps, "16-bit log-probabilities": 2 * vocab}
+    print(f"compare: {tokens} tokens, {compare_rate:.1f} tokens/s "
+          f"({tokens / summary['read both recordings']['median_exact']:.1f} tokens/s to read both)")
+    print_table(["reference", "bytes per token", "over 16-bit log-probabilities"],
+                [[name, f"{size:,.0f}", f"{size / sizes['16-bit log-probabilities']:.3f}x"] for name, size in sizes.items()])
+    write_json(args.out / "rescore_cost.json", {"machine": machine(), "args": vars(args) | {"out": str(args.out)},
+                                                "times": times, "summary": summary, "compare_tokens": tokens,
+                                                "compare_tokens_per_second": compare_rate, "bytes_per_token": sizes,
+                                                "vocab": vocab, "headers": TIMING_HEADERS})
+
+
+def tiny_model(vocab: int, positions: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions + 16,
+                         bos_token_id=1, eos_token_id=None, pad_token_id=0, tie_word_embeddings=False)
+    return LlamaForCausalLM(config).eval()
+
+
+def memory_child(args: argparse.Namespace) -> None:
+    """One measurement in this (fresh) process; prints its result as JSON on the last line."""
+    work = Path(args.work)
+    model = tiny_model(args.vocab, args.tokens)
+    reference = open_recording(work / "reference")
+    target = work / f"child-{os.getpid()}"
+    if args.child == "rescore-forward":
+        rescore(reference, model, target, mode="forward")
+    elif args.child == "compare":
+        compare(reference, open_recording(work / "rescored")).summary()
+    shutil.rmtree(target, ignore_errors=True)
+    print(json.dumps({"peak_mib": peak_rss_bytes() / 2**20}))
+
+
+def memory_part(args: argparse.Namespace) -> None:
+    work = Path(tempfile.mkdtemp(prefix="bench-rescore-memory-", dir=args.work_dir))
+    try:
+        model = tiny_model(args.vocab, args.tokens)
+        with Recorder(model, spill_dir=work / "reference", streams=("logits",)) as rec:
+            model.generate(input_ids=torch.tensor([[1, 5, 6, 7]]), logits_processor=[rec], max_new_tokens=args.tokens,
+                           do_sample=False, pad_token_id=0)
+        rescore(open_recording(work / "reference"), model, work / "rescored", mode="forward")
+        common = ["--part", "memory-child", "--work", str(work), "--tokens", str(args.tokens), "--vocab", str(args.vocab)]
+        found = fresh_runs(__file__, {case: [*common, "--child", case] for case in ("base", "rescore-forward", "compare")},
+                           args.runs)
+        summary = print_peaks(found, key="peak_mib", base="base", label="peak")
+        on_disk = sum(p.stat().st_size for p in (work / "reference").iterdir())
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    write_json(args.out / "rescore_memory.json", {"machine": machine(), "args": vars(args) | {"out": str(args.out)},
+                                                  "runs": found, "summary": summary, "reference_bytes": on_disk})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=("time", "memory", "memory-child"), default="time")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=32768)
+    parser.add_argument("--vocab", type=int, default=152064)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--work-dir", default=None, help="where the memory part writes its recordings (2 x tokens x vocab x 4 bytes)")
+    parser.add_argument("--work"), parser.add_argument("--child")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    {"time": time_part, "memory": memory_part, "memory-child": memory_child}[args.part](args)
+
+
+if __name__ == "__main__":
+    main()
