@@ -18,6 +18,9 @@ from transformers_offload.rescore_run import rescore_recording
 from .conftest import EOS, PAD, left_padded_batch, make_tiny
 
 GENERATIONS = 4
+# Real processes (40 s here): the newest release runs them; the version matrix runs the in-process tests
+# of test_rescore.py and test_rescore_releases.py, which replay on each release.
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
