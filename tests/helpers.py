@@ -143,7 +143,8 @@ def made_up_stats(step: int, rows: int, vocab: int) -> torch.Tensor:
 
 
 def made_up_topk(step: int, rows: int, k: int = 2) -> torch.Tensor:
-    """One step's `(rows, 2K + 2)` float64 top-k record (values, indices, logsumexp, mass outside)."""
+    """One step's `(rows, 2K + 2)` float64 top-k record (values, indices, logsumexp, mass outside), as
+    recordings made before the packed records hold it (tests/golden/tiny-topk-recording, frozen)."""
     row = torch.arange(rows, dtype=torch.float64)[:, None]
     rank = torch.arange(k, dtype=torch.float64)[None, :]
     values = 2.0 - rank - 0.5 * row + step
@@ -172,10 +173,12 @@ def made_up_sparse_record(step: int, rows: int, vocab: int) -> torch.Tensor:
 
 def write_made_up_recording(root, *, steps: int, rows: int, vocab: int, shard_bytes: int, complete: bool = True,
                             layers: bool = False, stats: bool = False, topk: bool = False, sparse: bool = False,
-                            native: bool = False):
+                            native: bool = False, sampled: bool = False):
     """Drive the shard store directly (no model): the layer below `generate()`. Returns what the store
     hands back (`StoredGeneration`). With `layers`, the steps also carry `made_up_layers`; with `stats`,
-    a `made_up_stats` record; with `topk`, the scores are a `made_up_topk` record (`"topk:2"`); with
+    a `made_up_stats` record; with `topk`, the logits are `made_up_native_logits` recorded `"topk:2"` for a
+    bfloat16 model and the scores `"topk:2:q4"`; with `sampled`, the scores are recorded `"sample:3@0.5"`
+    (seed 0); with
     `sparse`, a `made_up_sparse_record` (`"sparse"`); with `native`, the logits are `made_up_native_logits`
     recorded `"native"` for a bfloat16 model and the scores stored as them (`"same_as_logits"`)."""
     from transformers_offload.store.shards import Spill
@@ -189,18 +192,27 @@ def write_made_up_recording(root, *, steps: int, rows: int, vocab: int, shard_by
     if native:
         header["encodings"] = {"logits": "native", "scores": "same_as_logits"}
     if topk:
-        header["encodings"] = {"scores": "topk:2"}
+        header["encodings"] = {"logits": "topk:2", "scores": "topk:2:q4"}
+    if sampled:
+        header["encodings"] = {"scores": "sample:3@0.5"}
     if sparse:
         header["encodings"] = {"scores": "sparse"}
     store = spill.open_store(names, header, max_steps=steps)
+    generators: dict = {}  # the `sampled` draws', one CPU generator seeded 0
     if layers:
         store.add_streams(["attentions.1", "hidden_states.2"], ["encoder_hidden_states.0"], MADE_UP_LAYERS)
     for step in range(steps):
         tensors = {**made_up_step(step, rows, vocab), **(made_up_layers(step, rows) if layers else {})}
         if stats:
             tensors["stats"] = made_up_stats(step, rows, vocab)
-        if topk:
-            tensors["scores"] = made_up_topk(step, rows)
+        if topk or sampled:
+            from transformers_offload.capture.packed_encodings import QuantisedTopK, Sampled, TopK
+
+            if topk:
+                tensors["logits"] = TopK("topk:2", torch.bfloat16).on_cpu(made_up_native_logits(step, rows, vocab))
+                tensors["scores"] = QuantisedTopK("topk:2:q4").on_cpu(made_up_step(step, rows, vocab)["scores"])
+            else:
+                tensors["scores"] = Sampled("sample:3@0.5", generators, 0).on_cpu(made_up_step(step, rows, vocab)["scores"])
         if sparse:
             tensors["scores"] = made_up_sparse_record(step, rows, vocab)
         if native:

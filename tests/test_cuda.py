@@ -56,6 +56,8 @@ FLAT_OPTIONS = {
     "dense": (torch.float32, {}),
     "sparse scores": (torch.float32, {"encodings": {"scores": "sparse"}}),
     "topk": (torch.float32, {"encodings": {"logits": "topk:5", "scores": "topk:5"}}),
+    "topk q and samples": (torch.float32, {"encodings": {"logits": "topk:5:q4", "scores": "sample:8@0.7"}}),
+    "topk bf16": (torch.bfloat16, {"encodings": {"logits": "topk:5", "scores": "topk:5"}}),
     "stats": (torch.float32, {"streams": ("logits", "scores", "stats")}),
     "native bf16": (torch.bfloat16, {"encodings": {"logits": "native", "scores": "native"}}),
 }
@@ -122,8 +124,9 @@ def test_sync_debug_mode_catches_a_synchronising_call():
 
 
 @pytest.mark.parametrize("store", ["memory", "spill"])
+@pytest.mark.parametrize("encodings", [None, {"logits": "topk:5", "scores": "topk:5:q4"}, {"logits": "sample:8@0.7"}])
 @pytest.mark.parametrize("kwargs", [dict(), dict(do_sample=True, top_k=20), dict(num_beams=3)])
-def test_the_recorder_makes_no_synchronising_call_in_the_step_path(kwargs, store, tmp_path, monkeypatch):
+def test_the_recorder_makes_no_synchronising_call_in_the_step_path(kwargs, store, encodings, tmp_path, monkeypatch):
     # generate() itself synchronises every step; only the recorder's own per-step code runs strict.
     for name in ("on_forward", "on_raw", "on_processed", "on_stopping"):
         monkeypatch.setattr(_capture.Capture, name, _strict(getattr(_capture.Capture, name)))
@@ -131,7 +134,7 @@ def test_the_recorder_makes_no_synchronising_call_in_the_step_path(kwargs, store
     model = make_tiny("llama").to("cuda")
     batch = {k: v.to("cuda") for k, v in left_padded_batch().items()}
     options = {"spill_dir": tmp_path / "run", "shard_bytes": 20_000} if store == "spill" else {}
-    with Recorder(model, **options) as rec:
+    with Recorder(model, encodings=encodings, **options) as rec:
         model.generate(**batch, logits_processor=[rec], max_new_tokens=24, min_new_tokens=24, **kwargs)
     assert rec.generation().num_steps == 24
     assert rec.generation().complete

@@ -81,9 +81,11 @@ def test_a_topk_recording_is_small_and_says_its_encoding(gpt2, tmp_path):
     with Recorder(gpt2, streams=("scores",), encodings={"scores": "topk:3"}, spill_dir=tmp_path / "run") as rec:
         gpt2.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=6, min_new_tokens=6)
     entry = json.loads((tmp_path / "run" / "manifest.json").read_text())["generations"][0]
-    assert entry["streams"]["scores"] == {"dtype": "float64", "shape": [3, 8], "encoding": "topk:3"}
+    assert entry["streams"]["scores"] == {"dtype": "int32", "shape": [None], "encoding": "topk:3",
+                                          "dense": {"dtype": "float32", "shape": [3, 128]}}
     described = open_recording(tmp_path / "run").describe()["generations"][0]["streams"]["scores"]
-    assert described["encoding"] == "topk:3" and described["bytes"] == 6 * 3 * 8 * 8
+    # Per step a 20-byte header, then per row 3 float32 values, 3 one-byte ids, logsumexp and mass.
+    assert described["encoding"] == "topk:3" and described["bytes"] == 6 * (20 + 4 * -(-3 * (3 * 5 + 8) // 4))
 
 
 def test_full_accessors_point_to_topk(gpt2, tmp_path):
@@ -108,7 +110,11 @@ def test_full_accessors_point_to_topk(gpt2, tmp_path):
         ({"scores": 3}, TypeError, "must be a dict"),
         ({"tokens": "topk:3"}, ValueError, "only \\('logits', 'scores'\\) can be encoded"),
         ({"attentions": "topk:3"}, ValueError, "only"),
-        ({"scores": "fp8"}, ValueError, "the encodings are \"dense\", \"sparse\", \"native\" and \"topk:K\""),
+        ({"scores": "fp8"}, ValueError, "the encodings are \"dense\", \"sparse\", \"native\", \"topk:K\", \"topk:K:qB\" and \"sample:N@T\""),
+        ({"scores": "topk:3:q9"}, ValueError, "B 2 to 8 bits"),
+        ({"scores": "sample:0"}, ValueError, "N must be at least 1"),
+        ({"scores": "sample:4@0"}, ValueError, "T above 0"),
+        ({"scores": "sample:4@-1"}, ValueError, "sample:N@T"),
         ({"scores": "Sparse"}, ValueError, "the encodings are"),
         ({"scores": "topk:0"}, ValueError, "K must be at least 1"),
         ({"scores": "topk:1e3"}, ValueError, "written in digits"),
@@ -138,8 +144,7 @@ def test_cpu_encodings_reuse_their_buffers_step_after_step(encoding):
     """On the host an encoding's `(rows, vocab)` work goes into buffers made at the first step (so a
     process's peak does not depend on how the C library reuses freed blocks), and every step's record
     equals the one a fresh encoder makes."""
-    from transformers_offload.capture import encodings
-    from transformers_offload.capture.workspace import ChunkBuffers
+    from transformers_offload.capture import encodings, packed_encodings
 
     def made_up(step: int) -> torch.Tensor:
         x = torch.randn(3, 500, generator=torch.Generator().manual_seed(step)).bfloat16().float()
@@ -154,8 +159,8 @@ def test_cpu_encodings_reuse_their_buffers_step_after_step(encoding):
         if encoding == "native":
             native = encodings.Native(torch.bfloat16)
             return native.on_cpu, native.buffers
-        buffers = ChunkBuffers()
-        return (lambda x: encodings.encode(encoding, x, buffers)), buffers
+        topk = packed_encodings.TopK(encoding)
+        return topk.on_cpu, topk.buffers
 
     encode, buffers = encoder()
     made = []

@@ -90,13 +90,32 @@ def test_the_golden_stats_recording_reads_back():
     assert torch.equal(stats[1]["token"], generation.tokens()[1])
 
 
-def test_the_topk_encoding_is_pinned_byte_for_byte(tmp_path):
-    """`encodings={"scores": "topk:2"}`: one `(rows, 2K + 2)` float64 record per step, encoding `topk:2`."""
-    write_made_up_recording(tmp_path / "run", steps=3, rows=2, vocab=4, shard_bytes=164, topk=True)
-    assert _golden_files(tmp_path / "run") == _golden_files(GOLDEN_TOPK)
+@pytest.mark.parametrize("options, golden", [({"topk": True}, "tiny-packed-topk-recording"),
+                                             ({"sampled": True}, "tiny-sampled-recording")])
+def test_the_packed_encodings_are_pinned_byte_for_byte(options, golden, tmp_path):
+    """`"topk:2"` logits of a bfloat16 model, `"topk:2:q4"` scores, and `"sample:3@0.5"` scores: one flat
+    int32 record per step (store/packed.py has the layouts)."""
+    write_made_up_recording(tmp_path / "run", steps=3, rows=2, vocab=4, shard_bytes=164, **options)
+    assert _golden_files(tmp_path / "run") == _golden_files(GOLDEN.parent / golden)
+
+
+def test_the_golden_packed_recordings_read_back():
+    generation = open_recording(GOLDEN.parent / "tiny-packed-topk-recording", verify=True).generation()
+    assert generation.encodings == {"logits": "topk:2", "scores": "topk:2:q4"}
+    for step, columns in enumerate(generation.topk("logits")):
+        values, indices = torch.topk(made_up_native_logits(step, 2, 4), 2)
+        assert torch.equal(columns["values"], values) and torch.equal(columns["indices"], indices)
+    for step, columns in enumerate(generation.topk("scores")):
+        values, indices = torch.topk(made_up_step(step, 2, 4)["scores"], 2)
+        assert torch.equal(columns["indices"], indices) and torch.equal(columns["values"][:, 0], values[:, 0])
+    sampled = open_recording(GOLDEN.parent / "tiny-sampled-recording").generation().sampled_targets()
+    assert len(sampled) == 3 and all(bool((step["counts"].sum(-1) == 3).all()) for step in sampled)
+    for step, columns in enumerate(sampled):
+        assert torch.equal(columns["values"], made_up_step(step, 2, 4)["scores"].gather(-1, columns["indices"]))
 
 
 def test_the_golden_topk_recording_reads_back():
+    """A `topk:K` recording from before the packed records (frozen): float64 `(rows, 2K + 2)` per step."""
     generation = open_recording(GOLDEN_TOPK).generation()
     assert generation.encodings == {"scores": "topk:2"}
     for step, columns in enumerate(generation.topk("scores")):

@@ -129,10 +129,15 @@ class Recorder(CallRecorder, LogitsProcessor, StoppingCriteria):
             bytes a row plus 8 a kept entry, never more than dense plus `12 + 4 x rows` bytes a step;
             `logits()`/`scores()` return the dense tensors, `sparse()` the entries), `"native"` (lossless:
             a bfloat16/float16 model's float32 logits stored in the model's dtype, 2 bytes a value, for
-            each step whose every value converts back bit for bit; other steps as they are) or `"topk:K"`
-            (lossy, by your choice: per row the K largest values and their token ids, the logsumexp
-            over the whole vocabulary and the probability mass outside the K, `(2K + 2) x 8` bytes per
-            row and step; read with `topk()`, which `logits()` and `scores()` then point to). E.g.
+            each step whose every value converts back bit for bit; other steps as they are), `"topk:K"`
+            (lossy, by your choice: per row the K largest values bit for bit and their token ids, the
+            logsumexp over the whole vocabulary and the probability mass outside the K, `(value bytes +
+            id bytes) x K + 8` bytes per row and step, ids in 1 to 3 bytes as the vocabulary needs; read
+            with `topk()`, which `logits()` and `scores()` then point to), `"topk:K:qB"` (the same, lossier:
+            ids Elias-Fano coded, log-probabilities in B bits, 2 to 8; 291 bytes at K = 128, B = 5 on a
+            152k vocabulary) or `"sample:N@T"` (N tokens drawn from `softmax(x / T)`, T default 1, with
+            their counts and values and the logsumexp: unbiased distillation targets; read with
+            `sampled_targets()`). E.g.
             `{"scores": "sparse"}`. A stream named nowhere here is stored dense, except by default:
             a bfloat16/float16 model's logits are recorded `"native"` from 4.45 (name `{"logits":
             "dense"}` for dense float32); on CPU, a call that samples through a warper that masks
@@ -143,6 +148,8 @@ class Recorder(CallRecorder, LogitsProcessor, StoppingCriteria):
             once with the logits, whose very tensor they are (`"same_as_logits"` in the manifest). The
             readers return the same tensors either way; naming any encoding for `"scores"`
             (`{"scores": "dense"}`...) stores them so.
+        sample_seed (`int`, *optional*, defaults to 0): the seed of the recorder's own generator (one
+            per device) that draws the `"sample:N@T"` tokens; generate()'s random stream is left alone.
         append (`bool`, *optional*, defaults to False): with `spill_dir` holding a recording of the same
             model, add this recorder's generations after those already there (never touching them; a
             generation a stopped process left `"recording"` is marked `"failed"`). `generations` then
@@ -196,6 +203,7 @@ class Recorder(CallRecorder, LogitsProcessor, StoppingCriteria):
         append: bool = False,
         prompt_logprobs: bool | int = False,
         prompt_chunk: int | None = None,
+        sample_seed: int = 0,
     ) -> None:
         if not isinstance(model, GenerationMixin) or not callable(getattr(model, "generate", None)):
             raise TypeError(
@@ -222,6 +230,10 @@ class Recorder(CallRecorder, LogitsProcessor, StoppingCriteria):
                 raise TypeError(f"`shard_bytes` must be an int (bytes), got {shard_bytes!r}.")
             if shard_bytes < 1:
                 raise ValueError(f"`shard_bytes` must be at least 1 (byte), got {shard_bytes}.")
+        if isinstance(sample_seed, bool) or not isinstance(sample_seed, int):
+            raise TypeError(f"`sample_seed` must be an int (the seed of the `sample:N` draws), got {sample_seed!r}.")
+        self._sample_seed = sample_seed
+        self._sample_generators: dict[torch.device, torch.Generator] = {}  # per device, made on first use
         self._selection = _layers.selection(model, tuple(streams), layers, heads, newest_position_only)
         self._encodings = _encodings.check(encodings, tuple(streams), _model_info(model)["vocab_size"])
         if ("logits" in streams and not (isinstance(encodings, dict) and "logits" in encodings)
@@ -413,6 +425,8 @@ class Recorder(CallRecorder, LogitsProcessor, StoppingCriteria):
                 sparse_scores=self._sparse_scores and _on_cpu(self._model),
                 vocab_size=_model_info(self._model)["vocab_size"],
                 model_dtype=getattr(self._model, "dtype", torch.float32),
+                sample_generators=self._sample_generators,
+                sample_seed=self._sample_seed,
             )
             return self._active
 

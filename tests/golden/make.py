@@ -1,12 +1,13 @@
 """Rewrite the golden recordings (tests/golden/tiny-recording, tiny-layers-recording,
-tiny-stats-recording, tiny-topk-recording, tiny-sparse-recording, tiny-native-recording) after a deliberate format change. Decide first whether a
+tiny-stats-recording, tiny-packed-topk-recording, tiny-sampled-recording, tiny-sparse-recording, tiny-native-recording) after a deliberate format change. Decide first whether a
 reader of the current FORMAT_VERSION would misread the new layout: if so, bump FORMAT_VERSION; if it
 reads it right (a key it ignores, like the `files` checksums, or a stream it need not know, like
 `stats`) or refuses it by name (an encoding it does not know, like `topk:K` or `sparse`), the version stays.
 Either way docs/format.md says what changed.
 
 tests/golden/tiny-recording-before-checksums is a frozen copy from before checksums (what older
-recordings look like): never rewritten.
+recordings look like), and tests/golden/tiny-topk-recording one of a `topk:K` stream from before the packed
+records (float64 `(rows, 2K + 2)` per step): never rewritten.
 
 Usage: python -m tests.golden.make
 """
@@ -21,7 +22,8 @@ if __name__ == "__main__":
         ("tiny-recording", {}),
         ("tiny-layers-recording", {"layers": True}),
         ("tiny-stats-recording", {"stats": True}),
-        ("tiny-topk-recording", {"topk": True}),
+        ("tiny-packed-topk-recording", {"topk": True}),
+        ("tiny-sampled-recording", {"sampled": True}),
         ("tiny-sparse-recording", {"sparse": True}),
         ("tiny-native-recording", {"native": True}),
     ):

@@ -23,6 +23,7 @@ from ..store import format as _format
 from ..store.stored import StoredGeneration
 from . import encodings as _encodings
 from . import layers as _layers
+from . import packed_encodings as _packed_encodings
 from .modes import check_mode
 from .prompt_logprobs import PromptScoring
 from .stats import StepStats
@@ -44,12 +45,18 @@ class Capture:
                  layer_tap: _layers.LayerTap | None = None, encodings: dict[str, str] | None = None,
                  samples: dict[str, Any] | None = None, prompt_scoring: PromptScoring | None = None,
                  scores_once: bool = True, sparse_scores: bool = False, vocab_size: int | None = None,
-                 model_dtype: torch.dtype = torch.float32) -> None:
+                 model_dtype: torch.dtype = torch.float32,
+                 sample_generators: dict[torch.device, torch.Generator] | None = None, sample_seed: int = 0) -> None:
         self.streams = streams
         self.encodings = dict(encodings or {})  # logits/scores not recorded dense (`encodings`)
         self._sparse = _encodings.Sparse()
         self._native = _encodings.Native(model_dtype)
-        self._topk_buffers = ChunkBuffers()  # the topk encoding's (rows, vocab) work, made at the first step
+        # Top-k and sampled encodings, per stream; `sample_generators`: the recorder's, per device.
+        generators = {} if sample_generators is None else sample_generators
+        self._packed = {
+            name: _packed_encodings.encoder(encoding, model_dtype=model_dtype, generators=generators, seed=sample_seed)
+            for name, encoding in self.encodings.items() if _format.is_packed(encoding)
+        }
         self.layer_tap = layer_tap  # attentions and hidden states, when the recorder records them
         self._layer_names: list[str] = []  # per-step layer streams, known from the first forward
         self._layers_fired = 0  # selected layers the module hooks put in the current forward
@@ -392,7 +399,7 @@ class Capture:
         elif encoding == _format.NATIVE:
             self.ring.put(step, name, tensor, encoder=self._native)
         else:
-            self.ring.put(step, name, _encodings.encode(encoding, tensor, self._topk_buffers))
+            self.ring.put(step, name, tensor, encoder=self._packed[name])
 
     def _take_forward_logits(self) -> torch.Tensor:
         parts, self._forward_logits = self._forward_logits, []

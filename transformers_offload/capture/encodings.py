@@ -2,18 +2,9 @@
 
 `Recorder(..., encodings={"scores": "sparse"})`: `"dense"` (the tensor as generate() computed it; the
 default, but for the Recorder's own choices: `sampling_masks`), `"sparse"` (lossless: per row only
-the entries that are not -inf; see `Sparse`) and `"topk:K"`, lossy by the user's choice: per row the
-K largest values and their indices, the logsumexp over the whole vocabulary (so the kept tokens'
-logprobs are exact differences) and the probability mass outside the K. It stores one
-`(rows, 2K + 2)` float64 record per step, whose columns are exactly these torch expressions of the
-step's tensor `x` (`out.logits[t]` or `out.scores[t]`):
-
-    values, indices = torch.topk(x, K, dim=-1)                       # columns 0..K-1, K..2K-1
-    logsumexp       = torch.logsumexp(x, -1)                           # column 2K
-    mass_outside    = torch.exp(torch.logsumexp(x.scatter(-1, indices, -inf), -1) - logsumexp)   # 2K+1
-
-each `.float()` (float64 holds float32 values and the indices exactly). Nothing here waits for the
-device: `torch.topk` and `scatter` run where the tensor is.
+the entries that are not -inf; see `Sparse`), `"native"` (lossless: in the model's dtype; see
+`Native`), and the top-k and sampled encodings `"topk:K"`, `"topk:K:qB"` and `"sample:N@T"`
+(`capture.packed_encodings`). `check` checks the Recorder's choice. Nothing here waits for the device.
 """
 
 from __future__ import annotations
@@ -22,8 +13,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..store.format import ENCODED_STREAMS, NATIVE, SPARSE, SPARSE_DTYPES, topk_width
-from .workspace import ChunkBuffers, logsumexp
+from ..store.format import ENCODED_STREAMS, NATIVE, SPARSE, SPARSE_DTYPES, sample_spec, topk_width
+from .workspace import ChunkBuffers
 
 SPARSE_CAPACITY = 256  # entries per row the device part keeps; a row with more is copied whole
 
@@ -52,11 +43,16 @@ def check(encodings: Any, streams: tuple[str, ...], vocab_size: int | None) -> d
             chosen[stream] = encoding
             continue
         k = topk_width(encoding)
+        if k is None and sample_spec(encoding) is not None:
+            chosen[stream] = encoding
+            continue
         if k is None:
             hint = " K must be at least 1." if encoding.startswith("topk:") else ""
+            hint += " N must be at least 1 and T above 0." if encoding.startswith("sample:") else ""
             raise ValueError(
-                f"`encodings[{stream!r}]` is {encoding!r}; the encodings are \"dense\", \"sparse\", \"native\" and \"topk:K\" "
-                f"(K a positive int written in digits, e.g. \"topk:20\").{hint}"
+                f"`encodings[{stream!r}]` is {encoding!r}; the encodings are \"dense\", \"sparse\", \"native\", \"topk:K\", "
+                f"\"topk:K:qB\" and \"sample:N@T\" (K and N positive ints written in digits, B 2 to 8 bits, T a "
+                f"positive temperature such as 0.7, e.g. \"topk:20\", \"topk:128:q5\", \"sample:64@1.0\").{hint}"
             )
         if isinstance(vocab_size, int) and k > vocab_size:
             raise ValueError(f"`encodings[{stream!r}]` keeps the top {k} of a vocabulary of {vocab_size}; choose K <= {vocab_size}.")
@@ -81,25 +77,6 @@ def sampling_masks(generation_config: Any, vocab_size: int | None = None) -> boo
         or (top_p is not None and top_p < 1.0) or (min_p is not None and min_p > 0.0)
         or (typical_p is not None and typical_p < 1.0) or (epsilon is not None and 0.0 < epsilon < 1.0)
         or (eta is not None and 0.0 < eta < 1.0) or top_h is not None
-    )
-
-
-def encode(encoding: str, tensor: torch.Tensor, buffers: ChunkBuffers | None = None) -> torch.Tensor:
-    """`tensor` `(rows, vocab)` as stored under `encoding` (a `"topk:K"`): a `(rows, 2K + 2)` float64
-    record on the tensor's device. With `buffers` (one per call, reused every step), the two
-    logsumexps' `(rows, vocab)` work is written into a buffer made once (the same values)."""
-    k = topk_width(encoding)
-    x = tensor.detach()
-    values, indices = torch.topk(x, k, dim=-1)
-    buffers = ChunkBuffers() if buffers is None else buffers
-    work = buffers.take("topk", x.shape, x.dtype, x.device)
-    total = logsumexp(x, work)
-    # x.scatter(-1, indices, -inf) is a clone then scatter_: here the clone is into the buffer.
-    mass_outside = torch.exp(logsumexp(work.copy_(x).scatter_(-1, indices, float("-inf")), work) - total)
-    return torch.cat(
-        [values.float().double(), indices.double(), total.float().double()[:, None],
-         mass_outside.float().double()[:, None]],
-        dim=-1,
     )
 
 

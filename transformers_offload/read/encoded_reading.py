@@ -1,7 +1,8 @@
 """Reading `logits` and `scores` recorded with an encoding (`Recorder(..., encodings=...)`).
 
 `EncodedReading` gives `Generation` what `logits()` / `scores()` read through (dense tensors back from
-`"sparse"` records; a pointer to `topk()` for `"topk:K"`) and the `topk()` and `sparse()` accessors;
+`"sparse"` records; a pointer to `topk()` for `"topk:K"`) and the `topk()`, `sampled_targets()` and
+`sparse()` accessors;
 `read.readable` the same accessors on `Recorder` and `Recording` (one generation, default the latest).
 The records' layouts are `store.format`'s.
 """
@@ -20,9 +21,11 @@ from ..store.format import (
     RecordingError,
     SparseRecord,
     sparse_entries,
+    sample_spec,
     topk_columns,
     topk_width,
 )
+from ..store.packed import PackedRecord
 from .indexing import Rows, Steps, as_framework, check_framework, row_index, step_range
 
 _RECORDS = {SPARSE: SparseRecord, NATIVE: NativeRecord}  # encodings stored as one record per step
@@ -43,7 +46,9 @@ class EncodedReading:
         breaks them); `logsumexp` float32 `(num_rows,)` over the whole vocabulary
         (`torch.logsumexp(x, -1)`); `mass_outside` float32 `(num_rows,)`, the probability outside the K
         (`exp(logsumexp of the rest - logsumexp)`); and `logprobs` float32 `(num_rows, K)`,
-        `values - logsumexp[:, None]`. Each equals its expression on the device the step ran on.
+        `values - logsumexp[:, None]`. Each equals its expression on the device the step ran on; under
+        `"topk:K:qB"` (lossy) the values are quantised (docs/recording.md gives the errors) and entries
+        of equal code come in token id order. The same keys for recordings made before the packed records.
 
         Raises:
             ValueError: `stream` is not `"logits"` or `"scores"`, or was recorded dense (read it with
@@ -57,11 +62,56 @@ class EncodedReading:
             raise ValueError(
                 f"{stream!r} was recorded {self.encodings.get(stream, 'dense')}, not as top-k: read it with `{stream}()`."
             )
-        records = self._get(stream, steps, rows, "pt")
-        return tuple(
-            {name: as_framework(value, name, framework) for name, value in topk_columns(record, k).items()}
-            for record in records
-        )
+        return self._packed_columns(stream, steps, rows, framework, k)
+
+    def sampled_targets(self, stream: str = "scores", *, steps: Steps = None, rows: Rows = None,
+                        framework: str = "pt") -> tuple[dict[str, Any], ...]:
+        """The N tokens sampled per row and step from `stream` (`"logits"` or `"scores"`), where the
+        Recorder's `encodings` asked for `"sample:N@T"`: distillation targets whose losses are unbiased.
+
+        A tuple with one dict per selected step (on CPU, fewer rows with `rows=`): `indices` int64
+        `(num_rows, N)`, the N draws of `torch.multinomial(softmax(x.float() / T), N, replacement=True)`
+        sorted ascending (repeats kept); `counts` int64 `(num_rows, N)`, at each id's first position the
+        number of times it was drawn, 0 at its repeats (each row sums to N); `values` float32
+        `(num_rows, N)`, `x[indices]` bit for bit; `logsumexp` float32 `(num_rows,)`,
+        `torch.logsumexp(x.float() / T, -1)`; and `logprobs` float32 `(num_rows, N)`, `values / T -
+        logsumexp[:, None]`, the teacher's log-probabilities at temperature T. For any f,
+        `(counts / N * f(indices)).sum(-1)` is an unbiased estimate of `E_p[f]` (docs/recording.md).
+
+        Raises:
+            ValueError: `stream` is not `"logits"` or `"scores"`, or was not recorded `"sample:N@T"`.
+            KeyError: the recording has no such stream.
+        """
+        if stream not in ENCODED_STREAMS:
+            raise ValueError(f"`stream` must be one of {ENCODED_STREAMS}, got {stream!r}.")
+        if sample_spec(self.encodings.get(stream, "")) is None and stream in self.streams:
+            raise ValueError(
+                f"{stream!r} was recorded {self.encodings.get(stream, 'dense')}, not as \"sample:N@T\": record it with "
+                f"`encodings={{{stream!r}: 'sample:64'}}` to read sampled targets."
+            )
+        return self._packed_columns(stream, steps, rows, framework, None)
+
+    def _packed_columns(self, stream: str, steps: Steps, rows: Rows, framework: str, k: int | None) -> tuple[dict[str, Any], ...]:
+        check_framework(framework)
+        records = self._get(stream, steps, None, "pt")
+        index = row_index(rows, self.num_rows)
+        encoding = self.encodings.get(stream, "")
+        found = []
+        for t, record in zip(step_range(steps, self.num_steps), records):
+            if record.dtype == torch.float64:  # recorded before the packed records
+                columns = topk_columns(record, k)
+            else:
+                try:
+                    parsed = PackedRecord(record, encoding)
+                    columns = parsed.columns()
+                except ValueError as error:
+                    raise RecordingError(f"{stream} step {t}", f"{error}; the recording is damaged.") from None
+                if parsed.rows != self.num_rows:
+                    raise RecordingError(f"{stream} step {t}", f"the record holds {parsed.rows} rows, the generation "
+                                         f"{self.num_rows}; the recording is damaged.")
+            found.append({name: as_framework(value if index is None else value[index], name, framework)
+                          for name, value in columns.items()})
+        return tuple(found)
 
     def sparse(self, stream: str = "scores", *, steps: Steps = None, rows: Rows = None,
                framework: str = "pt") -> tuple[dict[str, Any], ...]:
@@ -100,9 +150,10 @@ class EncodedReading:
             dense = [record.dense(picked) for record in records]
             return tuple(as_framework(step[0] if one_row else step, name, framework) for step in dense)
         if encoding is not None:
+            reader = "sampled_targets" if sample_spec(encoding) is not None else "topk"
             raise ValueError(
                 f"{name!r} was recorded as {encoding!r} (the Recorder's `encodings`), which keeps only part of "
-                f"each step: read it with `topk({name!r})`."
+                f"each step: read it with `{reader}({name!r})`."
             )
         return self._get(name, steps, rows, framework)
 

@@ -105,6 +105,11 @@ class Readable:
         """The top-k record of `stream` per step of one generation; see `Generation.topk`."""
         return self.generation(generation).topk(stream, steps=steps, rows=rows, framework=framework)
 
+    def sampled_targets(self, stream: str = "scores", generation: int = -1, *, steps: Steps = None,
+                        rows: Rows = None, framework: str = "pt") -> tuple[dict[str, Any], ...]:
+        """The tokens sampled from `stream` per step of one generation; see `Generation.sampled_targets`."""
+        return self.generation(generation).sampled_targets(stream, steps=steps, rows=rows, framework=framework)
+
     def sparse(self, stream: str = "scores", generation: int = -1, *, steps: Steps = None, rows: Rows = None,
                framework: str = "pt") -> tuple[dict[str, Any], ...]:
         """The entries of `stream` that are not -inf, per step of one generation; see `Generation.sparse`."""

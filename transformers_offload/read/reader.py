@@ -134,7 +134,7 @@ class Recording(Readable):
                 itemsize = _format.dtype_of(stream["dtype"]).itemsize
                 if stream["encoding"] == _format.SAME_AS_LOGITS:
                     elements = 0  # stored once, as the logits
-                elif stream["encoding"] in _format.FLAT_ENCODINGS:
+                elif _format.stored_flat(stream):
                     try:  # reads each shard's step shapes
                         elements = generation._source.ragged_elements(name, generation.num_steps)
                     except RecordingError as error:
@@ -157,7 +157,7 @@ class Recording(Readable):
                 if name in encoder.get("streams", {}):
                     streams[name]["once"] = True  # recorded once per call, not per step
                 vocab = self.model.get("vocab_size")
-                encoded = stream["encoding"] in _format.RECORD_ENCODINGS or _format.topk_width(stream["encoding"]) is not None
+                encoded = stream["encoding"] in _format.RECORD_ENCODINGS or _format.is_packed(stream["encoding"])
                 if encoded and isinstance(vocab, int):
                     # What the same steps take dense, in float32 (`out.logits`' dtype from 4.45).
                     streams[name]["dense_bytes"] = generation.num_steps * generation.num_rows * vocab * 4

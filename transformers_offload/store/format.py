@@ -217,22 +217,49 @@ def stats_columns(record: torch.Tensor) -> dict[str, torch.Tensor]:
     }
 
 
-# -- top-k encoding of logits or scores (`encodings={"scores": "topk:K"}`): one `(rows, 2K + 2)` --------
-# float64 record per step: K values, their K indices, the row's logsumexp, the mass outside the K.
+# -- top-k and sampled encodings of logits or scores (`encodings={"scores": "topk:K"}`...) -----------
+# Recorded since 2027-01: one flat int32 record per step, stored like a sparse one (`store.packed` has
+# the layouts): `"topk:K"` (the K largest values bit for bit, their ids in as few bytes as the vocabulary
+# needs), `"topk:K:qB"` (lossy: ids Elias-Fano coded, log-probabilities quantised to B bits) and
+# `"sample:N"` / `"sample:N@T"` (N tokens drawn from softmax(x / T), with their values). Recordings made
+# before hold `"topk:K"` as one `(rows, 2K + 2)` float64 tensor per step (`topk_columns`): K values,
+# their K indices, the row's logsumexp, the mass outside the K; the manifest's stream dtype (float64 or
+# int32) says which.
 ENCODED_STREAMS = ("logits", "scores")
-TOPK_ENCODING = re.compile(r"topk:([1-9][0-9]{0,8})")
+TOPK_ENCODING = re.compile(r"topk:([1-9][0-9]{0,8})(?::q([2-8]))?")
+SAMPLE_ENCODING = re.compile(r"sample:([1-9][0-9]{0,8})(?:@((?:0|[1-9][0-9]{0,5})(?:\.[0-9]{1,6})?))?")
 
 
 def topk_width(encoding: str) -> int | None:
-    """K of a `"topk:K"` encoding name, else None."""
+    """K of a `"topk:K"` or `"topk:K:qB"` encoding name, else None."""
     found = TOPK_ENCODING.fullmatch(encoding)
     return int(found.group(1)) if found else None
 
 
+def topk_bits(encoding: str) -> int | None:
+    """B of a lossy `"topk:K:qB"` encoding name (bits per log-probability), else None."""
+    found = TOPK_ENCODING.fullmatch(encoding)
+    return int(found.group(2)) if found and found.group(2) else None
+
+
+def sample_spec(encoding: str) -> tuple[int, float] | None:
+    """`(N, T)` of a `"sample:N"` (T = 1.0) or `"sample:N@T"` encoding name, else None (also for T = 0)."""
+    found = SAMPLE_ENCODING.fullmatch(encoding)
+    if not found:
+        return None
+    temperature = float(found.group(2) or 1.0)
+    return (int(found.group(1)), temperature) if temperature > 0 else None
+
+
+def is_packed(encoding: str) -> bool:
+    """Whether `encoding` is one of the top-k or sampled encodings (`store.packed` records)."""
+    return topk_width(encoding) is not None or sample_spec(encoding) is not None
+
+
 def topk_columns(record: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
-    """A stored `(rows, 2K + 2)` float64 top-k record as tensors: `values` float32 `(rows, K)`, `indices`
-    int64 `(rows, K)`, `logsumexp` and `mass_outside` float32 `(rows,)` (exact: float64 holds them), and
-    `logprobs`, float32 `(rows, K)`: `values - logsumexp[:, None]`."""
+    """A `(rows, 2K + 2)` float64 top-k record (recordings made before the packed records) as tensors:
+    `values` float32 `(rows, K)`, `indices` int64 `(rows, K)`, `logsumexp` and `mass_outside` float32
+    `(rows,)` (exact: float64 holds them), and `logprobs`, float32 `(rows, K)`: `values - logsumexp[:, None]`."""
     values = record[..., :k].to(torch.float32)
     logsumexp = record[..., 2 * k].to(torch.float32)
     return {
@@ -280,6 +307,18 @@ NATIVE = "native"
 NATIVE_HEADER = 4
 RECORD_ENCODINGS = (SPARSE, NATIVE)  # one flat int32 record per step, headed [rows, vocab, dense code, ...]
 FLAT_ENCODINGS = ("ragged", SPARSE, NATIVE)  # stored flat, the steps' shapes beside them
+
+
+def stored_as_records(stream: dict[str, Any]) -> bool:
+    """Whether a manifest stream entry holds one flat int32 record per step (sparse, native, or a top-k
+    or sampled encoding recorded since the packed records; an older top-k stream is float64)."""
+    encoding = stream.get("encoding", "")
+    return encoding in RECORD_ENCODINGS or (is_packed(encoding) and stream.get("dtype") == "int32")
+
+
+def stored_flat(stream: dict[str, Any]) -> bool:
+    """Whether a manifest stream entry is stored flat, its steps' shapes beside it (`NAME.shapes`)."""
+    return stream.get("encoding") in FLAT_ENCODINGS or stored_as_records(stream)
 NEGATIVE_INFINITY = float("-inf")
 
 

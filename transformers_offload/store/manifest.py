@@ -35,7 +35,10 @@ from .format import (
     RecordingError,
     dtype_name,
     dtype_of,
+    is_packed,
     split_layer_stream,
+    stored_as_records,
+    topk_bits,
     topk_width,
 )
 
@@ -263,12 +266,12 @@ def _check_stream_set(entry: dict[str, Any], path: Path, where: str) -> None:
         shape = stream["shape"]
         if stream["encoding"] == SAME_AS_LOGITS:
             logits = streams.get("logits")
-            whole = logits is not None and logits["encoding"] in ("dense", *RECORD_ENCODINGS)
+            whole = logits is not None and logits["encoding"] in ("dense", *RECORD_ENCODINGS) and not is_packed(logits["encoding"])
             if not whole or (logits["dtype"], logits["shape"], logits.get("dense")) != (stream["dtype"], shape, stream.get("dense")):
                 raise RecordingError(path, f"{where}: stream {name!r} is stored as the `logits` stream (dense, sparse "
                                            f"or native), which it must then match in dtype and shape ({logits!r}).")
             continue
-        if stream["encoding"] in RECORD_ENCODINGS:
+        if stored_as_records(stream):
             if stream["dense"]["shape"][0] != rows:
                 raise RecordingError(
                     path, f"{where}: stream {name!r} decodes to {stream['dense']['shape'][0]} rows, `num_rows` is {rows}."
@@ -301,14 +304,15 @@ def _check_stream(name: str, stream: Any, path: Path, where: str) -> None:
     if dtype_of(stream["dtype"]) is None:
         raise RecordingError(path, f"{where}: stream {name!r} has unknown dtype {stream['dtype']!r}.")
     k = topk_width(stream["encoding"])
-    if k is not None:
-        if name not in ENCODED_STREAMS or stream["dtype"] != "float64" or not (
+    packed = is_packed(stream["encoding"]) and stream["dtype"] == "int32"
+    if k is not None and not packed:  # recorded before the packed records: float64 (rows, 2K + 2)
+        if topk_bits(stream["encoding"]) is not None or name not in ENCODED_STREAMS or stream["dtype"] != "float64" or not (
                 isinstance(stream["shape"], list) and len(stream["shape"]) == 2 and stream["shape"][1] == 2 * k + 2):
             raise RecordingError(
                 path, f"{where}: stream {name!r} uses {stream['encoding']!r}, which stores float64 of per-step shape "
                 f"[rows, {2 * k + 2}] for {ENCODED_STREAMS} only; got {stream['dtype']} {stream['shape']!r}.",
             )
-    elif stream["encoding"] in RECORD_ENCODINGS:
+    elif stream["encoding"] in RECORD_ENCODINGS or packed:
         dense = stream.get("dense")
         good_dense = (
             isinstance(dense, dict) and dense.get("dtype") in SPARSE_DTYPE_NAMES and isinstance(dense.get("shape"), list)
@@ -330,7 +334,8 @@ def _check_stream(name: str, stream: Any, path: Path, where: str) -> None:
         raise RecordingError(
             path,
             f"{where}: stream {name!r} uses encoding {stream['encoding']!r}, which this "
-            f"transformers-offload cannot read (it reads {ENCODINGS}, 'sparse', 'native', 'same_as_logits' and \"topk:K\"); upgrade transformers-offload.",
+            f"transformers-offload cannot read (it reads {ENCODINGS}, 'sparse', 'native', 'same_as_logits', \"topk:K\", "
+            f"\"topk:K:qB\" and \"sample:N@T\"); upgrade transformers-offload.",
         )
     ragged = stream["encoding"] == "ragged"
     shape = stream["shape"]

@@ -66,7 +66,7 @@ class ShardSource:
             name = "logits"  # stored once: the scores were the logits
         if steps.step < 0:
             return tuple(reversed(self._read(name, steps[::-1], rows)))
-        ragged = self._stream_info[name]["encoding"] in _format.FLAT_ENCODINGS
+        ragged = _format.stored_flat(self._stream_info[name])
         values: list[torch.Tensor] = []
         for shard in self._shards:
             first = shard["first_step"]
@@ -77,7 +77,7 @@ class ShardSource:
             if ragged:
                 opened = self._shard(shard)
                 picked = opened.ragged(name, local, rows)
-                if self._stream_info[name]["encoding"] in _format.RECORD_ENCODINGS:
+                if _format.stored_as_records(self._stream_info[name]):
                     _check_sparse_headers(opened.path, name, picked, self._stream_info[name]["dense"])
                 values.extend(picked)
                 continue
@@ -260,7 +260,7 @@ def _open_shard(path: Path, generation: int, shard: dict[str, Any], streams: dic
             continue  # no tensor of its own
         if name not in header:
             raise RecordingError(path, f"holds no {name!r} tensor, which the manifest lists.")
-        if stream["encoding"] in _format.FLAT_ENCODINGS:
+        if _format.stored_flat(stream):
             _expect(path, header, name, None, stream["dtype"], flat=True)
             _expect(path, header, _format.shapes_key(name), [shard["num_steps"], len(stream["shape"])], "int64")
             ragged[name] = stream

@@ -178,7 +178,8 @@ class ShardStore:
         self._names = list(names)
         self._encodings = dict(encodings)  # stream -> its encoding, where not dense
         # Streams stored as one flat int32 record per step (sparse, native).
-        self._sparse = {name for name, encoding in self._encodings.items() if encoding in _format.RECORD_ENCODINGS}
+        self._sparse = {name for name, encoding in self._encodings.items()
+                        if encoding in _format.RECORD_ENCODINGS or _format.is_packed(encoding)}
         self._ragged: set[str] = set()  # per-layer streams (attentions, hidden states)
         self._once: set[str] = set()  # the encoder's outputs, at step 0 only
         self._size_hints: dict[str, int] = {}  # ragged streams: elements per shard, estimated
@@ -317,6 +318,10 @@ class ShardStore:
                 if _format.split_layer_stream(name)[0] in _format.GROWING_KINDS:
                     size *= (tensor.shape[-1] + self._max_steps) / max(1, tensor.shape[-1])
                 sizes[name] = size
+            elif name in self._sparse and _format.is_packed(self._encodings[name]):
+                # Top-k or sampled: a step's values narrower than the dense dtype (native) take at most
+                # twice as many bytes in a later step.
+                sizes[name] = 2 * tensor.nbytes
             elif name in self._sparse:
                 # At most the dense step (plus its header): shards are sized for the worst case, so
                 # that three shard buffers stay bounded whatever the rows hold.
