@@ -93,20 +93,15 @@ def kd_loss(student_logits: torch.Tensor, targets: Mapping[str, Any], temperatur
             f"{tuple(tail.shape)}) must match `student_logits` {tuple(student_logits.shape)} (ids `(..., K)`, tail `(...)`)."
         )
     dtype = torch.promote_types(student_logits.dtype, torch.float32)
-    log_q = torch.log_softmax(student_logits.to(dtype) / temperature, -1)
     valid = ids >= 0
     if teacher.is_floating_point():
-        valid = valid & (teacher.to(dtype) > float("-inf"))
-    safe_ids = torch.where(valid, ids, torch.zeros_like(ids))
-    minus_inf = torch.tensor(float("-inf"), dtype=dtype, device=log_q.device)
-    student_kept = torch.where(valid, log_q.gather(-1, safe_ids), minus_inf)
-    kept = torch.zeros_like(log_q).scatter_add_(-1, safe_ids, valid.to(dtype)) > 0
-    has_tail = ~kept.all(-1)
-    # The student's tail: logsumexp over the tokens not kept; rows with none get -inf (and no gradient).
-    rest = torch.where(has_tail[..., None], log_q.masked_fill(kept, float("-inf")), torch.zeros_like(log_q))
-    student_tail = torch.where(has_tail, torch.logsumexp(rest, -1), minus_inf)
-    log_s = torch.cat([student_kept, student_tail[..., None]], -1)
-    buckets = torch.cat([torch.where(valid, teacher.to(dtype), minus_inf), tail.to(dtype)[..., None]], -1)
+        valid = valid & (teacher > float("-inf"))
+    log_s = _StudentBuckets.apply(student_logits, _safe_ids(ids, valid), valid, float(temperature))
+    minus_inf = torch.tensor(float("-inf"), dtype=dtype, device=log_s.device)
+    tail = tail.to(dtype)
+    # A position with no target at all (padding) gets all its mass in the tail: finite, no NaN to mask.
+    tail = torch.where(valid.any(-1) | (tail > float("-inf")), tail, torch.zeros_like(tail))
+    buckets = torch.cat([torch.where(valid, teacher.to(dtype), minus_inf), tail[..., None]], -1)
     log_t = torch.log_softmax(buckets / temperature, -1)
     per_position = _divergence(log_t, log_s, kind)
     mask = targets.get("target_mask")
@@ -118,6 +113,62 @@ def kd_loss(student_logits: torch.Tensor, targets: Mapping[str, Any], temperatur
         return per_position.sum()
     count = per_position.numel() if mask is None else mask.to(torch.bool).sum()
     return per_position.sum() / torch.clamp(torch.as_tensor(count, device=per_position.device), min=1)
+
+
+def _safe_ids(ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """`ids` with each padding entry pointing at a kept id of its row (the first one), so that writing
+    to the ids touches only kept tokens."""
+    first = ids.gather(-1, valid.to(torch.int8).argmax(-1, keepdim=True)).clamp(min=0)
+    return torch.where(valid, ids, first)
+
+
+class _StudentBuckets(torch.autograd.Function):
+    """The student's log-probabilities on the K + 1 buckets, `[log q_1 .. log q_K, log q_tail]`, of
+    `log_softmax(z / T)`, with few passes over the vocabulary: forward exponentiates once and sums twice
+    (all; the rest, kept ids zeroed), backward is one product. Keeps one `(..., vocab)` tensor for backward
+    (`exp((z - max) / T)` of the tokens outside the kept ids). Per-row scalars are float64.
+
+    Backward, with `g` the gradient of the K + 1 outputs, `G = sum(g)` and `q = softmax(z / T)`:
+    `dz_j = (g_j - q_j G) / T` for a kept id, `q_j (g_tail / q_tail - G) / T` for any other.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor,
+                temperature: float) -> torch.Tensor:
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        x = logits.to(dtype)
+        top = x.amax(-1, keepdim=True)
+        scaled_kept = (x.gather(-1, ids) - top) / temperature
+        rest = x - top
+        if temperature != 1.0:
+            rest.div_(temperature)
+        rest.exp_()
+        total = rest.sum(-1).double()
+        rest.scatter_(-1, ids, 0.0)
+        outside = rest.sum(-1).double()
+        log_total = total.log().to(dtype)
+        minus_inf = torch.tensor(float("-inf"), dtype=dtype, device=x.device)
+        log_kept = torch.where(valid, scaled_kept - log_total[..., None], minus_inf)
+        log_tail = (outside.log() - total.log()).to(dtype)
+        ctx.save_for_backward(rest, ids, valid, total, outside, log_kept.exp())
+        ctx.temperature = temperature
+        ctx.input_dtype = logits.dtype
+        return torch.cat([log_kept, log_tail[..., None]], -1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        rest, ids, valid, total, outside, q_kept = ctx.saved_tensors
+        k = ids.shape[-1]
+        g_kept = torch.where(valid, grad[..., :k], torch.zeros_like(grad[..., :k]))
+        g_tail = grad[..., k].double()
+        g_sum = g_kept.sum(-1).double() + g_tail
+        per_token = torch.where(outside > 0, g_tail / outside, torch.zeros_like(g_tail)) - g_sum / total
+        per_token = (per_token / ctx.temperature).to(rest.dtype)
+        dz = rest * per_token[..., None]
+        kept = torch.where(valid, (g_kept - q_kept * g_sum.to(rest.dtype)[..., None]) / ctx.temperature,
+                           torch.zeros_like(g_kept))
+        dz.scatter_add_(-1, ids, kept)
+        return dz.to(ctx.input_dtype), None, None, None
 
 
 def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
