@@ -11,8 +11,8 @@ Run it with the package and its `demo` and `table` extras installed (and `datase
    (and `--kd --prompt`) does: the teacher's targets on its own completions, and on the prompts' text.
 3. Load both with `datasets.Dataset.from_parquet`, join each sequence's rows (`group_sequences`) and
    train a 2-layer Llama with the teacher's vocabulary on `kd_loss` (forward KL over the kept ids and the
-   tail bucket) with `KDCollator` batches; print the loss as it falls, and the mean loss over every
-   example before and after training.
+   tail bucket) with `KDCollator` batches; print the loss as it falls, and the mean loss before and after
+   training over the training sequences and over the sequences held out (`--held-out`, default 2).
 """
 
 from __future__ import annotations
@@ -102,6 +102,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--kind", choices=("forward", "reverse", "jsd"), default="forward")
+    parser.add_argument("--held-out", type=int, default=2, help="sequences kept out of training (2)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="a directory for the recording and the tables (default: temporary)")
     parser.add_argument("--json", type=Path, help="also write the loss curve here as JSON")
@@ -122,14 +123,18 @@ def main() -> None:
         rows = concatenate_datasets([Dataset.from_parquet(str(directory / "kd.parquet")),
                                      Dataset.from_parquet(str(directory / "kd_prompt.parquet"))])
         examples = group_sequences(rows)
-        print(f"{len(rows)} rows -> {len(examples)} sequences, "
-              f"{sum(len(e['position']) for e in examples)} target positions")
+        # The last sequences are held out (not trained on): their loss shows what carries over.
+        held_out = examples[-args.held_out:] if 0 < args.held_out < len(examples) else []
+        examples = examples[:len(examples) - len(held_out)]
+        print(f"{len(rows)} rows -> {len(examples)} training sequences ({sum(len(e['position']) for e in examples)} "
+              f"target positions), {len(held_out)} held out")
 
         student = tiny_student(teacher.config.vocab_size, tokenizer.pad_token_id, args.seed)
         collate = KDCollator(pad_token_id=tokenizer.pad_token_id)
         optimizer = torch.optim.AdamW(student.parameters(), lr=args.lr)
         before = mean_loss(student, examples, collate, args.batch_size)
-        print(f"mean {args.kind} loss over every example before training: {before:.4f} nats")
+        held_before = mean_loss(student, held_out, collate, args.batch_size) if held_out else None
+        print(f"mean {args.kind} loss over the training sequences before training: {before:.4f} nats")
         order = random.Random(args.seed)
         curve = []
         started = time.perf_counter()
@@ -151,9 +156,13 @@ def main() -> None:
                       flush=True)
         after = mean_loss(student, examples, collate, args.batch_size)
         print(f"trained {args.steps} steps in {time.perf_counter() - started:.1f} s")
-        print(f"mean {args.kind} loss over every example: before {before:.4f}, after {after:.4f} nats")
+        print(f"mean {args.kind} loss over the training sequences: before {before:.4f}, after {after:.4f} nats")
+        held_after = mean_loss(student, held_out, collate, args.batch_size) if held_out else None
+        if held_out:
+            print(f"mean {args.kind} loss over the held-out sequences: before {held_before:.4f}, after {held_after:.4f} nats")
         if args.json:
-            args.json.write_text(json.dumps({"before": before, "after": after, "curve": curve}))
+            args.json.write_text(json.dumps({"before": before, "after": after, "held_out_before": held_before,
+                                             "held_out_after": held_after, "curve": curve}))
     finally:
         if args.out is None:
             shutil.rmtree(directory, ignore_errors=True)

@@ -303,7 +303,7 @@ def test_the_example_distils_the_real_models_targets_and_the_loss_falls(real_mod
     env = {**os.environ, "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "distill.py"), "--prompts", "2", "--new-tokens", "12", "--steps", "15",
+        [sys.executable, str(ROOT / "examples" / "distill.py"), "--prompts", "2", "--new-tokens", "12", "--steps", "15", "--held-out", "0",
          "--json", str(tmp_path / "curve.json")],
         capture_output=True, text=True, timeout=600, env=env,
     )
