@@ -142,6 +142,22 @@ def test_prompt_rows_hold_the_teachers_scores_on_the_prompts_text(tmp_path):
         assert row["tail_logmass"] == pytest.approx(float(expected["tail_logmass"]), abs=1e-5)
 
 
+def test_a_rescored_recording_gives_the_teachers_targets_on_another_models_completions(tmp_path):
+    from transformers_offload import rescore
+
+    teacher = make_tiny("llama", seed=1)
+    with open_recording(_record(tmp_path)) as run:  # the student's completions
+        rows = kd_arrow(rescore(run, teacher), top=5).to_pylist()
+        assert [r["input_ids"] for r in rows] == [r["input_ids"] for r in kd_arrow(run, top=5).to_pylist()]
+    for row in rows:
+        with torch.no_grad():
+            x = teacher(torch.tensor([row["input_ids"]])).logits[0, -1].float()
+        expected = _targets(torch.log_softmax(x, -1), 5)
+        assert row["top_ids"] == expected["top_ids"].tolist()
+        assert row["top_logprobs"] == pytest.approx(expected["top_logprobs"].tolist(), abs=1e-5)
+        assert row["tail_logmass"] == pytest.approx(float(expected["tail_logmass"]), abs=1e-5)
+
+
 def test_the_cli_writes_tables_that_load_in_datasets(tmp_path, capsys):
     datasets = pytest.importorskip("datasets")
     path = _record(tmp_path, prompt_logprobs=4)
