@@ -3,7 +3,9 @@
 from .answers.compare import CompareError, Comparison, compare
 from .answers.table import to_arrow, to_pandas, write_parquet
 from .answers.viewer import write_html  # importing the viewer registers the notebooks' `_repr_html_`
+from .answers.kd_table import write_kd_parquet
 from .capture.modes import UnsupportedModeError
+from .distill import KDCollator, group_sequences, kd_loss
 from .read.generation import Generation
 from .read.indexing import StreamNotRecorded
 from .read.reader import Recording, open_recording
@@ -19,6 +21,7 @@ __all__ = [
     "CompareError",
     "Comparison",
     "DeviceAccumulationWarning",
+    "KDCollator",
     "Generation",
     "Recorder",
     "Recording",
@@ -31,10 +34,13 @@ __all__ = [
     "UnsupportedModeError",
     "__version__",
     "compare",
+    "group_sequences",
+    "kd_loss",
     "open_recording",
     "rescore",
     "to_arrow",
     "to_pandas",
     "write_html",
+    "write_kd_parquet",
     "write_parquet",
 ]

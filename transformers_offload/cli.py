@@ -71,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--prompt", action="store_true",
                         help="write the prompt-token table instead: each prompt token's logprob and rank "
                         "(recorded with prompt_logprobs / record --prompt-logprobs)")
+    export.add_argument("--kd", action="store_true",
+                        help="write the distillation table instead: per token its context's ids, the teacher's top "
+                        "ids and logprobs (--top K, default 20 or the recorded K) and the tail's log-mass "
+                        "(docs/distill.md); with --prompt, from the prompt logprobs (recorded with K)")
     _add_record(commands)
     _add_rescore(commands)
     _add_compare(commands)
@@ -338,6 +342,12 @@ def _tokenizer(path: str | None) -> Any:
 
 def _answer(arguments: argparse.Namespace, recording: Any) -> dict[str, Any]:
     """Run `export`, `view` or `plot` on an open recording; returns what it wrote."""
+    if arguments.command == "export" and arguments.kd:
+        from .answers.kd_table import write_kd_parquet
+
+        result = write_kd_parquet(recording, arguments.out, generations=arguments.generations, top=arguments.top,
+                                  prompt=arguments.prompt, chunk_steps=arguments.chunk_steps)
+        return {"wrote": arguments.out, **result}
     if arguments.command == "export" and arguments.prompt:
         from .answers.prompt_table import write_prompt_parquet
 
