@@ -198,9 +198,13 @@ class _Shard:
         """Steps `local` (within the shard) of ragged stream `name`: one read of the span they cover."""
         shapes, ends = self._shapes_of(name)
         start = ends[local.start - 1] if local.start else 0
-        from .. import _compat  # imports transformers: only once a tensor is read
+        stop = ends[local[-1]]
+        if self._ragged[name]["dtype"] == "int32":  # sparse and native records: read by NumPy, no transformers
+            span = torch.from_numpy(_read(self.path, lambda: self._handle.get_slice(name)[start:stop]))
+        else:
+            from .. import _compat  # imports transformers (safetensors 0.4's warning silenced there)
 
-        span = _read(self.path, lambda: _compat.read_slice(self._torch().get_slice(name), start, ends[local[-1]]))
+            span = _read(self.path, lambda: _compat.read_slice(self._torch().get_slice(name), start, stop))
         picked = []
         for t in local:
             begin = (ends[t - 1] if t else 0) - start
