@@ -233,7 +233,7 @@ def test_open_reads_no_shard(run, monkeypatch):
     recording = open_recording(run)
     assert opened == [] and len(recording) == 2
     recording.logits(0, steps=0)
-    assert opened == [str(_shard(run, 0, 0))]
+    assert set(opened) == {str(_shard(run, 0, 0))}  # its header through NumPy's view, its tensors through torch's
 
 
 def test_a_damaged_manifest_still_raises_at_open(run, capsys):

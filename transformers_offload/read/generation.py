@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import torch
+from .._lazy import torch  # imported when first used: reading a manifest needs no torch (`inspect`, `verify`)
 
 from ..store.format import BEAM_MODES, STATS_STREAM, stats_columns
 from ..store.stored import StepSource, StoredGeneration, TransferStats

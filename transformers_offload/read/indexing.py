@@ -5,10 +5,10 @@ from __future__ import annotations
 import operator
 from typing import Any, Sequence, Union
 
-import torch
+from .._lazy import torch  # imported when first used: reading a manifest needs no torch (`inspect`, `verify`)
 
 FRAMEWORKS = ("pt", "np")
-Rows = Union[int, slice, Sequence[int], torch.Tensor, None]
+Rows = Union[int, slice, Sequence[int], "torch.Tensor", None]
 Steps = Union[int, slice, range, None]
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import operator
 from typing import Any, NamedTuple, Sequence
 
-import torch
+from .._lazy import torch  # imported when first used: reading a manifest needs no torch (`inspect`, `verify`)
 
 from ..store import format as _format
 from .indexing import Rows, Steps, StreamNotRecorded, as_framework, check_framework, step_range

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Sequence
 
-import torch
+from .._lazy import torch  # imported when first used: reading a manifest needs no torch (`inspect`, `verify`)
 
 from ..store.format import STATS_STREAM, topk_width
 

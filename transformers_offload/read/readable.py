@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
-import torch
+from .._lazy import torch  # imported when first used: reading a manifest needs no torch (`inspect`, `verify`)
 
 from . import display
 from .generation import Generation, pick

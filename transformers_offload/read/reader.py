@@ -131,7 +131,7 @@ class Recording(Readable):
             damaged = self._damaged_at_a_glance(_manifest.files_of(entry))
             encoder = entry.get("encoder") or {}
             for name, stream in [*entry["streams"].items(), *encoder.get("streams", {}).items()]:
-                itemsize = _format.dtype_of(stream["dtype"]).itemsize
+                itemsize = _format.DTYPE_BYTES[stream["dtype"]]
                 if stream["encoding"] == _format.SAME_AS_LOGITS:
                     elements = 0  # stored once, as the logits
                 elif _format.stored_flat(stream):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
+from .._lazy import torch  # imported when first used: reading a manifest needs no torch (`inspect`, `verify`)
 
 ROW_GROUP_BYTES = 256 * 2**20  # normalised: scores read at a time, at least one row's every step
 

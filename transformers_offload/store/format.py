@@ -16,7 +16,7 @@ import shlex
 from pathlib import Path
 from typing import Any, Sequence
 
-import torch
+from .._lazy import torch  # imported when first used: reading a manifest needs no torch (`inspect`, `verify`)
 
 FORMAT = "transformers-offload"
 FORMAT_VERSION = 1
@@ -69,16 +69,9 @@ def shapes_key(name: str) -> str:
     return name + ".shapes"
 
 
-# safetensors dtype names for the dtypes a recording holds.
-_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "bool": torch.bool,
-}
+# The dtypes a recording holds, by the name the manifest uses, and their size in bytes (read without
+# torch: `inspect` and `verify` need no torch dtype; `dtype_of` gives one).
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "bool": 1}
 
 
 class RecordingError(ValueError):
@@ -127,7 +120,32 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def dtype_of(name: str) -> torch.dtype | None:
-    return _DTYPES.get(name)
+    """`"float32"` -> `torch.float32` (imports torch); None for a name a recording cannot hold."""
+    return getattr(torch, name) if name in DTYPE_BYTES else None
+
+
+class TorchDtypes:
+    """torch dtypes by code (their position), named without importing torch until one is asked for.
+
+    Attributes:
+        names (`tuple[str, ...]`): the dtypes' manifest names, by code.
+    """
+
+    def __init__(self, *names: str) -> None:
+        self.names = names
+
+    def __getitem__(self, code: int) -> torch.dtype:
+        return getattr(torch, self.names[code])
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __iter__(self) -> Any:
+        return (getattr(torch, name) for name in self.names)
+
+    def index(self, dtype: torch.dtype) -> int:
+        """The code of `dtype`; `ValueError` when it has none."""
+        return self.names.index(dtype_name(dtype))
 
 
 RANK_DIRECTORY = re.compile(r"rank-(0|[1-9][0-9]{0,5})")  # a data-parallel rank's recording, inside the run's
@@ -293,7 +311,7 @@ def read_encodings(encodings: dict[str, str]) -> dict[str, str]:
     if encodings.get("scores") == SAME_AS_LOGITS and "logits" in found:
         found["scores"] = found["logits"]
     return found
-SPARSE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # index = the dtype code
+SPARSE_DTYPES = TorchDtypes("float32", "float16", "bfloat16", "float64")  # index = the dtype code
 SPARSE_HEADER = 3
 SPARSE_MAX_VOCAB = 2**24  # a record claiming more tokens is refused (a damaged record must not allocate GBs)
 # -- native encoding of logits or scores (`encodings={"logits": "native"}`), lossless -----------------

@@ -15,6 +15,7 @@ from typing import Any
 from .format import (
     ATTENTION_KINDS,
     BEAM_MODES,
+    DTYPE_BYTES,
     ENCODED_STREAMS,
     ENCODER_KINDS,
     ENCODINGS,
@@ -33,8 +34,6 @@ from .format import (
     SPARSE_DTYPES,
     SPARSE_MAX_VOCAB,
     RecordingError,
-    dtype_name,
-    dtype_of,
     is_packed,
     split_layer_stream,
     stored_as_records,
@@ -42,7 +41,7 @@ from .format import (
     topk_width,
 )
 
-SPARSE_DTYPE_NAMES = tuple(dtype_name(dtype) for dtype in SPARSE_DTYPES)
+SPARSE_DTYPE_NAMES = SPARSE_DTYPES.names
 PER_ROW_STREAMS = ("tokens", "finished", "beam_parents")  # shape (rows,)
 REQUIRED_STREAMS = ("tokens", "finished")
 
@@ -301,7 +300,7 @@ def _check_stream(name: str, stream: Any, path: Path, where: str) -> None:
     _field(stream, "dtype", str, path, f"{where}, stream {name!r}")
     _field(stream, "shape", list, path, f"{where}, stream {name!r}")
     _field(stream, "encoding", str, path, f"{where}, stream {name!r}")
-    if dtype_of(stream["dtype"]) is None:
+    if stream["dtype"] not in DTYPE_BYTES:
         raise RecordingError(path, f"{where}: stream {name!r} has unknown dtype {stream['dtype']!r}.")
     k = topk_width(stream["encoding"])
     packed = is_packed(stream["encoding"]) and stream["dtype"] == "int32"

@@ -16,10 +16,9 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Iterator
 
-import torch
+from .._lazy import torch  # imported when first used: reading a manifest needs no torch (`inspect`, `verify`)
 from safetensors import SafetensorError, safe_open
 
-from .. import _compat
 from . import format as _format
 from . import manifest as _manifest
 from .format import RecordingError
@@ -113,7 +112,7 @@ class ShardSource:
         manifest, each ragged stream's step shapes, the sequences' shape; `RecordingError` naming it."""
         path = _manifest.inside(self._root, name, self._root / _format.MANIFEST)
         if name == self._sequences_file:
-            _read_sequences(path, self._entry)
+            _read_sequences(path, self._entry, read=False)
         elif name == self._encoder_file:
             _open_encoder(path, self._index, self._encoder_info)
         else:
@@ -173,7 +172,8 @@ class _Shard:
 
     def __init__(self, path: Path, handle: Any, ragged: dict[str, dict[str, Any]]) -> None:
         self.path = path
-        self._handle = handle
+        self._handle = handle  # NumPy's view (`open_file`): headers and step shapes, without torch
+        self._tensors: Any = None  # torch's, opened when a tensor is first read
         self._ragged = ragged  # name -> its manifest entry
         self.ragged_streams = tuple(ragged)
         self._dense: dict[str, torch.Tensor] = {}
@@ -182,8 +182,13 @@ class _Shard:
     def dense(self, name: str) -> torch.Tensor:
         tensor = self._dense.get(name)
         if tensor is None:
-            tensor = self._dense[name] = _read(self.path, lambda: self._handle.get_tensor(name))
+            tensor = self._dense[name] = _read(self.path, lambda: self._torch().get_tensor(name))
         return tensor
+
+    def _torch(self) -> Any:
+        if self._tensors is None:
+            self._tensors = _read(self.path, lambda: safe_open(str(self.path), framework="pt"))
+        return self._tensors
 
     def ends(self, name: str) -> list[int]:
         """Cumulative value counts of ragged stream `name`'s steps (its step shapes read and checked once)."""
@@ -193,7 +198,13 @@ class _Shard:
         """Steps `local` (within the shard) of ragged stream `name`: one read of the span they cover."""
         shapes, ends = self._shapes_of(name)
         start = ends[local.start - 1] if local.start else 0
-        span = _read(self.path, lambda: _compat.read_slice(self._handle.get_slice(name), start, ends[local[-1]]))
+        stop = ends[local[-1]]
+        if self._ragged[name]["dtype"] == "int32":  # sparse and native records: read by NumPy, no transformers
+            span = torch.from_numpy(_read(self.path, lambda: self._handle.get_slice(name)[start:stop]))
+        else:
+            from .. import _compat  # imports transformers (safetensors 0.4's warning silenced there)
+
+            span = _read(self.path, lambda: _compat.read_slice(self._torch().get_slice(name), start, stop))
         picked = []
         for t in local:
             begin = (ends[t - 1] if t else 0) - start
@@ -205,7 +216,7 @@ class _Shard:
         found = self._shapes.get(name)
         if found is None:
             key = _format.shapes_key(name)
-            shapes = _read(self.path, lambda: _compat.read_slice(self._handle.get_slice(key), None, None))
+            shapes = _read(self.path, lambda: self._handle.get_slice(key)[:])  # a NumPy array
             fixed = self._ragged[name]["shape"]
             ends = list(itertools.accumulate(math.prod(shape) for shape in shapes.tolist()))  # exact: no int64 wrap
             total = self._handle.get_slice(name).get_shape()[0]
@@ -291,8 +302,9 @@ def _expect(path: Path, header: dict[str, tuple[list[int], str]], name: str, sha
 
 
 def open_file(path: Path, what: str) -> tuple[Any, dict[str, str] | None, dict[str, tuple[list[int], str]]]:
-    """A safetensors file opened (nothing read but its header): the handle, its metadata, and each
-    tensor's shape and dtype name; or `RecordingError`."""
+    """A safetensors file opened (nothing read but its header): the handle (NumPy's: it reads no torch
+    tensor, `safe_open(path, framework="pt")` does), its metadata, and each tensor's shape and dtype name;
+    or `RecordingError`."""
     try:
         found, regular = path.exists(), path.is_file()
     except OSError as error:
@@ -301,7 +313,7 @@ def open_file(path: Path, what: str) -> tuple[Any, dict[str, str] | None, dict[s
         state = "is not a regular file" if found else "is not there"
         raise RecordingError(path, f"missing: the manifest names this {what} but the file {state}.")
     try:
-        handle = safe_open(str(path), framework="pt")
+        handle = safe_open(str(path), framework="numpy")
         header = {}
         for name in handle.keys():
             view = handle.get_slice(name)
@@ -347,19 +359,23 @@ def stored_generation(root: Path, entry: dict[str, Any], *, stats: TransferStats
     return StoredGeneration(fields, source)
 
 
-def _read_sequences(path: Path, entry: dict[str, Any]) -> torch.Tensor:
+def _read_sequences(path: Path, entry: dict[str, Any], *, read: bool = True) -> torch.Tensor | None:
+    """The sequences file's tensor, its header checked against the manifest first (`read=False`: only
+    checked, without torch)."""
     handle, _, header = open_file(path, "sequences file")
     if "sequences" not in header:
         raise RecordingError(path, "holds no `sequences` tensor.")
-    sequences = handle.get_tensor("sequences")
-    if sequences.dim() != 2 or sequences.dtype != torch.int64:
-        raise RecordingError(path, f"`sequences` must be a 2-D int64 tensor, got {list(sequences.shape)} {sequences.dtype}.")
-    returned, length = sequences.shape
+    shape, dtype = header["sequences"]
+    if len(shape) != 2 or dtype != "int64":
+        raise RecordingError(path, f"`sequences` must be a 2-D int64 tensor, got {shape} {dtype}.")
+    returned, length = shape
     prompts = entry["num_rows"] // entry["num_beams"]
     if length < entry["prompt_length"] or returned < 1 or (prompts and returned % prompts):
         raise RecordingError(
             path,
-            f"`sequences` {list(sequences.shape)} disagree with the manifest (prompt length "
+            f"`sequences` {shape} disagree with the manifest (prompt length "
             f"{entry['prompt_length']}, {prompts} prompt(s)).",
         )
-    return sequences
+    if not read:
+        return None
+    return _read(path, lambda: safe_open(str(path), framework="pt").get_tensor("sequences"))

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import torch
+from .._lazy import torch  # imported when first used: reading a manifest needs no torch (`inspect`, `verify`)
 
 
 class StepSource(Protocol):

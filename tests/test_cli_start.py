@@ -1,0 +1,159 @@
+"""The command line starts at once: the commands that read a recording import neither torch nor
+transformers where the recording does not need them (each run in a fresh interpreter, then its
+`sys.modules` checked); the console script; `inspect`'s settings; `--model` by the demo model's name."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import transformers_offload
+from transformers_offload import cli, demo_model
+
+GOLDEN = Path(__file__).parent / "golden"
+ROOT = Path(__file__).parent.parent
+
+# What each reading command may import: `inspect` and `verify` read manifests and file headers only;
+# `export`, `view` and `plot` compute logprobs and entropies with torch, but never need transformers.
+COMMANDS = {
+    "inspect": ([], ("torch", "transformers")),
+    "verify": ([], ("torch", "transformers")),
+    "export": (["{out}/table.parquet"], ("transformers",)),
+    "view": (["-o", "{out}/page.html"], ("transformers",)),
+    "plot": (["-o", "{out}/plots"], ("transformers",)),
+}
+RECORDINGS = ("tiny-recording", "tiny-sparse-recording", "tiny-native-recording", "tiny-topk-recording")
+# Every reading command on each, except that the answers (which read the same way) run on the two whose
+# records are read through NumPy (sparse, native): fewer fresh interpreters.
+CASES = [(command, recording) for command in sorted(COMMANDS) for recording in RECORDINGS
+         if command in ("inspect", "verify") or recording in ("tiny-sparse-recording", "tiny-native-recording")]
+
+# Runs `main(argv)` in a fresh interpreter and prints its status and which of the modules it imported.
+_PROBE = """
+import json, sys
+from transformers_offload.cli import main
+status = main(json.loads(sys.argv[1]))
+print(json.dumps({"status": status, "imported": [m for m in ("torch", "transformers") if m in sys.modules]}))
+"""
+
+
+def _run(argv: list[str]) -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(argv)], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("command, recording", CASES)
+def test_reading_commands_import_neither_torch_nor_transformers(tmp_path, command, recording):
+    if command == "plot":
+        pytest.importorskip("matplotlib")
+    if command == "export":
+        pytest.importorskip("pyarrow")
+    run = tmp_path / "run"
+    shutil.copytree(GOLDEN / recording, run)
+    extra, kept_out = COMMANDS[command]
+    result = _run([command, str(run), *(part.format(out=tmp_path) for part in extra)])
+    assert result["status"] == 0
+    assert not set(kept_out) & set(result["imported"]), f"`{command}` imported {result['imported']}"
+
+
+def test_importing_the_package_imports_neither():
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys, transformers_offload; "
+         "print([m for m in ('torch', 'transformers') if m in sys.modules])"],
+        capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
+
+
+@pytest.mark.parametrize("name", transformers_offload.__all__)
+def test_every_public_name_imports(name):
+    value = getattr(importlib.import_module("transformers_offload"), name)
+    assert value is getattr(transformers_offload, name) and name in dir(transformers_offload)
+
+
+def test_an_unknown_name_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="has no attribute 'Recordr'"):
+        transformers_offload.Recordr  # noqa: B018
+
+
+def test_the_console_script_runs_the_same_main():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    module, _, function = scripts["transformers-offload"].partition(":")
+    assert getattr(importlib.import_module(module), function) is cli.main
+    installed = importlib.metadata.entry_points(group="console_scripts", name="transformers-offload")
+    for entry in installed:  # where the install has been refreshed since the entry point was added
+        assert entry.value == scripts["transformers-offload"]
+
+
+def test_python_dash_m_runs_the_same_commands():
+    done = subprocess.run([sys.executable, "-m", "transformers_offload", "--help"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0
+    assert all(command in done.stdout for command in (*COMMANDS, "record", "rescore", "compare"))
+    assert "transformers-offload inspect" in done.stdout
+
+
+def test_inspect_shows_the_settings_that_choose_tokens(tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(GOLDEN / "tiny-recording", run)
+    assert cli.main(["inspect", str(run)]) == 0
+    short = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("settings:")]
+    assert cli.main(["inspect", str(run), "--verbose"]) == 0
+    every = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("settings:")]
+    shown = {part.split("=")[0] for line in short for part in line.split(": ", 1)[1].split(", ")}
+    assert shown and shown <= {"max_length", *cli.SETTINGS}
+    assert len(every[0]) >= len(short[0]) and all(f"{key}=" in every[0] for key in shown)
+
+
+@pytest.mark.parametrize("config, expected", [
+    ({"max_new_tokens": 8, "do_sample": False, "temperature": 0.7, "top_k": 50, "num_beams": 1},
+     "max_new_tokens=8, do_sample=False"),
+    ({"max_new_tokens": 8, "do_sample": True, "temperature": 0.7, "top_p": 1.0, "top_k": 50, "use_cache": True},
+     "max_new_tokens=8, do_sample=True, temperature=0.7, top_k=50"),
+    ({"max_length": 20, "num_beams": 4, "repetition_penalty": 1.3, "pad_token_id": 0},
+     "max_length=20, num_beams=4, repetition_penalty=1.3"),
+])
+def test_the_short_settings(config, expected):
+    assert cli._settings(config) == expected
+    assert "use_cache" in cli._settings({**config, "use_cache": True}, verbose=True)
+
+
+def test_results_are_rounded_for_people():
+    assert cli._human({"wrote": "a.parquet", "rows": 16, "bytes": 3 * 2**20 + 5}) == "wrote a.parquet, rows 16, bytes 3.0 MiB"
+    assert cli._human({"recorded": 4, "seconds": 12.34567}) == "recorded 4, seconds 12.3 s"
+
+
+@pytest.mark.parametrize("name", ["smollm2", "SmolLM2-135M-Instruct", "SMOLLM2"])
+def test_model_takes_the_demo_model_by_name(tmp_path, monkeypatch, name):
+    monkeypatch.setenv("TRANSFORMERS_OFFLOAD_CACHE", str(tmp_path / "cache"))
+    cached = demo_model.model_dir()
+    cached.mkdir(parents=True)
+    for file in ("model.safetensors", "tokenizer.json"):  # what `is_cached` looks for: nothing is fetched
+        (cached / file).write_bytes(b"")
+    monkeypatch.chdir(tmp_path)  # no directory of that name here
+    assert cli._model_directory(name) == str(cached)
+
+
+def test_a_directory_comes_before_the_demo_models_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "smollm2").mkdir()
+    assert cli._model_directory("smollm2") == "smollm2"
+
+
+def test_an_unknown_model_name_says_what_model_takes(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"`--model` must be a local directory .* or the demo model's name \(smollm2"):
+        cli._model_directory("gpt5")
+    assert "smollm2" in cli._MODEL_HELP
