@@ -26,12 +26,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
+from .._lazy import torch
 
 from .format import SPARSE_DTYPES, SPARSE_MAX_VOCAB, sample_spec, topk_bits, topk_width
 
 PACKED_HEADER = 5
-_LE = torch.tensor([1, 256, 65536, 16777216], dtype=torch.int64)
+_LE = (1, 256, 65536, 16777216)  # little-endian byte weights of an id
 
 
 def id_bytes(vocab: int) -> int:
@@ -182,7 +182,7 @@ class PackedRecord:
         k, size, ib = self.width, self.stored.itemsize, id_bytes(self.vocab)
         values = self._floats(0, k, self.stored).to(self.dtype).float()
         raw = self._rows[:, k * size : k * (size + ib)].reshape(self.rows, k, ib).to(torch.int64)
-        indices = (raw * _LE[:ib]).sum(-1)
+        indices = (raw * torch.tensor(_LE[:ib], dtype=torch.int64)).sum(-1)
         if bool((indices >= self.vocab).any()):
             raise ValueError("a packed record holds a token id outside the vocabulary")
         tail = self._floats(k * (size + ib), 2, torch.float32)
