@@ -14,7 +14,8 @@ full-vocabulary log-probabilities (llama.cpp's `--kl-divergence-base` file holds
 
 `--part memory` (a tiny Llama with a `--vocab` vocabulary, one row, `--tokens` steps): records a greedy
 run of that length spilled to disk, then in fresh processes with default allocator settings measures the
-peak resident memory of: loading the model and the recording only (the base), `rescore(mode="forward")`
+peak anonymous memory (sampled `RssAnon`: what the process holds) and the peak RSS (which also counts the
+recordings' memory-mapped pages, page cache the kernel can drop) of: loading the model and the recording only (the base), `rescore(mode="forward")`
 into a spilled recording, and `compare` of the two; `--runs` times, median and min..max. Writes
 `rescore_cost.json` / `rescore_memory.json` under `--out`.
 """
@@ -122,8 +123,37 @@ def tiny_model(vocab: int, positions: int):
     return LlamaForCausalLM(config).eval()
 
 
+class AnonPeak:
+    """The peak of this process's anonymous resident memory (`RssAnon` in `/proc/self/status`, Linux),
+    sampled every 20 ms by a thread: unlike the peak RSS, it leaves out the recordings' memory-mapped
+    file pages, which the kernel can drop at any time (the page cache), and counts what the process holds."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.peak = self.read()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def read() -> int:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon:"))
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, self.read())
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, self.read())
+
+
 def memory_child(args: argparse.Namespace) -> None:
     """One measurement in this (fresh) process; prints its result as JSON on the last line."""
+    anon = AnonPeak()
     work = Path(args.work)
     model = tiny_model(args.vocab, args.tokens)
     reference = open_recording(work / "reference")
@@ -133,7 +163,7 @@ def memory_child(args: argparse.Namespace) -> None:
     elif args.child == "compare":
         compare(reference, open_recording(work / "rescored")).summary()
     shutil.rmtree(target, ignore_errors=True)
-    print(json.dumps({"peak_mib": peak_rss_bytes() / 2**20}))
+    print(json.dumps({"anon_peak_mib": anon.stop() / 2**20, "peak_mib": peak_rss_bytes() / 2**20}))
 
 
 def memory_part(args: argparse.Namespace) -> None:
@@ -147,7 +177,8 @@ def memory_part(args: argparse.Namespace) -> None:
         common = ["--part", "memory-child", "--work", str(work), "--tokens", str(args.tokens), "--vocab", str(args.vocab)]
         found = fresh_runs(__file__, {case: [*common, "--child", case] for case in ("base", "rescore-forward", "compare")},
                            args.runs)
-        summary = print_peaks(found, key="peak_mib", base="base", label="peak")
+        summary = {"anon": print_peaks(found, key="anon_peak_mib", base="base", label="anonymous peak"),
+                   "rss": print_peaks(found, key="peak_mib", base="base", label="RSS peak (mapped files included)")}
         on_disk = sum(p.stat().st_size for p in (work / "reference").iterdir())
     finally:
         shutil.rmtree(work, ignore_errors=True)
