@@ -11,7 +11,7 @@ import torch
 from transformers import LogitsProcessor
 
 from transformers_offload import Recorder, _compat, open_recording
-from transformers_offload.rescore import RescoreError, _distinct_parents, rescore
+from transformers_offload.rescoring import RescoreError, _distinct_parents, rescore
 
 from .conftest import EOS, PAD, left_padded_batch, make_tiny
 
@@ -232,3 +232,19 @@ def test_a_replay_that_does_not_follow_raises():
     model.generate = generate
     with pytest.raises(RescoreError, match="other tokens than recorded at step 0"):
         rescore(rec, model)
+
+
+def test_the_package_name_stays_the_function_once_every_module_is_loaded():
+    # A submodule named like a public function would replace the package's lazily loaded name on import
+    # (`from transformers_offload import rescore` once gave the module, after rescore_run imported it).
+    import importlib
+    import pkgutil
+    import types
+
+    import transformers_offload
+
+    for module in pkgutil.walk_packages(transformers_offload.__path__, "transformers_offload."):
+        importlib.import_module(module.name)
+    shadowed = [name for name in transformers_offload.__all__
+                if isinstance(getattr(transformers_offload, name), types.ModuleType)]
+    assert shadowed == []

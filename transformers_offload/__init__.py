@@ -26,8 +26,8 @@ _EXPORTS = {
     "DeviceAccumulationWarning": ".recorder",
     "Recorder": ".recorder",
     "RecordingMismatchWarning": ".recorder",
-    "RescoreError": ".rescore",
-    "rescore": ".rescore",
+    "RescoreError": ".rescoring",
+    "rescore": ".rescoring",
     "KDCollator": ".distill",
     "group_sequences": ".distill",
     "kd_loss": ".distill",
@@ -64,7 +64,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from .read.indexing import StreamNotRecorded
     from .read.reader import Recording, open_recording
     from .recorder import DeviceAccumulationWarning, Recorder, RecordingMismatchWarning
-    from .rescore import RescoreError, rescore
+    from .rescoring import RescoreError, rescore
     from .distill import KDCollator, group_sequences, kd_loss
     from .answers.kd_table import write_kd_parquet
     from .store.format import RecordingError

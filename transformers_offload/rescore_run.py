@@ -19,7 +19,7 @@ from .claims import claim
 from .parallel import process_rank, share, wait_for_every_rank
 from .read.reader import open_recording
 from .record import recorded_samples, target_directory
-from .rescore import rescore
+from .rescoring import rescore
 from .store.format import MANIFEST, rank_directories
 
 

@@ -1,5 +1,7 @@
-"""Rescore a recording: replay its tokens through another model (dtype, quantization, attention kernel,
-transformers release) and record that model's logits on them, teacher-forced.
+"""`transformers_offload.rescore`: replay a recording's tokens through another model (dtype, quantization,
+attention kernel, transformers release) and record that model's logits on them, teacher-forced. (The
+module is named apart from the function: importing a submodule `rescore` would hide the package's lazily
+loaded function of that name.)
 
 `mode="decode"` replays each generation with a stock `generate()` call of the original's decoding mode,
 batch and padding, adding a processor that forces the recorded choice at every step: in greedy search
