@@ -220,10 +220,8 @@ def _rescore(arguments: argparse.Namespace, command: str) -> int:
 
     from .rescore_run import rescore_recording
 
-    try:
-        encodings = dict(part.split("=", 1) for part in arguments.encodings.split(",") if part)
-    except ValueError:
-        print(f"error: `--encodings` must read NAME=ENCODING,..., got {arguments.encodings!r}", file=sys.stderr)
+    encodings = _encodings(arguments.encodings)
+    if encodings is None:
         return 2
     dtype = None
     if arguments.dtype is not None:
@@ -316,10 +314,8 @@ def _record(arguments: argparse.Namespace, command: str) -> int:
 
     from .record import record
 
-    try:
-        encodings = dict(part.split("=", 1) for part in arguments.encodings.split(",") if part)
-    except ValueError:
-        print(f"error: `--encodings` must read NAME=ENCODING,..., got {arguments.encodings!r}", file=sys.stderr)
+    encodings = _encodings(arguments.encodings)
+    if encodings is None:
         return 2
     options = {name: getattr(arguments, name) for name in ("temperature", "top_p", "repetition_penalty", "top_k",
                                                              "num_beams", "num_return_sequences")
@@ -358,6 +354,15 @@ def _record(arguments: argparse.Namespace, command: str) -> int:
         return 130
     _print(json.dumps(result) if arguments.json else _human(result))
     return 0
+
+
+def _encodings(text: str) -> dict[str, str] | None:
+    """`--encodings NAME=ENCODING,...` as a dict; None (after saying why) when it does not read so."""
+    try:
+        return dict(part.split("=", 1) for part in text.split(",") if part)
+    except ValueError:
+        print(f"error: `--encodings` must read NAME=ENCODING,..., got {text!r}", file=sys.stderr)
+        return None
 
 
 def _device(name: str) -> Any:
