@@ -53,7 +53,6 @@ def score(gen: Generation, model: Any, rec: Any, call: dict[str, Any], chunk_siz
         rec.set_samples(list(gen.sample_ids), metadata=None if gen.sample_metadata is None else list(gen.sample_metadata))
     capture = rec._begin_generation(assistant_model=None, custom_generate=None, attention_mask=given_mask,
                                     inputs=sequences[:, :length])
-    error: BaseException | None = None
     try:
         capture.start(config, length, no_processors=True)
         eos = torch.tensor(list(gen.eos_token_id), device=device, dtype=torch.long)
@@ -78,7 +77,6 @@ def score(gen: Generation, model: Any, rec: Any, call: dict[str, Any], chunk_siz
                     capture.on_stopping(appended, done)
                 del out
     except BaseException as exc:  # recorded so far stays readable, as a failed generate() call's
-        error = exc
         rec._end_generation(capture, None, exc)
         raise
-    rec._end_generation(capture, sequences, error)
+    rec._end_generation(capture, sequences, None)

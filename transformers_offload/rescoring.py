@@ -395,17 +395,7 @@ def _device_of(model: Any) -> torch.device:
     return next(model.parameters()).device
 
 
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def _progress(total: int, show: bool) -> Any:
-    if not show:
-        return _NoBar()
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, unit="generation", desc="rescore")
+    return tqdm(total=total, unit="generation", desc="rescore", disable=not show)
