@@ -152,6 +152,10 @@ RELEASE_INDEPENDENT = frozenset({
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The slow tests (a minute or two each, some) first, so that the workers of `-n auto` share them
+    # and the short ones fill in after; last, one worker ran the long ones while the other sat idle
+    # (the whole suite took 757 s on 2 workers for 1,038 s of tests).
+    items.sort(key=lambda item: "slow" not in item.keywords)
     for item in items:
         module = getattr(item, "module", None)
         if module is not None and module.__name__.rpartition(".")[2] in RELEASE_INDEPENDENT:
