@@ -13,8 +13,6 @@ from typing import Any
 
 import numpy
 
-from .._lazy import torch  # imported when first used: reading a manifest needs no torch (`inspect`, `verify`)
-
 from ..store.format import (
     ENCODED_STREAMS,
     NATIVE,
