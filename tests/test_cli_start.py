@@ -21,8 +21,9 @@ from transformers_offload import cli, demo_model
 GOLDEN = Path(__file__).parent / "golden"
 ROOT = Path(__file__).parent.parent
 
-# What each reading command may import: `inspect` and `verify` read manifests and file headers only;
-# `export`, `view` and `plot` compute logprobs and entropies with torch, but never need transformers.
+# What each reading command may import on the golden recordings: `inspect` and `verify` read manifests and
+# file headers only; `export`, `view` and `plot` compute these recordings' logprobs and entropies with torch
+# (they hold no `stats`), but never need transformers.
 COMMANDS = {
     "inspect": ([], ("torch", "transformers")),
     "verify": ([], ("torch", "transformers")),
@@ -65,6 +66,83 @@ def test_reading_commands_import_neither_torch_nor_transformers(tmp_path, comman
     result = _run([command, str(run), *(part.format(out=tmp_path) for part in extra)])
     assert result["status"] == 0
     assert not set(kept_out) & set(result["imported"]), f"`{command}` imported {result['imported']}"
+
+
+# A recording made by a tiny model with the `stats` stream: every value the answers show is read from it
+# (the chosen token's logprob, rank and entropy), so `export`, `view --top 0` and `plot` need no torch; the
+# same model without `stats` (dense logits only) needs torch's log-softmax, and imports it.
+ANSWERS = {
+    "inspect": [], "verify": [], "export": ["{out}/table.parquet"], "view": ["-o", "{out}/page.html", "--top", "0"],
+    "plot": ["-o", "{out}/plots"],
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tmp_path_factory):
+    """Two recordings of the same sampled `generate()` of a tiny GPT-2: `stats` (with stats) and `dense`."""
+    import torch
+
+    from transformers_offload import Recorder
+
+    from .conftest import PAD, left_padded_batch, make_tiny
+
+    model = make_tiny("gpt2")
+    root = tmp_path_factory.mktemp("tiny-runs")
+    for name, streams in (("stats", ("logits", "scores", "stats")), ("dense", ("logits", "scores"))):
+        with Recorder(model, streams=streams, spill_dir=root / name) as rec:
+            torch.manual_seed(0)
+            model.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=6, do_sample=True,
+                           num_return_sequences=2, pad_token_id=PAD)
+    return root
+
+
+@pytest.mark.parametrize("command", sorted(ANSWERS))
+def test_every_reading_command_runs_without_torch_on_a_recording_with_stats(tmp_path, tiny_runs, command):
+    if command == "plot":
+        pytest.importorskip("matplotlib")
+    if command == "export":
+        pytest.importorskip("pyarrow")
+    result = _run([command, str(tiny_runs / "stats"), *(part.format(out=tmp_path) for part in ANSWERS[command])])
+    assert result["status"] == 0
+    assert result["imported"] == [], f"`{command}` imported {result['imported']}"
+
+
+def test_a_recording_without_stats_imports_torch_for_its_logprobs_only(tmp_path, tiny_runs):
+    pytest.importorskip("pyarrow")
+    result = _run(["export", str(tiny_runs / "dense"), str(tmp_path / "table.parquet")])
+    assert result["status"] == 0 and result["imported"] == ["torch"]
+
+
+def test_the_values_read_without_torch_equal_torchs_expressions(tmp_path, tiny_runs):
+    """The table exported from `stats` (NumPy only) holds, bit for bit, the torch expressions of the full
+    logits and scores (`read.logprobs`), as the table exported from the dense recording does."""
+    pa = pytest.importorskip("pyarrow.parquet")
+    import torch
+
+    from transformers_offload import open_recording
+
+    tables = {}
+    for name in ("stats", "dense"):
+        assert cli.main(["export", str(tiny_runs / name), str(tmp_path / f"{name}.parquet")]) == 0
+        tables[name] = pa.read_table(tmp_path / f"{name}.parquet").to_pydict()
+    recording = open_recording(tiny_runs / "dense")
+    generation = recording.generation()
+    table = tables["stats"]
+    assert len(table["token"]) > 0
+    for kind, read in (("raw", generation.logits), ("processed", generation.scores)):
+        for i, (j, t, y) in enumerate(zip(table["sequence"], table["step"], table["token"])):
+            x = read(steps=t)[0]
+            expected = {
+                "logprob": torch.log_softmax(x, -1)[j, y].float(),
+                "rank": (x[j] > x[j, y]).sum(),
+                "entropy": torch.special.entr(torch.softmax(x, -1)).sum(-1)[j].float(),
+            }
+            for name, value in expected.items():
+                got = torch.tensor(table[f"{name}_{kind}"][i], dtype=value.dtype)
+                assert torch.equal(got, value), (name, kind, j, t)
+    for column in table:
+        assert torch.equal(torch.tensor(table[column], dtype=torch.float64),
+                           torch.tensor(tables["dense"][column], dtype=torch.float64)) or column == "sample", column
 
 
 def test_importing_the_package_imports_neither():

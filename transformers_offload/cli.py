@@ -2,8 +2,10 @@
 console script), or `python -m transformers_offload ...`: a thin layer over the public API (`open_recording`,
 `answers.table`, `answers.viewer`, `answers.plots`, `record`, `rescore_run`, `answers.compare`).
 
-Reading commands start without torch and transformers: this module imports neither, and `inspect` and
-`verify` never need them (each command imports what it uses when it runs).
+Reading commands start without torch and transformers: this module imports neither, `inspect` and
+`verify` never need them, and `export`, `view` and `plot` read with NumPy, importing torch only where the
+recording needs it (`read.logprobs`: values computed from the full logits or scores, packed or sparse
+records, bfloat16 streams) and transformers only for `--tokenizer`.
 """
 
 from __future__ import annotations

@@ -139,7 +139,7 @@ def _completion_rows(generation: Any, top: int | None, chunk_steps: int) -> Iter
     k = top or (width if width is not None else DEFAULT_TOP)
     per_prompt = generation.num_return_sequences
     prompts = _prompts_without_padding(generation)
-    rows, tokens, lengths = token_positions(generation)
+    rows, tokens, lengths = (torch.from_numpy(part.copy()) for part in token_positions(generation))
     generated = tokens.tolist()
     end = int(lengths.max()) if lengths.numel() else 0
     for start in range(0, end, chunk_steps):

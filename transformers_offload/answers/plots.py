@@ -78,7 +78,7 @@ def plot_attention(generation: Any, path: str | os.PathLike, *, layer: int = -1,
     """
     if not hasattr(generation, "layer_array"):
         raise TypeError(f"`generation` must be one Generation (e.g. `run.generation(0)`), got {type(generation).__name__}.")
-    array = generation.layer_array("attentions", layer, rows=row)
+    array = generation.layer_array("attentions", layer, rows=row)  # read through torch (its dtype may be bfloat16)
     kept = (generation.layers or {}).get("heads", {}) or {}
     heads = kept.get("attentions") if isinstance(kept, dict) else None
     index = head
@@ -120,7 +120,7 @@ def write_plots(source: Any, directory: str | os.PathLike, *, generations: Seque
     output_path(source, target / "x.png", "plots' directory")
     written, skipped = [], []
     for generation in picked:
-        if (generation.sequences is None and generation.is_beam) or sources(generation, "raw", 0)[0] is None:
+        if (not generation.has_sequences and generation.is_beam) or sources(generation, "raw", 0)[0] is None:
             skipped.append(generation.index)  # an incomplete beam search, or neither logits nor (outside beam search) stats
             continue
         written.append(plot_steps(generation, target / f"steps-g{generation.index}.png"))

@@ -153,7 +153,7 @@ def record_batches(source: Any, *, generations: Sequence[int] | None = None, top
 
     def batches() -> Iterator[Any]:
         for generation in picked:
-            if generation.sequences is None and generation.is_beam:
+            if not generation.has_sequences and generation.is_beam:
                 continue  # an incomplete beam search: no returned sequences to follow
             per_prompt = generation.num_return_sequences
             call_ids = ids[id(generation)]
@@ -166,9 +166,9 @@ def record_batches(source: Any, *, generations: Sequence[int] | None = None, top
                     "sample": pa.array([str(call_ids[p]) if as_text else call_ids[p] for p in prompt],
                                        table_schema.field("sample").type),
                     "prompt": pa.array(prompt, pa.int32()),
-                    "sequence": pa.array(chunk["sequence"].numpy(), pa.int32()),
-                    "step": pa.array(chunk["step"].numpy(), pa.int32()),
-                    "token": pa.array(chunk["token"].numpy(), pa.int64()),
+                    "sequence": pa.array(chunk["sequence"], pa.int32()),
+                    "step": pa.array(chunk["step"], pa.int32()),
+                    "token": pa.array(chunk["token"], pa.int64()),
                 }
                 if tokenizer is not None:
                     columns["text"] = pa.array([tokenizer.decode([y]) for y in chunk["token"].tolist()], pa.string())
@@ -191,7 +191,7 @@ def record_batches(source: Any, *, generations: Sequence[int] | None = None, top
 def _column(pa: Any, values: Any, kind: Any, n: int) -> Any:
     if values is None:
         return pa.nulls(n, kind)
-    return pa.array(values.numpy(), kind)
+    return pa.array(values, kind)
 
 
 def _list_column(pa: Any, values: Any, kind: Any, n: int) -> Any:
@@ -199,7 +199,7 @@ def _list_column(pa: Any, values: Any, kind: Any, n: int) -> Any:
         return pa.nulls(n, pa.list_(kind))
     width = values.shape[1]
     offsets = pa.array(range(0, (n + 1) * width, width) if width else [0] * (n + 1), pa.int32())
-    return pa.ListArray.from_arrays(offsets, pa.array(values.reshape(-1).numpy(), kind))
+    return pa.ListArray.from_arrays(offsets, pa.array(values.reshape(-1), kind))
 
 
 def to_arrow(source: Any, *, generations: Sequence[int] | None = None, top: int = 0, tokenizer: Any = None,

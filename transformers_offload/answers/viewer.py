@@ -17,6 +17,7 @@ import html
 import json
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -57,9 +58,9 @@ def page_data(source: Any, *, generations: Sequence[int] | None = None, sequence
         shown.append(entry)
         if not generation.complete:
             entry["error"] = generation.error
-        if generation.sequences is None and generation.is_beam:
+        if not generation.has_sequences and generation.is_beam:
             continue  # an incomplete beam search: no returned sequences to follow
-        total = int(generation.sequences.shape[0]) if generation.sequences is not None else generation.num_rows
+        total = int(generation.sequences_array().shape[0]) if generation.has_sequences else generation.num_rows
         wanted = list(range(total)) if sequences is None else [s for s in sequences if 0 <= s < total]
         wanted = wanted[:max_sequences]
         entry["hidden_sequences"] = total - len(wanted)
@@ -88,7 +89,7 @@ def page_data(source: Any, *, generations: Sequence[int] | None = None, sequence
                 "metadata": None if generation.sample_metadata is None else generation.sample_metadata[prompt],
                 "tokens": sorted(tokens[j], key=lambda item: item[0]),
             })
-        if generation.is_beam and generation.sequences is not None:
+        if generation.is_beam and generation.has_sequences:
             entry["tree"] = _beam_tree(generation, wanted, max_steps, text)
     return {"generations": shown, "top": top, "max_steps": max_steps}
 
@@ -110,9 +111,9 @@ def _jsonable_id(value: Any) -> Any:
 def _beam_tree(generation: Any, wanted: list[int], max_steps: int, text: Any) -> dict[str, Any]:
     """The kept beams per step (`beam_parents`, `tokens`) and each shown sequence's rows (`beam_indices`)."""
     steps = range(min(generation.num_steps, max_steps))
-    parents = [p.tolist() for p in generation.beam_parents(steps=steps)]
-    tokens = [y.tolist() for y in generation.tokens(steps=steps)]
-    indices = generation.beam_indices()
+    parents = [p.tolist() for p in generation.beam_parents(steps=steps, framework="np")]
+    tokens = [y.tolist() for y in generation.tokens(steps=steps, framework="np")]
+    indices = generation.beam_indices(framework="np")
     return {
         "num_beams": generation.num_beams,
         "num_rows": generation.num_rows,
@@ -158,11 +159,12 @@ def write_html(source: Any, path: str | os.PathLike, **options: Any) -> dict[str
     Returns:
         `dict`: `bytes` (the page's size).
     """
-    from .comparison import Comparison
     from .table import output_path
 
     target = output_path(source, path, "page")
-    if isinstance(source, Comparison):
+    # A `Comparison` exists only once its module is imported (which imports torch): not imported here.
+    comparison = sys.modules.get(f"{__package__}.comparison")
+    if comparison is not None and isinstance(source, comparison.Comparison):
         from .compare_view import render as render_comparison
 
         document = render_comparison(source, **options)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._lazy import torch  # imported when first used: reading a manifest needs no torch (`inspect`, `verify`)
+import numpy
 
 from ..store.format import (
     ENCODED_STREAMS,
@@ -93,16 +93,16 @@ class EncodedReading:
 
     def _packed_columns(self, stream: str, steps: Steps, rows: Rows, framework: str, k: int | None) -> tuple[dict[str, Any], ...]:
         check_framework(framework)
-        records = self._get(stream, steps, None, "pt")
+        records = self._get(stream, steps, None, framework)  # NumPy's arrays: no torch where none is needed
         index = row_index(rows, self.num_rows)
         encoding = self.encodings.get(stream, "")
         found = []
         for t, record in zip(step_range(steps, self.num_steps), records):
-            if record.dtype == torch.float64:  # recorded before the packed records
+            if str(record.dtype).endswith("float64"):  # recorded before the packed records (NumPy reads them)
                 columns = topk_columns(record, k)
             else:
                 try:
-                    parsed = PackedRecord(record, encoding)
+                    parsed = PackedRecord(as_framework(record, stream, "pt"), encoding)  # decoded by torch
                     columns = parsed.columns()
                 except ValueError as error:
                     raise RecordingError(f"{stream} step {t}", f"{error}; the recording is damaged.") from None
@@ -161,7 +161,7 @@ class EncodedReading:
         """Each selected step's record of `name` parsed (`SparseRecord` or `NativeRecord`), the rows
         `rows` picks (the same in every step), and whether `rows` is an int (the row axis dropped)."""
         index = row_index(rows, self.num_rows)
-        picked = list(range(self.num_rows)) if index is None else torch.arange(self.num_rows)[index].reshape(-1).tolist()
+        picked = list(range(self.num_rows)) if index is None else numpy.arange(self.num_rows)[index].reshape(-1).tolist()
         found = []
         for t, record in zip(step_range(steps, self.num_steps), self._get(name, steps, None, "pt")):
             try:

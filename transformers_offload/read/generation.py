@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import numpy
+
 from .._lazy import torch  # imported when first used: reading a manifest needs no torch (`inspect`, `verify`)
 
 from ..store.format import BEAM_MODES, STATS_STREAM, stats_columns
@@ -111,6 +113,29 @@ class Generation(LayerReading, EncodedReading):
     @property
     def sequences(self) -> torch.Tensor | None:
         """What `generate()` returned as sequences (see the class's attributes)."""
+        value = self._returned()
+        if isinstance(value, numpy.ndarray):  # read from a directory: the tensor shares its memory
+            value = torch.from_numpy(value)
+            object.__setattr__(self, "_sequences", value)
+        return value
+
+    def sequences_array(self) -> numpy.ndarray | None:
+        """`sequences` as an int64 NumPy array `(num_returned_sequences, length)`, read from a recording
+        directory without importing torch; None for an incomplete generation.
+
+        Raises:
+            RecordingError: the sequences file is missing or damaged.
+        """
+        value = self._returned()
+        return value if value is None or isinstance(value, numpy.ndarray) else value.numpy()
+
+    @property
+    def has_sequences(self) -> bool:
+        """Whether `generate()` returned (the generation is complete): `sequences` is not None, known
+        without reading them."""
+        return self._sequences is not None
+
+    def _returned(self) -> Any:
         value = self._sequences
         if callable(value):  # from a recording directory: read on first use
             value = value()
@@ -138,8 +163,8 @@ class Generation(LayerReading, EncodedReading):
             return len(self.sample_ids)
         if self.prompt_lengths is not None:
             return len(self.prompt_lengths)
-        if self.sequences is not None:
-            return int(self.sequences.shape[0]) // self.num_return_sequences
+        if self.has_sequences:
+            return int(self.sequences_array().shape[0]) // self.num_return_sequences
         return self.num_rows // max(1, self.rows_per_prompt)
 
     @property
@@ -221,7 +246,7 @@ class Generation(LayerReading, EncodedReading):
         Raises:
             KeyError: the recording has no stats (record with `streams=(..., "stats")`).
         """
-        records = self._get(STATS_STREAM, steps, rows, "pt")
+        records = self._get(STATS_STREAM, steps, rows, framework)
         return tuple(
             {name: as_framework(value, name, framework) for name, value in stats_columns(record).items()}
             for record in records
@@ -264,15 +289,14 @@ class Generation(LayerReading, EncodedReading):
         """
         self._require_beams("beam_indices")
         check_framework(framework)
-        if self.sequences is None:
+        if not self.has_sequences:
             raise ValueError(
                 "`beam_indices()` needs the sequences `generate()` returned, and this generation is "
                 f"incomplete ({self.error}); the per-step `beam_parents()` are still available."
             )
-        indices = _trace_beam_indices(
-            self.sequences, self.prompt_length, self.num_beams, self.tokens(), self.beam_parents()
-        )
-        return indices.numpy() if framework == "np" else indices
+        indices = _trace_beam_indices(self.sequences_array(), self.prompt_length, self.num_beams,
+                                      self.tokens(framework="np"), self.beam_parents(framework="np"))
+        return as_framework(indices, "beam_indices", framework)
 
     def transition_scores(self, *, normalize_logits: bool = False) -> torch.Tensor:
         """The score of each returned sequence's token at each step.
@@ -380,7 +404,8 @@ class Generation(LayerReading, EncodedReading):
                 f"this recording has no {name!r} stream (it holds {sorted(self.streams)}); create the "
                 f"Recorder with {name!r} in `streams` to record it."
             )
-        values = self._source.read(name, step_range(steps, self.num_steps), row_index(rows, self.num_rows))
+        values = self._source.read(name, step_range(steps, self.num_steps), row_index(rows, self.num_rows),
+                                   numpy=framework == "np")
         return tuple(as_framework(value, name, framework) for value in values)
 
 
@@ -404,12 +429,12 @@ def pick(generations: Sequence[Generation], index: int, empty: str) -> Generatio
 
 
 def _trace_beam_indices(
-    sequences: torch.Tensor,
+    sequences: numpy.ndarray,
     prompt_length: int,
     num_beams: int,
-    tokens: tuple[torch.Tensor, ...],
-    parents: tuple[torch.Tensor, ...],
-) -> torch.Tensor:
+    tokens: tuple[numpy.ndarray, ...],
+    parents: tuple[numpy.ndarray, ...],
+) -> numpy.ndarray:
     """Walk each returned sequence down the recorded ancestry, step by step.
 
     At step 0 every beam of a prompt holds the same prompt and transformers expands beam 0 only. A
@@ -420,7 +445,7 @@ def _trace_beam_indices(
     returned, total = sequences.shape
     generated = total - prompt_length
     per_prompt = returned // max(1, tokens[0].shape[0] // num_beams) if tokens else 1
-    indices = torch.full((returned, generated), -1, dtype=torch.long)
+    indices = numpy.full((returned, generated), -1, dtype=numpy.int64)
     for j in range(returned):
         row = (j // per_prompt) * num_beams
         for t in range(min(generated, len(tokens))):
@@ -428,8 +453,8 @@ def _trace_beam_indices(
             if t + 1 >= generated:
                 break
             token = int(sequences[j, prompt_length + t])
-            children = ((parents[t] == row) & (tokens[t] == token)).nonzero()
-            if children.numel() == 0:
+            children = ((parents[t] == row) & (tokens[t] == token)).nonzero()[0]
+            if children.size == 0:
                 break
-            row = int(children[0, 0])
+            row = int(children[0])
     return indices

@@ -5,6 +5,8 @@ from __future__ import annotations
 import operator
 from typing import Any, Sequence, Union
 
+import numpy
+
 from .._lazy import torch  # imported when first used: reading a manifest needs no torch (`inspect`, `verify`)
 
 FRAMEWORKS = ("pt", "np")
@@ -43,18 +45,19 @@ def step_range(steps: Steps, num_steps: int) -> range:
 
 
 def row_index(rows: Rows, num_rows: int) -> Any:
-    """`rows` as an index into the row axis: None, an int (drops the axis), a slice, or row indices."""
+    """`rows` as an index into the row axis: None, an int (drops the axis), a slice, or row indices (an
+    int64 NumPy array, which indexes a torch tensor as well: picking rows needs no torch)."""
     if rows is None:
         return None
     if isinstance(rows, slice):
-        return rows if (rows.step or 1) > 0 else torch.tensor(range(num_rows)[rows], dtype=torch.long)
+        return rows if (rows.step or 1) > 0 else numpy.arange(num_rows)[rows].copy()  # torch takes no negative stride
     wrong = TypeError(
         f"`rows` must be an int, a slice, a sequence of row indices or a boolean mask of {num_rows} rows, "
         f"got {rows!r}."
     )
     if isinstance(rows, bool):
         raise wrong
-    if not isinstance(rows, (list, tuple, range, torch.Tensor)) and not hasattr(rows, "__array__"):
+    if not isinstance(rows, (list, tuple, range)) and not hasattr(rows, "__array__"):
         try:
             row = operator.index(rows)  # int, NumPy integer
         except TypeError:
@@ -63,20 +66,20 @@ def row_index(rows: Rows, num_rows: int) -> Any:
             raise IndexError(f"`rows` {row} is out of range for {num_rows} rows.")
         return row
     try:
-        index = torch.as_tensor(rows)
+        index = numpy.asarray(rows)  # a list, a range, a NumPy array, a CPU tensor
     except (TypeError, ValueError, RuntimeError):
         raise wrong from None
-    if index.dim() == 0 and not index.is_floating_point() and index.dtype != torch.bool:
+    if index.ndim == 0 and index.dtype.kind in "iu":
         return row_index(int(index), num_rows)
-    if index.numel() == 0:
-        return torch.zeros(0, dtype=torch.long)
-    if index.dtype == torch.bool:
+    if index.size == 0:
+        return numpy.zeros(0, dtype=numpy.int64)
+    if index.dtype == numpy.bool_:
         if index.shape != (num_rows,):
             raise IndexError(f"a boolean `rows` mask must have {num_rows} entries, got shape {tuple(index.shape)}.")
-        return index.nonzero().flatten()
-    if index.is_floating_point() or index.is_complex() or index.dim() != 1:
+        return index.nonzero()[0].astype(numpy.int64)
+    if index.dtype.kind not in "iu" or index.ndim != 1:
         raise wrong
-    index = index.to(torch.long)
+    index = index.astype(numpy.int64)
     if int(index.min()) < -num_rows or int(index.max()) >= num_rows:
         raise IndexError(f"`rows` {index.tolist()} reaches outside the {num_rows} rows.")
     return index
@@ -88,12 +91,15 @@ def check_framework(framework: str) -> str:
     return framework
 
 
-def as_framework(value: torch.Tensor, name: str, framework: str) -> Any:
-    """`value` as the caller asked: the tensor (`"pt"`), or a NumPy array (`"np"`).
+def as_framework(value: Any, name: str, framework: str) -> Any:
+    """`value` (a tensor, or a NumPy array as a recording directory reads it without torch) as the caller
+    asked: a tensor (`"pt"`, sharing the array's memory), or a NumPy array (`"np"`).
 
     Raises:
         TypeError: `"np"` for a bfloat16 tensor (NumPy has no bfloat16).
     """
+    if isinstance(value, numpy.ndarray):
+        return value if framework == "np" else torch.from_numpy(value)
     if framework != "np":
         return value
     if value.dtype == torch.bfloat16:

@@ -22,13 +22,21 @@ An incomplete generation (`generate()` raised, or the process stopped) has no re
 rows' recorded tokens stand for them (outside beam search, whose beams are only known at the end).
 The full tensors are read a chunk of steps at a time (every row of `chunk_steps` steps), never every
 step at once.
+
+Everything but the expressions on the full tensors is read and assembled with NumPy: the values that
+come from `stats` or a `topk:K` stream (copied as recorded) need no torch, so answering from such a
+recording imports none. The full tensors' expressions stay torch's (imported when a chunk needs them):
+a NumPy log-softmax differs from `torch.log_softmax` in the last bits (two thirds of the entries of a
+(64, 49152) float32 batch, by up to 3.8e-6), and these values are defined as torch's.
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterator, Sequence
 
-from .._lazy import torch  # imported when first used: reading a manifest needs no torch (`inspect`, `verify`)
+import numpy
+
+from .._lazy import torch  # imported when the full tensors' values are asked for (see above)
 
 from ..store.format import STATS_STREAM, topk_width
 
@@ -58,7 +66,7 @@ def token_chunks(generation: Any, *, kinds: tuple[str, ...] = ("raw", "processed
                  max_steps: int | None = None) -> Iterator[dict[str, Any]]:
     """Yield, per chunk of `chunk_steps` steps, every returned sequence's tokens in it as columns.
 
-    Each dict holds CPU tensors of one length `n` (the chunk's tokens, by step, then sequence):
+    Each dict holds NumPy arrays of one length `n` (the chunk's tokens, by step, then sequence):
     `sequence`, `step`, `token` (int64), the `row` whose values chose the token (int64) and, per kind
     in `kinds` (`"raw"`, `"processed"`), `logprob_<kind>` float32, `rank_<kind>` int64,
     `entropy_<kind>` float32, and with `top`, `top_tokens_<kind>` int64 `(n, top)` and
@@ -73,7 +81,7 @@ def token_chunks(generation: Any, *, kinds: tuple[str, ...] = ("raw", "processed
     _check_int("chunk_steps", chunk_steps, 1)
     if generation.num_steps == 0 and not generation.complete:
         return  # stopped before its first step was committed (killed, or failed in the prefill): no token
-    if generation.sequences is None and generation.is_beam:
+    if not generation.has_sequences and generation.is_beam:
         raise ValueError(
             "the per-token values of a beam search need the sequences `generate()` returned, and this "
             f"generation is incomplete ({generation.error}); its per-step tensors are still available."
@@ -92,76 +100,80 @@ def token_chunks(generation: Any, *, kinds: tuple[str, ...] = ("raw", "processed
                 )
     rows, tokens, lengths = token_positions(generation)
     if sequences is not None:
-        chosen_sequences = torch.tensor(sorted(set(int(j) for j in sequences)), dtype=torch.long)
-        keep = torch.zeros(lengths.shape[0], dtype=torch.bool)
+        chosen_sequences = numpy.array(sorted(set(int(j) for j in sequences)), dtype=numpy.int64)
+        keep = numpy.zeros(lengths.shape[0], dtype=bool)
         keep[chosen_sequences[(chosen_sequences >= 0) & (chosen_sequences < lengths.shape[0])]] = True
-        lengths = torch.where(keep, lengths, torch.zeros_like(lengths))
-    end = int(lengths.max()) if lengths.numel() else 0
+        lengths = numpy.where(keep, lengths, 0)
+    end = int(lengths.max()) if lengths.size else 0
     if max_steps is not None:
         end = min(end, max_steps)
     for start in range(0, end, chunk_steps):
         steps = range(start, min(start + chunk_steps, end))
         # The rows the chunk's tokens came from, each read once (a step's other rows are not read).
         needed = sorted(set(rows[lengths > start][:, start:steps.stop].flatten().tolist()))
-        where = torch.full((generation.num_rows or 1,), -1, dtype=torch.long)
-        where[torch.tensor(needed, dtype=torch.long)] = torch.arange(len(needed))
+        where = numpy.full((generation.num_rows or 1,), -1, dtype=numpy.int64)
+        where[numpy.array(needed, dtype=numpy.int64)] = numpy.arange(len(needed))
         read = _Chunk(generation, steps, plan, needed)
         parts: list[dict[str, Any]] = []
         for offset, t in enumerate(steps):
-            live = torch.nonzero(lengths > t).flatten()
-            if live.numel() == 0:
+            live = numpy.nonzero(lengths > t)[0].astype(numpy.int64)
+            if live.size == 0:
                 continue
             r, y = rows[live, t], tokens[live, t]
-            part: dict[str, Any] = {"sequence": live, "step": torch.full_like(live, t), "token": y, "row": r}
+            part: dict[str, Any] = {"sequence": live, "step": numpy.full_like(live, t), "token": y, "row": r}
             for kind, (chosen, alternatives) in plan.items():
                 part.update(read.values(offset, kind, chosen, alternatives, where[r], y, top, t))
             parts.append(part)
         if parts:
-            yield {name: None if parts[0][name] is None else torch.cat([p[name] for p in parts]) for name in parts[0]}
+            yield {name: None if parts[0][name] is None else numpy.concatenate([p[name] for p in parts])
+                   for name in parts[0]}
 
 
 class _Chunk:
-    """The streams of one chunk of steps, each read once."""
+    """The streams of one chunk of steps, each read once: `stats` and `topk` as NumPy arrays, the full
+    tensors (whose values are torch expressions) as tensors."""
 
     def __init__(self, generation: Any, steps: range, plan: dict[str, tuple[str | None, str | None]],
                  rows: list[int]) -> None:
         self.generation = generation
         wanted = any(c == "stats" for c, _ in plan.values())
-        self._stats = generation.step_stats(steps=steps, rows=rows) if wanted else None
+        self._stats = generation.step_stats(steps=steps, rows=rows, framework="np") if wanted else None
         self._full: dict[str, tuple[torch.Tensor, ...]] = {}
-        self._topk: dict[str, tuple[dict[str, torch.Tensor], ...]] = {}
+        self._topk: dict[str, tuple[dict[str, numpy.ndarray], ...]] = {}
         for kind, (chosen, alternatives) in plan.items():
             stream = KINDS[kind]
             if "full" in (chosen, alternatives):
                 self._full[kind] = (generation.logits if stream == "logits" else generation.scores)(steps=steps, rows=rows)
             if alternatives == "topk":
-                self._topk[kind] = generation.topk(stream, steps=steps, rows=rows)
+                self._topk[kind] = generation.topk(stream, steps=steps, rows=rows, framework="np")
 
     def values(self, offset: int, kind: str, chosen: str | None, alternatives: str | None,
-               r: torch.Tensor, y: torch.Tensor, top: int, step: int) -> dict[str, Any]:
+               r: numpy.ndarray, y: numpy.ndarray, top: int, step: int) -> dict[str, Any]:
         out: dict[str, Any] = {f"logprob_{kind}": None, f"rank_{kind}": None, f"entropy_{kind}": None}
         if top:
             out.update({f"top_tokens_{kind}": None, f"top_logprobs_{kind}": None})
         x = self._full[kind][offset] if kind in self._full else None
+        if x is not None:
+            r_pt, y_pt = torch.from_numpy(r), torch.from_numpy(y)
         if chosen == "stats":
             stats = self._stats[offset]
-            if not torch.equal(stats["token"][r], y):  # pragma: no cover - the recording's own tokens
+            if not numpy.array_equal(stats["token"][r], y):  # pragma: no cover - the recording's own tokens
                 raise ValueError(f"step {step}: the recorded stats' tokens differ from the returned sequences.")
             out[f"logprob_{kind}"] = stats[f"logprob_{kind}"][r]
             out[f"rank_{kind}"] = stats[f"rank_{kind}"][r]
             out[f"entropy_{kind}"] = stats[f"entropy_{kind}"][r]
         elif chosen == "full":
-            out[f"logprob_{kind}"] = torch.log_softmax(x, -1)[r, y].float()
-            out[f"rank_{kind}"] = (x[r] > x[r, y][:, None]).sum(-1)
-            out[f"entropy_{kind}"] = torch.special.entr(torch.softmax(x, -1)).sum(-1)[r].float()
+            out[f"logprob_{kind}"] = torch.log_softmax(x, -1)[r_pt, y_pt].float().numpy()
+            out[f"rank_{kind}"] = (x[r_pt] > x[r_pt, y_pt][:, None]).sum(-1).numpy()
+            out[f"entropy_{kind}"] = torch.special.entr(torch.softmax(x, -1)).sum(-1)[r_pt].float().numpy()
         if alternatives == "topk":
             record = self._topk[kind][offset]  # at most K alternatives
             out[f"top_tokens_{kind}"] = record["indices"][r, :top]
             out[f"top_logprobs_{kind}"] = record["logprobs"][r, :top]
         elif alternatives == "full":
-            best = torch.topk(torch.log_softmax(x, -1)[r].float(), min(top, x.shape[-1]), dim=-1)
-            out[f"top_tokens_{kind}"] = best.indices
-            out[f"top_logprobs_{kind}"] = best.values
+            best = torch.topk(torch.log_softmax(x, -1)[r_pt].float(), min(top, x.shape[-1]), dim=-1)
+            out[f"top_tokens_{kind}"] = best.indices.numpy()
+            out[f"top_logprobs_{kind}"] = best.values.numpy()
         return out
 
 
@@ -196,32 +208,33 @@ def logprobs(generation: Any, *, kind: str = "raw", top: int = 0, tokenizer: Any
 
 
 def _num_sequences(generation: Any) -> int:
-    return generation.num_rows if generation.sequences is None else int(generation.sequences.shape[0])
+    return generation.num_rows if not generation.has_sequences else int(generation.sequences_array().shape[0])
 
 
-def token_positions(generation: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def token_positions(generation: Any) -> tuple[numpy.ndarray, numpy.ndarray, numpy.ndarray]:
     """Per returned sequence and step: the row whose values chose its token, the token, and each
-    sequence's number of tokens (through its end-of-sequence token; no padding after it)."""
-    sequences = generation.sequences
+    sequence's number of tokens (through its end-of-sequence token; no padding after it); int64 NumPy
+    arrays `(sequences, steps)`, `(sequences, steps)` and `(sequences,)`, read without torch."""
+    sequences = generation.sequences_array()
     if sequences is None:  # incomplete, outside beam search: each row's recorded tokens
-        recorded = generation.tokens()
-        generated = torch.stack(recorded, dim=1) if recorded else torch.zeros((generation.num_rows, 0), dtype=torch.long)
+        recorded = generation.tokens(framework="np")
+        generated = numpy.stack(recorded, axis=1) if recorded else numpy.zeros((generation.num_rows, 0), dtype=numpy.int64)
         sequences = generated
     else:
         generated = sequences[:, generation.prompt_length:]
     steps = min(generated.shape[1], generation.num_steps)
     generated = generated[:, :steps]
     if generation.is_beam:
-        rows = generation.beam_indices()[:, :steps]
-        lengths = (rows >= 0).sum(-1)
-        rows = rows.clamp(min=0)
+        rows = generation.beam_indices(framework="np")[:, :steps]
+        lengths = (rows >= 0).sum(-1, dtype=numpy.int64)
+        rows = numpy.maximum(rows, 0)
     else:
-        rows = torch.arange(sequences.shape[0]).view(-1, 1).expand(-1, steps)
-        finished = generation.finished(steps=slice(0, steps))
-        done = torch.stack(finished, dim=1) if finished else torch.zeros((sequences.shape[0], 0), dtype=torch.bool)
+        rows = numpy.repeat(numpy.arange(sequences.shape[0], dtype=numpy.int64)[:, None], steps, axis=1)
+        finished = generation.finished(steps=slice(0, steps), framework="np")
+        done = numpy.stack(finished, axis=1) if finished else numpy.zeros((sequences.shape[0], 0), dtype=bool)
         # A row's tokens run until the first step it had already finished before.
         if steps == 0:
-            lengths = torch.zeros(sequences.shape[0], dtype=torch.long)
+            lengths = numpy.zeros(sequences.shape[0], dtype=numpy.int64)
         else:
-            lengths = torch.where(done.any(-1), done.to(torch.int8).argmax(-1), torch.tensor(steps))
+            lengths = numpy.where(done.any(-1), done.argmax(-1), steps).astype(numpy.int64)
     return rows, generated, lengths

@@ -37,7 +37,7 @@ def samples(generations: Sequence[Any]) -> list[dict[str, Any]]:
                 "prompt": prompt,
                 "rows": list(range(prompt * rows_per_prompt, (prompt + 1) * rows_per_prompt)),
                 "sequences": list(range(prompt * per_prompt, (prompt + 1) * per_prompt))
-                if generation.sequences is not None else [],
+                if generation.has_sequences else [],
                 "prompt_length": None if lengths is None else lengths[prompt],
                 "metadata": None if metadata is None else metadata[prompt],
                 "complete": generation.complete,

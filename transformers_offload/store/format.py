@@ -16,6 +16,8 @@ import shlex
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy
+
 from .._lazy import torch  # imported when first used: reading a manifest needs no torch (`inspect`, `verify`)
 
 FORMAT = "transformers-offload"
@@ -226,13 +228,19 @@ STATS_COLUMNS = (
 STATS_INTEGER_COLUMNS = ("token", "rank_raw", "rank_processed", "support_processed")
 
 
-def stats_columns(record: torch.Tensor) -> dict[str, torch.Tensor]:
-    """A stored `(rows, 9)` float32 or float64 stats record as `(rows,)` tensors per column, int64 or
-    float32: exact, since the recorder writes float32 only where every integer column is below 2**24."""
+def stats_columns(record: Any) -> dict[str, Any]:
+    """A stored `(rows, 9)` float32 or float64 stats record (a tensor, or a NumPy array: the same values)
+    as `(rows,)` columns of its kind, int64 or float32: exact, since the recorder writes float32 only where
+    every integer column is below 2**24."""
     return {
-        name: record[..., i].to(torch.int64 if name in STATS_INTEGER_COLUMNS else torch.float32)
+        name: _cast(record[..., i], "int64" if name in STATS_INTEGER_COLUMNS else "float32")
         for i, name in enumerate(STATS_COLUMNS)
     }
+
+
+def _cast(value: Any, dtype: str) -> Any:
+    """`value` (a tensor or a NumPy array) in `dtype` (a name both spell alike): the same conversion."""
+    return value.astype(dtype) if isinstance(value, numpy.ndarray) else value.to(getattr(torch, dtype))
 
 
 # -- top-k and sampled encodings of logits or scores (`encodings={"scores": "topk:K"}`...) -----------
@@ -274,17 +282,18 @@ def is_packed(encoding: str) -> bool:
     return topk_width(encoding) is not None or sample_spec(encoding) is not None
 
 
-def topk_columns(record: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
-    """A `(rows, 2K + 2)` float64 top-k record (recordings made before the packed records) as tensors:
+def topk_columns(record: Any, k: int) -> dict[str, Any]:
+    """A `(rows, 2K + 2)` float64 top-k record (recordings made before the packed records; a tensor, or a
+    NumPy array) as columns of its kind:
     `values` float32 `(rows, K)`, `indices` int64 `(rows, K)`, `logsumexp` and `mass_outside` float32
     `(rows,)` (exact: float64 holds them), and `logprobs`, float32 `(rows, K)`: `values - logsumexp[:, None]`."""
-    values = record[..., :k].to(torch.float32)
-    logsumexp = record[..., 2 * k].to(torch.float32)
+    values = _cast(record[..., :k], "float32")
+    logsumexp = _cast(record[..., 2 * k], "float32")
     return {
         "values": values,
-        "indices": record[..., k : 2 * k].to(torch.int64),
+        "indices": _cast(record[..., k : 2 * k], "int64"),
         "logsumexp": logsumexp,
-        "mass_outside": record[..., 2 * k + 1].to(torch.float32),
+        "mass_outside": _cast(record[..., 2 * k + 1], "float32"),
         "logprobs": values - logsumexp[..., None],
     }
 

@@ -185,7 +185,8 @@ class MemorySource:
     def read_once(self, name: str) -> torch.Tensor:
         return self._once[name]
 
-    def read(self, name: str, steps: range, rows: Any) -> tuple[torch.Tensor, ...]:
+    def read(self, name: str, steps: range, rows: Any, *, numpy: bool = False) -> tuple[torch.Tensor, ...]:
+        """Steps `steps` of stream `name`, each indexed by `rows`: tensors (held in memory, whatever `numpy` asks)."""
         stored = self._streams[name]
         if rows is None:
             return tuple(stored[t] for t in steps)

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import math
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Iterator
+
+import numpy
 
 from .._lazy import torch  # imported when first used: reading a manifest needs no torch (`inspect`, `verify`)
 from safetensors import SafetensorError, safe_open
@@ -56,17 +59,21 @@ class ShardSource:
         """Every file this generation names: its shards, sequences and encoder outputs."""
         return _manifest.files_of(self._entry)
 
-    def read(self, name: str, steps: range, rows: Any) -> tuple[torch.Tensor, ...]:
+    def read(self, name: str, steps: range, rows: Any, *, numpy: bool = False) -> tuple[Any, ...]:
+        """Steps `steps` of stream `name`, each indexed by `rows` (None: every row): tensors, or with
+        `numpy` NumPy arrays read without torch (where NumPy holds the dtype: a bfloat16 stream still
+        gives tensors)."""
         with self._naming_verify():
-            return self._read(name, steps, rows)
+            return self._read(name, steps, rows, numpy)
 
-    def _read(self, name: str, steps: range, rows: Any) -> tuple[torch.Tensor, ...]:
+    def _read(self, name: str, steps: range, rows: Any, numpy: bool = False) -> tuple[Any, ...]:
         if self._stream_info[name]["encoding"] == _format.SAME_AS_LOGITS:
             name = "logits"  # stored once: the scores were the logits
         if steps.step < 0:
-            return tuple(reversed(self._read(name, steps[::-1], rows)))
+            return tuple(reversed(self._read(name, steps[::-1], rows, numpy)))
         ragged = _format.stored_flat(self._stream_info[name])
-        values: list[torch.Tensor] = []
+        numpy = numpy and self._stream_info[name]["dtype"] in _NUMPY_DTYPES.values()
+        values: list[Any] = []
         for shard in self._shards:
             first = shard["first_step"]
             wanted = steps[_overlap(steps, range(first, first + shard["num_steps"]))]
@@ -75,15 +82,17 @@ class ShardSource:
             local = range(wanted.start - first, wanted[-1] - first + 1, wanted.step)
             if ragged:
                 opened = self._shard(shard)
-                picked = opened.ragged(name, local, rows)
+                picked = opened.ragged(name, local, rows, numpy)
                 if _format.stored_as_records(self._stream_info[name]):
                     _check_sparse_headers(opened.path, name, picked, self._stream_info[name]["dense"])
                 values.extend(picked)
                 continue
-            picked = self._shard(shard).dense(name)[local.start : local.stop : local.step]  # mapped: reads nothing yet
+            opened = self._shard(shard)
+            whole = opened.array(name) if numpy else opened.dense(name)
+            picked = whole[local.start : local.stop : local.step]  # mapped: reads nothing yet
             if rows is not None:
                 picked = picked[:, rows]  # reads the selected rows only
-            values.extend(picked.unbind(0))
+            values.extend(list(picked) if numpy else picked.unbind(0))
         return tuple(values)
 
     def ragged_elements(self, name: str, num_steps: int) -> int:
@@ -100,8 +109,9 @@ class ShardSource:
         with self._naming_verify():
             return self._encoder().dense(name)
 
-    def sequences(self) -> torch.Tensor | None:
-        """What `generate()` returned as sequences, read from their file (None: the generation names none)."""
+    def sequences(self) -> Any:
+        """What `generate()` returned as sequences, read from their file as an int64 NumPy array (None: the
+        generation names none)."""
         if self._sequences_file is None:
             return None
         with self._naming_verify():
@@ -177,6 +187,7 @@ class _Shard:
         self._ragged = ragged  # name -> its manifest entry
         self.ragged_streams = tuple(ragged)
         self._dense: dict[str, torch.Tensor] = {}
+        self._arrays: dict[str, Any] = {}
         self._shapes: dict[str, tuple[torch.Tensor, list[int]]] = {}
 
     def dense(self, name: str) -> torch.Tensor:
@@ -184,6 +195,14 @@ class _Shard:
         if tensor is None:
             tensor = self._dense[name] = _read(self.path, lambda: self._torch().get_tensor(name))
         return tensor
+
+    def array(self, name: str) -> Any:
+        """Dense tensor `name` as a NumPy array mapped from the file (copy-on-write, like the tensors):
+        slicing it reads only what it picks, and no torch is imported."""
+        found = self._arrays.get(name)
+        if found is None:
+            found = self._arrays[name] = _read(self.path, lambda: _mapped(self.path, name))
+        return found
 
     def _torch(self) -> Any:
         if self._tensors is None:
@@ -194,13 +213,16 @@ class _Shard:
         """Cumulative value counts of ragged stream `name`'s steps (its step shapes read and checked once)."""
         return self._shapes_of(name)[1]
 
-    def ragged(self, name: str, local: range, rows: Any) -> list[torch.Tensor]:
-        """Steps `local` (within the shard) of ragged stream `name`: one read of the span they cover."""
+    def ragged(self, name: str, local: range, rows: Any, numpy: bool = False) -> list[Any]:
+        """Steps `local` (within the shard) of ragged stream `name`: one read of the span they cover (with
+        `numpy`, NumPy arrays where NumPy holds the dtype)."""
         shapes, ends = self._shapes_of(name)
         start = ends[local.start - 1] if local.start else 0
         stop = ends[local[-1]]
-        if self._ragged[name]["dtype"] == "int32":  # sparse and native records: read by NumPy, no transformers
-            span = torch.from_numpy(_read(self.path, lambda: self._handle.get_slice(name)[start:stop]))
+        if numpy or self._ragged[name]["dtype"] == "int32":  # sparse, native, packed records: no transformers
+            span = _read(self.path, lambda: self._handle.get_slice(name)[start:stop])
+            if not numpy:
+                span = torch.from_numpy(span)
         else:
             from .. import _compat  # imports transformers (safetensors 0.4's warning silenced there)
 
@@ -208,7 +230,7 @@ class _Shard:
         picked = []
         for t in local:
             begin = (ends[t - 1] if t else 0) - start
-            step = span[begin : ends[t] - start].view(shapes[t].tolist())
+            step = span[begin : ends[t] - start].reshape(shapes[t].tolist())
             picked.append(step if rows is None else step[rows])
         return picked
 
@@ -359,9 +381,9 @@ def stored_generation(root: Path, entry: dict[str, Any], *, stats: TransferStats
     return StoredGeneration(fields, source)
 
 
-def _read_sequences(path: Path, entry: dict[str, Any], *, read: bool = True) -> torch.Tensor | None:
-    """The sequences file's tensor, its header checked against the manifest first (`read=False`: only
-    checked, without torch)."""
+def _read_sequences(path: Path, entry: dict[str, Any], *, read: bool = True) -> Any:
+    """The sequences file's int64 `(sequences, length)` NumPy array (read without torch), its header checked
+    against the manifest first (`read=False`: only checked)."""
     handle, _, header = open_file(path, "sequences file")
     if "sequences" not in header:
         raise RecordingError(path, "holds no `sequences` tensor.")
@@ -378,4 +400,25 @@ def _read_sequences(path: Path, entry: dict[str, Any], *, read: bool = True) -> 
         )
     if not read:
         return None
-    return _read(path, lambda: safe_open(str(path), framework="pt").get_tensor("sequences"))
+    return _read(path, lambda: handle.get_tensor("sequences"))
+
+
+# safetensors' dtype names NumPy holds (bfloat16 is not among them: such streams read through torch).
+_NUMPY_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "I64": "int64", "I32": "int32",
+                 "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+def _mapped(path: Path, name: str) -> Any:
+    """Tensor `name` of safetensors file `path` as a copy-on-write `numpy.memmap` (the format: an 8-byte
+    little-endian header length, the JSON header with each tensor's dtype, shape and byte offsets, then
+    the data)."""
+    with open(path, "rb") as file:
+        length = int.from_bytes(file.read(8), "little")
+        header = json.loads(file.read(length))
+    info = header[name]
+    begin, end = info["data_offsets"]
+    shape = tuple(info["shape"])
+    dtype = numpy.dtype(_NUMPY_DTYPES[info["dtype"]])
+    if end == begin:  # nothing to map
+        return numpy.zeros(shape, dtype)
+    return numpy.memmap(path, dtype=dtype, mode="c", offset=8 + length + begin, shape=shape)

@@ -17,8 +17,9 @@ class StepSource(Protocol):
     streams: tuple[str, ...]
     once_streams: tuple[str, ...]  # recorded once per generation (an encoder's outputs)
 
-    def read(self, name: str, steps: range, rows: Any) -> tuple[torch.Tensor, ...]:
-        """Steps `steps` of stream `name`, each indexed by `rows` (None: every row)."""
+    def read(self, name: str, steps: range, rows: Any, *, numpy: bool = False) -> tuple[Any, ...]:
+        """Steps `steps` of stream `name`, each indexed by `rows` (None: every row, else an int, a slice or
+        an int64 NumPy array): tensors, or with `numpy`, where the source can, NumPy arrays."""
         ...
 
     def read_once(self, name: str) -> torch.Tensor:
