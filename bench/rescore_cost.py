@@ -14,10 +14,11 @@ full-vocabulary log-probabilities (llama.cpp's `--kl-divergence-base` file holds
 
 `--part memory` (a tiny Llama with a `--vocab` vocabulary, one row, `--tokens` steps): records a greedy
 run of that length spilled to disk, then in fresh processes with default allocator settings measures the
-peak anonymous memory (sampled `RssAnon`: what the process holds) and the peak RSS (which also counts the
-recordings' memory-mapped pages, page cache the kernel can drop) of: loading the model and the recording only (the base), `rescore(mode="forward")`
-into a spilled recording, and `compare` of the two; `--runs` times, median and min..max. Writes
-`rescore_cost.json` / `rescore_memory.json` under `--out`.
+peak anonymous memory (sampled `RssAnon`: what the process holds) and the peak RSS (sampled `VmRSS`, which
+also counts the recordings' memory-mapped pages, page cache the kernel can drop) of: loading the model and
+the recording only (the base), `rescore(mode="forward")` into a spilled recording, and `compare` of the two
+(`--cases` picks some); `--runs` times, median and min..max. Writes `rescore_cost.json` /
+`rescore_memory.json` under `--out`.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from _common import (RESULTS, TIMING_HEADERS, fresh_runs, interleaved, machine, peak_rss_bytes,  # noqa: E402
+from _common import (RESULTS, TIMING_HEADERS, fresh_runs, interleaved, machine,  # noqa: E402
                      print_peaks, print_table, summarize, timed, timing_columns, write_json)
 from compact_cost import PROMPTS  # noqa: E402
 from transformers_offload import Recorder, compare, open_recording, rescore  # noqa: E402
@@ -124,31 +125,37 @@ def tiny_model(vocab: int, positions: int):
 
 
 class AnonPeak:
-    """The peak of this process's anonymous resident memory (`RssAnon` in `/proc/self/status`, Linux),
-    sampled every 20 ms by a thread: unlike the peak RSS, it leaves out the recordings' memory-mapped
-    file pages, which the kernel can drop at any time (the page cache), and counts what the process holds."""
+    """The peaks of this process's anonymous resident memory (`RssAnon` in `/proc/self/status`, Linux) and
+    of its whole resident set (`VmRSS`), sampled every 20 ms by a thread. The anonymous memory leaves out
+    the recordings' memory-mapped file pages, which the kernel can drop at any time (the page cache), and
+    counts what the process holds. The resident set is sampled rather than taken from `ru_maxrss`, which
+    a child started by fork and exec inherits from its parent (the parent's resident set at the fork)."""
 
     def __init__(self) -> None:
         import threading
 
-        self.peak = self.read()
+        self.peaks = self.read()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     @staticmethod
-    def read() -> int:
+    def read() -> tuple[int, int]:
+        """(anonymous, resident) bytes now."""
         with open("/proc/self/status") as status:
-            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon:"))
+            found = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in status
+                     if line.startswith(("RssAnon:", "VmRSS:"))}
+        return found["RssAnon"], found["VmRSS"]
 
     def _run(self) -> None:
         while not self._stop.wait(0.02):
-            self.peak = max(self.peak, self.read())
+            self.peaks = tuple(map(max, self.peaks, self.read()))
 
-    def stop(self) -> int:
+    def stop(self) -> tuple[int, int]:
+        """The peaks (anonymous, resident), in bytes."""
         self._stop.set()
         self._thread.join()
-        return max(self.peak, self.read())
+        return tuple(map(max, self.peaks, self.read()))
 
 
 def memory_child(args: argparse.Namespace) -> None:
@@ -162,8 +169,12 @@ def memory_child(args: argparse.Namespace) -> None:
         rescore(reference, model, target, mode="forward")
     elif args.child == "compare":
         compare(reference, open_recording(work / "rescored")).summary()
+    anon_peak, rss_peak = anon.stop()
     shutil.rmtree(target, ignore_errors=True)
-    print(json.dumps({"anon_peak_mib": anon.stop() / 2**20, "peak_mib": peak_rss_bytes() / 2**20}))
+    print(json.dumps({"anon_peak_mib": anon_peak / 2**20, "rss_peak_mib": rss_peak / 2**20}))
+
+
+MEMORY_CASES = ("base", "rescore-forward", "compare")
 
 
 def memory_part(args: argparse.Namespace) -> None:
@@ -173,12 +184,13 @@ def memory_part(args: argparse.Namespace) -> None:
         with Recorder(model, spill_dir=work / "reference", streams=("logits",)) as rec:
             model.generate(input_ids=torch.tensor([[1, 5, 6, 7]]), logits_processor=[rec], max_new_tokens=args.tokens,
                            do_sample=False, pad_token_id=0)
-        rescore(open_recording(work / "reference"), model, work / "rescored", mode="forward")
+        if "compare" in args.cases:
+            rescore(open_recording(work / "reference"), model, work / "rescored", mode="forward")
         common = ["--part", "memory-child", "--work", str(work), "--tokens", str(args.tokens), "--vocab", str(args.vocab)]
-        found = fresh_runs(__file__, {case: [*common, "--child", case] for case in ("base", "rescore-forward", "compare")},
-                           args.runs)
-        summary = {"anon": print_peaks(found, key="anon_peak_mib", base="base", label="anonymous peak"),
-                   "rss": print_peaks(found, key="peak_mib", base="base", label="RSS peak (mapped files included)")}
+        found = fresh_runs(__file__, {case: [*common, "--child", case] for case in args.cases}, args.runs)
+        base = "base" if "base" in args.cases else None
+        summary = {"anon": print_peaks(found, key="anon_peak_mib", base=base, label="anonymous peak"),
+                   "rss": print_peaks(found, key="rss_peak_mib", base=base, label="RSS peak (mapped files included)")}
         on_disk = sum(p.stat().st_size for p in (work / "reference").iterdir())
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -195,6 +207,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--vocab", type=int, default=152064)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--cases", nargs="+", choices=MEMORY_CASES, default=list(MEMORY_CASES),
+                        help="the memory part's cases (each run in a process of its own)")
     parser.add_argument("--work-dir", default=None, help="where the memory part writes its recordings (2 x tokens x vocab x 4 bytes)")
     parser.add_argument("--work"), parser.add_argument("--child")
     parser.add_argument("--out", type=Path, default=RESULTS)

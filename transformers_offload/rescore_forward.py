@@ -58,6 +58,7 @@ def score(gen: Generation, model: Any, rec: Any, call: dict[str, Any], chunk_siz
         eos = torch.tensor(list(gen.eos_token_id), device=device, dtype=torch.long)
         done = torch.zeros(rows, dtype=torch.bool, device=device)
         cache = None
+        logits = None  # one `(rows, vocab)` float32 buffer, reused for every position (the ring copies it)
         cache_argument = _compat.cache_argument(model)
         end_of_scored = length + steps - 1  # the last token is appended, never scored
         with torch.no_grad():
@@ -68,7 +69,9 @@ def score(gen: Generation, model: Any, rec: Any, call: dict[str, Any], chunk_siz
                 cache = _compat.cache_of(out)
                 for position in range(max(start, length - 1), end):
                     step = position - (length - 1)
-                    logits = out.logits[:, position - start].to(copy=True, dtype=torch.float32)
+                    if logits is None:
+                        logits = torch.empty(out.logits[:, 0].shape, dtype=torch.float32, device=out.logits.device)
+                    logits.copy_(out.logits[:, position - start])
                     ids = sequences[:, : length + step]
                     capture.on_raw(ids, logits)
                     capture.on_processed(ids, logits)

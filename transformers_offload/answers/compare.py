@@ -75,16 +75,14 @@ def compare(a: Any, b: Any, *, stream: str = "logits", chunk_steps: int = 16) ->
         pairs = _pair(gens_a, gens_b)
         plans = [_check_pair(ga, gb, stream) for ga, gb in pairs]  # every refusal before any work
         ids = dict(zip(map(id, gens_a), sample_ids(gens_a)))
-        columns: dict[str, list[Any]] = {}
+        columns = _Columns(sum(_token_count(ga, plan) for (ga, _), plan in zip(pairs, plans)))
         for (ga, gb), plan in zip(pairs, plans):
             for values in _pair_values(ga, gb, stream, plan, chunk_steps, ids[id(ga)]):
-                for name, value in values.items():
-                    columns.setdefault(name, []).append(value)
+                columns.put(values)
     finally:
         for recording in opened:
             recording.close()
-    joined = {name: np.concatenate(parts) for name, parts in columns.items()}
-    return Comparison(joined, stream=stream, pairs=[(ga.index, gb.index) for ga, gb in pairs],
+    return Comparison(columns.arrays, stream=stream, pairs=[(ga.index, gb.index) for ga, gb in pairs],
                       sample_as_text=any(isinstance(i, str) for per in ids.values() for i in per))
 
 
@@ -193,6 +191,39 @@ def _read(generation: Any, stream: str, steps: range, rows: Any = None) -> list[
         return [Side(topk=record) for record in generation.topk(stream, steps=steps, rows=rows)]
     read = generation.logits if stream == "logits" else generation.scores
     return [Side(full=x.reshape(-1, x.shape[-1])) for x in read(steps=steps, rows=rows)]
+
+
+def _token_count(ga: Any, plan: dict[str, Any]) -> int:
+    """The tokens `_pair_values` yields for a pair: every row of every step, less finished rows."""
+    if plan["finished"]:
+        return sum(int((~finished).sum()) for finished in plan["finished"])
+    return ga.num_rows * ga.num_steps
+
+
+class _Columns:
+    """The per-token columns, each allocated once, `total` tokens long, when the first step's values
+    arrive (their dtypes and widths are then known), and filled in place step by step.
+
+    Not a list of each step's small arrays joined at the end: kept between the steps' large float64
+    temporaries (a vocabulary's entries a row), those small allocations split the room the temporaries
+    free, and the C library's allocator could neither reuse that room for the next step's temporaries
+    nor hand it back, so the process grew with the length (+3.6 GiB at 4,096 tokens of a 152k vocabulary,
+    +9.2 GiB at 8,192: bench/README.md).
+    """
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.arrays: dict[str, np.ndarray] = {}
+        self._filled = 0
+
+    def put(self, values: dict[str, np.ndarray]) -> None:
+        n = len(values["step"])
+        for name, value in values.items():
+            array = self.arrays.get(name)
+            if array is None:
+                array = self.arrays[name] = np.empty((self.total, *value.shape[1:]), dtype=value.dtype)
+            array[self._filled : self._filled + n] = value
+        self._filled += n
 
 
 def _pair_values(ga: Any, gb: Any, stream: str, plan: dict[str, Any], chunk_steps: int,

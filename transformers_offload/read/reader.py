@@ -11,7 +11,7 @@ from ..store import files as _files
 from ..store import format as _format
 from ..store import manifest as _manifest
 from ..store.format import RecordingError
-from ..store.shard_reader import ShardSource, stored_generation
+from ..store.shard_reader import OpenFiles, ShardSource, stored_generation
 from .generation import Generation, generation_of, pick
 from .ranks import RankedRecording
 from .readable import Readable
@@ -88,7 +88,8 @@ class Recording(Readable):
         self.model: dict[str, Any] = manifest["model"]
         self._entries: list[dict[str, Any]] = manifest["generations"]
         self._file_records: dict[str, dict[str, Any]] | None = manifest.get("files")
-        self._generations = tuple(generation_of(stored_generation(path, entry)) for entry in self._entries)
+        files = OpenFiles()  # one bound on the open shards (and their mapped pages) for all generations
+        self._generations = tuple(generation_of(stored_generation(path, entry, files=files)) for entry in self._entries)
 
     @property
     def generations(self) -> tuple[Generation, ...]:

@@ -27,7 +27,40 @@ from . import manifest as _manifest
 from .format import RecordingError
 from .stored import StoredGeneration, TransferStats
 
-_OPEN_SHARDS = 64  # shard files kept open per generation (least recently used are dropped)
+# Files a recording keeps open for reading (`OpenFiles`), the least recently used dropped first: at most
+# this many, and at most this many bytes of them besides the newest. An open file keeps the pages read from
+# it mapped, counted in the process's resident set: 64 shards of 64 MiB would hold 4 GiB of each recording
+# read through (`compare` reads two); reopening a shard costs a header read.
+_OPEN_FILES = 64
+_OPEN_BYTES = 512 << 20
+
+
+class OpenFiles:
+    """The files of one recording open for reading, shared by its generations' `ShardSource`s, by name:
+    the least recently used is dropped beyond `_OPEN_FILES` files or `_OPEN_BYTES` bytes (sizes on disk)
+    besides the newest. Tensors already returned keep their mapping."""
+
+    def __init__(self) -> None:
+        self._open: OrderedDict[str, _Shard] = OrderedDict()
+        self._bytes = 0
+
+    def get(self, name: str, opener: Any) -> _Shard:
+        """File `name`, opened by `opener()` unless it is open."""
+        opened = self._open.get(name)
+        if opened is not None:
+            self._open.move_to_end(name)
+            return opened
+        opened = self._open[name] = opener()
+        self._bytes += opened.size
+        while len(self._open) > 1 and (len(self._open) > _OPEN_FILES or self._bytes - opened.size > _OPEN_BYTES):
+            self._bytes -= self._open.popitem(last=False)[1].size
+        return opened
+
+    def drop(self, name: str) -> None:
+        """Close file `name` if it is open."""
+        dropped = self._open.pop(name, None)
+        if dropped is not None:
+            self._bytes -= dropped.size
 
 
 class ShardSource:
@@ -39,7 +72,7 @@ class ShardSource:
     before. A file `verify` found damaged (`mark`) raises that finding when read.
     """
 
-    def __init__(self, root: Path, entry: dict[str, Any]) -> None:
+    def __init__(self, root: Path, entry: dict[str, Any], files: OpenFiles | None = None) -> None:
         self._root = root
         self._entry = entry
         self._index = entry["index"]
@@ -51,7 +84,7 @@ class ShardSource:
         self._encoder_info = encoder.get("streams", {})
         self.once_streams = tuple(self._encoder_info)
         self._sequences_file = entry.get("sequences") or None
-        self._open: OrderedDict[str, _Shard] = OrderedDict()
+        self._open = OpenFiles() if files is None else files  # shared by a recording's generations
         self._damaged: dict[str, RecordingError] = {}  # file name -> what `verify` found wrong with it
 
     @property
@@ -133,7 +166,7 @@ class ShardSource:
 
     def mark(self, name: str, damage: RecordingError | None) -> None:
         """Note what `verify` found of file `name`: reading it raises `damage` from now on (None: intact)."""
-        self._open.pop(name, None)
+        self._open.drop(name)
         if damage is None:
             self._damaged.pop(name, None)
         else:
@@ -141,7 +174,8 @@ class ShardSource:
 
     def close(self) -> None:
         """Drop the open files (tensors already returned keep their own memory or mapping)."""
-        self._open.clear()
+        for name in self.files:
+            self._open.drop(name)
 
     @contextlib.contextmanager
     def _naming_verify(self) -> Iterator[None]:
@@ -167,14 +201,7 @@ class ShardSource:
         return self._get(shard["file"], lambda path: _open_shard(path, self._index, shard, self._stream_info))
 
     def _get(self, name: str, opener: Any) -> _Shard:
-        opened = self._open.get(name)
-        if opened is not None:
-            self._open.move_to_end(name)
-            return opened
-        opened = self._open[name] = opener(self._path(name))
-        if len(self._open) > _OPEN_SHARDS:
-            self._open.popitem(last=False)
-        return opened
+        return self._open.get(name, lambda: opener(self._path(name)))
 
 
 class _Shard:
@@ -182,6 +209,7 @@ class _Shard:
 
     def __init__(self, path: Path, handle: Any, ragged: dict[str, dict[str, Any]]) -> None:
         self.path = path
+        self.size = _read(path, lambda: path.stat().st_size)  # bytes on disk
         self._handle = handle  # NumPy's view (`open_file`): headers and step shapes, without torch
         self._tensors: Any = None  # torch's, opened when a tensor is first read
         self._ragged = ragged  # name -> its manifest entry
@@ -345,10 +373,12 @@ def open_file(path: Path, what: str) -> tuple[Any, dict[str, str] | None, dict[s
         raise RecordingError(path, f"not a readable safetensors {what} ({error}); the file is damaged.") from None
 
 
-def stored_generation(root: Path, entry: dict[str, Any], *, stats: TransferStats | None = None) -> StoredGeneration:
+def stored_generation(root: Path, entry: dict[str, Any], *, stats: TransferStats | None = None,
+                      files: OpenFiles | None = None) -> StoredGeneration:
     """One manifest entry's generation: its fields, and its files (each checked and read when first
-    asked for; `sequences` is then a function that reads them)."""
-    source = ShardSource(root, entry)
+    asked for; `sequences` is then a function that reads them), kept open in `files` (the recording's
+    generations share one; default: its own)."""
+    source = ShardSource(root, entry, files)
     status = entry["status"]
     error = entry.get("error")
     if status == "recording":
