@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 from safetensors.torch import save_file
 
-from .. import _compat, _interrupts
+from .. import _compat, _heap, _interrupts
 from . import files as _files
 from . import format as _format
 from .shard_buffer import ShardBuffer
@@ -387,6 +387,8 @@ class ShardStore:
             try:
                 if write is not None and self._error is None:
                     write()
+                    if buffer is not None:  # a shard: its blocks and the step's are freed by now
+                        _heap.release_free_pages()
             except BaseException as error:  # reported to generate() at its next step, or at the end
                 self._error = error
             finally:
