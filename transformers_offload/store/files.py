@@ -18,7 +18,8 @@ import numpy
 from .format import MANIFEST, RecordingError
 
 
-def write_atomically(path: Path, write: Callable[[Path], None], *, checksum: bool = False) -> dict[str, Any]:
+def write_atomically(path: Path, write: Callable[[Path], None], *, checksum: bool = False,
+                     drop_cache: bool = False) -> dict[str, Any]:
     """Write `path` so that it is either absent/old or complete: `write(temporary)`, fsync, rename.
 
     The temporary file is `path`'s name with a unique middle part and `.tmp`, next to it.
@@ -28,6 +29,12 @@ def write_atomically(path: Path, write: Callable[[Path], None], *, checksum: boo
     the fsync runs (both wait outside the GIL: the checksum costs about nothing where the disk is
     the bottleneck). The temporary file is removed when `write` fails (a full disk...), and the
     error is raised.
+
+    `drop_cache`: once the file is durable, tell the kernel its pages are not needed
+    (`posix_fadvise(POSIX_FADV_DONTNEED)`, where the platform has it): a recording's shards are written
+    to be read later, and dropping each one's clean pages lets the next file reuse them instead of taking
+    fresh memory for the page cache, which costs the writer thread several times the write itself
+    (bench/README.md, "Spilling at batch 8"). A later read comes from the disk.
     """
     fd, name = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     os.close(fd)
@@ -40,12 +47,17 @@ def write_atomically(path: Path, write: Callable[[Path], None], *, checksum: boo
                 record["checksum"] = _while_fsync(file.fileno(), lambda: file_checksum(file))
             else:
                 os.fsync(file.fileno())
+            if drop_cache and _FADVISE is not None:
+                _FADVISE(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         os.replace(temporary, path)
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
     _fsync_directory(path.parent)
     return record
+
+
+_FADVISE = getattr(os, "posix_fadvise", None)  # POSIX; absent on Windows and macOS
 
 
 def _while_fsync(fd: int, work: Callable[[], Any]) -> Any:

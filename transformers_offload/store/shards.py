@@ -461,7 +461,8 @@ class ShardStore:
         """Write one safetensors file of the recording durably, and note its size and checksum in the
         manifest's `files` (the manifest written next names it). Returns its size in bytes."""
         record = _files.write_atomically(
-            self._spill.root / name, lambda temporary: save_file(tensors, temporary, metadata=metadata), checksum=True
+            self._spill.root / name, lambda temporary: save_file(tensors, temporary, metadata=metadata), checksum=True,
+            drop_cache=True,
         )
         self._spill.manifest["files"][name] = record
         return record["bytes"]
