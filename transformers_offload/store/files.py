@@ -19,7 +19,7 @@ from .format import MANIFEST, RecordingError
 
 
 def write_atomically(path: Path, write: Callable[[Path], None], *, checksum: bool = False,
-                     drop_cache: bool = False) -> dict[str, Any]:
+                     drop_cache: bool = False, contents: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write `path` so that it is either absent/old or complete: `write(temporary)`, fsync, rename.
 
     The temporary file is `path`'s name with a unique middle part and `.tmp`, next to it.
@@ -35,6 +35,10 @@ def write_atomically(path: Path, write: Callable[[Path], None], *, checksum: boo
     to be read later, and dropping each one's clean pages lets the next file reuse them instead of taking
     fresh memory for the page cache, which costs the writer thread several times the write itself
     (bench/README.md, "Spilling at batch 8"). A later read comes from the disk.
+
+    `contents`, for a safetensors file: each tensor's bytes as `write` wrote them (a uint8 NumPy array
+    by name). The checksum is then computed from them and the file's header (`safetensors_checksum`)
+    instead of reading the whole file back; the file is read where they do not match its header.
     """
     fd, name = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     os.close(fd)
@@ -44,7 +48,9 @@ def write_atomically(path: Path, write: Callable[[Path], None], *, checksum: boo
         with open(temporary, "rb+") as file:
             record = {"bytes": os.fstat(file.fileno()).st_size}
             if checksum:
-                record["checksum"] = _while_fsync(file.fileno(), lambda: file_checksum(file))
+                record["checksum"] = _while_fsync(
+                    file.fileno(), lambda: (contents is not None and safetensors_checksum(file, contents)) or file_checksum(file)
+                )
             else:
                 os.fsync(file.fileno())
             if drop_cache and _FADVISE is not None:
@@ -118,6 +124,34 @@ def file_checksum(file: Any, algorithm: str = CHECKSUM_ALGORITHM) -> str:
     file.seek(0)
     while count := file.readinto(block):
         crc = _EXTEND[algorithm](crc, view[:count])
+    return f"{algorithm}:{crc:08x}"
+
+
+def safetensors_checksum(file: Any, contents: dict[str, Any], algorithm: str = CHECKSUM_ALGORITHM) -> str | None:
+    """`file_checksum(file)` of a safetensors file (an open binary file) just written from `contents`
+    (each tensor's bytes, a uint8 NumPy array by name), computed from its header, read from the file,
+    and those arrays in the order of their offsets: a shard is not read back. None where the header
+    does not name exactly `contents`, back to back, to the end of the file (then read the file)."""
+    size = os.fstat(file.fileno()).st_size
+    file.seek(0)
+    length = file.read(8)
+    if len(length) != 8 or not 8 + int.from_bytes(length, "little") <= size:
+        return None
+    text = file.read(int.from_bytes(length, "little"))
+    try:
+        spans = sorted((info["data_offsets"], name) for name, info in json.loads(text).items() if name != "__metadata__")
+    except (ValueError, TypeError, KeyError):
+        return None
+    crc = _EXTEND[algorithm](_CHECKSUMS[algorithm](length), text)
+    end = 0
+    for (begin, stop), name in spans:
+        data = contents.get(name)
+        if data is None or begin != end or stop - begin != data.nbytes:
+            return None
+        crc = _EXTEND[algorithm](crc, data)
+        end = stop
+    if len(spans) != len(contents) or 8 + len(text) + end != size:
+        return None
     return f"{algorithm}:{crc:08x}"
 
 
