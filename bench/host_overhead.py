@@ -1,6 +1,9 @@
-"""The recorder's own host work per decoding step, on a model too small to hide it.
+"""The recorder's own host work per decoding step, on a model too small to hide it, and spilled on the
+real model at batch 8, per encoding.
 
     .venv/bin/python bench/host_overhead.py [--steps 300] [--repeats 7] [--out bench/results]
+    .venv/bin/python bench/host_overhead.py --part spill [--batch 8] [--steps 64] [--repeats 3]
+        [--setting top_k] [--threads 1] [--out bench/results]
 
 On a GPU, generation at small and medium sizes is bound by the host: the device waits for Python to
 launch the next kernels, and `generate()` waits for the device once per step. Whatever the recorder
@@ -21,15 +24,30 @@ Prints microseconds per step over the baseline, of the wall clock, of the proces
 threads; steadier on a shared machine) and of the CPU time of `generate()`'s own thread (what the
 recorder adds to the thread that launches the model's work; the drainer thread's copies are not in
 it: on a GPU host they run on another core), and writes `host_overhead.json` and `.png` under `--out`.
+
+`--part spill`: SmolLM2-135M-Instruct (float32, vocabulary 49,152), `--batch` chat prompts, `--steps`
+sampled steps (`--setting`: top_k 50, top_p 0.9 with temperature 0.7, or greedy), each recorder spilling
+to a fresh directory, with `encodings` dense, `{"scores": "sparse"}` and `topk:20` for both streams.
+Per case, the median over `--repeats` interleaved calls of CPU time, not wall time, so that other
+processes on the machine move it little: in generate()'s thread, inside the recorder's taps (the ring's
+puts, the encodings, the inline drain into shard buffers), and in the store's writer thread (the
+safetensors files, their checksums, the manifest), both per step, in microseconds; their sum is the
+recorder's host work per step. `--threads` (default 1) sets torch's threads, so that a tap's torch
+operations run in the thread that is timed. Writes `host_overhead-spill-<setting>-b<batch>.json`.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import statistics
 import sys
+import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Iterator
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
@@ -39,6 +57,8 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from _common import RESULTS, interleaved, machine, plot_bars, print_table, summarize, write_json  # noqa: E402
 from transformers_offload import Recorder, recorder as recorder_module  # noqa: E402
+from transformers_offload.capture.capture import Capture  # noqa: E402
+from transformers_offload.store.shards import ShardStore  # noqa: E402
 
 CASES = ("baseline", "Recorder, drained inline (CPU path)", "Recorder, drained by a thread (CUDA path)",
          "Recorder, scores sparse, inline", "Recorder, scores topk:20, inline")
@@ -56,12 +76,126 @@ def build() -> LlamaForCausalLM:
     return model
 
 
+SPILL_CASES = {
+    "dense": {"logits": "dense", "scores": "dense"},
+    "scores sparse": {"scores": "sparse"},
+    "topk:20 both": {"logits": "topk:20", "scores": "topk:20"},
+}
+SETTINGS = {
+    "top_k": dict(do_sample=True, top_k=50),
+    "top_p": dict(do_sample=True, temperature=0.7, top_p=0.9),
+    "greedy": dict(do_sample=False),
+}
+PROMPTS = [
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "Give three tips for learning to cook.",
+    "What is the capital of Australia, and why is it not Sydney?",
+    "Name two uses of a paperclip besides holding paper.",
+    "Summarise the plot of Romeo and Juliet in one sentence.",
+    "How many legs does a spider have?",
+    "Translate 'good morning' into French and Spanish.",
+]
+TAPS = ("on_forward", "on_raw", "on_processed", "on_stopping")  # what generate()'s thread runs of the recorder
+
+
+@contextmanager
+def cpu_counters() -> Iterator[dict[str, float]]:
+    """CPU seconds spent in the capture's taps (generate()'s thread) and in the shard store's writer
+    thread, summed into the returned dict while the block runs (the classes' methods wrapped, then put back)."""
+    counts = {"taps": 0.0, "writer": 0.0}
+    originals = {name: getattr(Capture, name) for name in TAPS}
+    write_jobs = ShardStore._write_jobs
+
+    def timed_tap(method: Any) -> Any:
+        def tap(*args: Any, **kwargs: Any) -> Any:
+            started = time.thread_time()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                counts["taps"] += time.thread_time() - started
+        return tap
+
+    def timed_writer(store: ShardStore) -> None:
+        started = time.thread_time()
+        try:
+            write_jobs(store)
+        finally:
+            counts["writer"] += time.thread_time() - started
+
+    for name, method in originals.items():
+        setattr(Capture, name, timed_tap(method))
+    ShardStore._write_jobs = timed_writer
+    try:
+        yield counts
+    finally:
+        for name, method in originals.items():
+            setattr(Capture, name, method)
+        ShardStore._write_jobs = write_jobs
+
+
+def spill_part(args: argparse.Namespace) -> None:
+    from transformers_offload.demo_model import load
+
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load()
+    tokenizer.padding_side = "left"
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+             for p in (PROMPTS * args.batch)[: args.batch]]
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    options = dict(SETTINGS[args.setting], max_new_tokens=args.steps, min_new_tokens=args.steps,
+                   pad_token_id=tokenizer.pad_token_id)
+    scratch = Path(tempfile.mkdtemp(prefix="host-overhead-"))
+
+    def run(case: str) -> dict[str, float]:
+        root = scratch / "run"
+        shutil.rmtree(root, ignore_errors=True)
+        torch.manual_seed(0)
+        started, cpu = time.perf_counter(), time.process_time()
+        with cpu_counters() as counts, Recorder(model, spill_dir=root, encodings=SPILL_CASES[case]) as rec:
+            model.generate(**batch, logits_processor=[rec], **options)
+        assert rec.generation().num_steps == args.steps
+        shutil.rmtree(root)
+        return {"taps_us": counts["taps"] / args.steps * 1e6, "writer_us": counts["writer"] / args.steps * 1e6,
+                "seconds": time.perf_counter() - started, "cpu_seconds": time.process_time() - cpu}
+
+    try:
+        found = interleaved({case: (lambda _, case=case: run(case)) for case in SPILL_CASES}, args.repeats,
+                            warmup=lambda: [run(case) for case in SPILL_CASES])
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    rows = []
+    for case, runs in found.items():
+        median = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+        rows.append({"case": case, "encodings": SPILL_CASES[case], **{f"median_{k}": v for k, v in median.items()},
+                     "host_us_per_step": median["taps_us"] + median["writer_us"], "runs": runs})
+    load = os.getloadavg()
+    print(f"host work per step, spilled: SmolLM2-135M, batch {args.batch}, {args.setting}, {args.steps} steps, "
+          f"{args.threads} torch thread(s), median of {args.repeats}; load average {load[0]:.2f}")
+    print_table(["encodings", "generate() thread, in the taps: CPU us per step", "writer thread: CPU us per step",
+                 "host work: CPU us per step", "wall s per call"],
+                [[r["case"], r["median_taps_us"], r["median_writer_us"], r["host_us_per_step"], r["median_seconds"]]
+                 for r in rows])
+    write_json(args.out / f"host_overhead-spill-{args.setting}-b{args.batch}.json",
+               {"machine": machine(), "load_average": load, "batch": args.batch, "setting": args.setting,
+                "steps": args.steps, "repeats": args.repeats, "threads": args.threads, "cases": rows})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--part", choices=("tiny", "spill"), default="tiny")
+    parser.add_argument("--steps", type=int, default=None, help="default 300 (tiny), 64 (spill)")
+    parser.add_argument("--repeats", type=int, default=None, help="default 7 (tiny), 3 (spill)")
+    parser.add_argument("--batch", type=int, default=8, help="spill only")
+    parser.add_argument("--setting", choices=sorted(SETTINGS), default="top_k", help="spill only")
+    parser.add_argument("--threads", type=int, default=1, help="spill only: torch's threads")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    if args.part == "spill":
+        args.steps, args.repeats = args.steps or 64, args.repeats or 3
+        spill_part(args)
+        return
+    args.steps, args.repeats = args.steps or 300, args.repeats or 7
     torch.set_num_threads(1)
     model = build()
     prompt = torch.randint(1, 256, (1, 8), generator=torch.Generator().manual_seed(1))

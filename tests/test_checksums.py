@@ -130,3 +130,19 @@ def test_both_algorithms_check_the_same_bytes(recording):
     assert crc32c == f"crc32c:{google_crc32c.value(data):08x}" and crc32 == f"crc32:{zlib.crc32(data):08x}"
     _files.verify_file(path, {"bytes": len(data), "checksum": crc32})
     assert _files.CHECKSUM_ALGORITHM == "crc32c"  # this machine has the compiled extension
+
+
+def test_a_safetensors_files_checksum_from_its_tensors_equals_reading_it(tmp_path):
+    """The writer's checksum, from the tensors a shard was written from and its header, is the file's
+    (`file_checksum`); tensors that are not the file's give None (the writer then reads the file)."""
+    from safetensors.torch import save_file
+
+    tensors = {"logits": torch.randn(3, 2, 5), "tokens": torch.arange(6).reshape(3, 2), "empty": torch.zeros(0, 4),
+               "finished": torch.tensor([True, False]), "half": torch.ones(3, dtype=torch.bfloat16)}
+    path = tmp_path / "shard.safetensors"
+    save_file(tensors, path, metadata={"generation": "0"})
+    contents = {name: t.contiguous().reshape(-1).view(torch.uint8).numpy() for name, t in tensors.items()}
+    with open(path, "rb") as file:
+        assert _files.safetensors_checksum(file, contents) == _files.file_checksum(file)
+        assert _files.safetensors_checksum(file, {k: v for k, v in contents.items() if k != "tokens"}) is None
+        assert _files.safetensors_checksum(file, {**contents, "logits": contents["logits"][:-4]}) is None

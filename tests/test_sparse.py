@@ -315,3 +315,14 @@ def test_scores_named_dense_stay_dense_when_a_warper_masks(gpt2):
         gpt2.generate(**left_padded_batch(), logits_processor=[rec], do_sample=True, top_k=5, max_new_tokens=3)
     assert "scores" not in rec.generation().encodings
     assert len(rec.scores()) == 3
+
+
+def test_the_word_wise_nonzero_equals_nonzero():
+    """`encodings._nonzero` (words of 8 mask bytes first) gives `nonzero()`'s rows and order."""
+    from transformers_offload.capture.encodings import _nonzero
+
+    generator = torch.Generator().manual_seed(0)
+    for shape in ((8, 4_096), (3, 4_099), (1, 8), (0, 16)):
+        for share in (0.0, 0.001, 0.3, 1.0):
+            mask = torch.rand(shape, generator=generator) < share
+            assert torch.equal(_nonzero(mask), mask.nonzero())

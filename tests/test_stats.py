@@ -280,3 +280,25 @@ def test_workspace_logsumexp_equals_torchs(dtype):
     mine, theirs = logsumexp(x, torch.empty_like(x)), torch.logsumexp(x, -1)
     assert torch.equal(mine.isnan(), theirs.isnan())
     assert torch.equal(mine.nan_to_num(0.0), theirs.nan_to_num(0.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_workspace_logsumexp_of_masked_rows_equals_torchs(dtype):
+    """Rows that are mostly -inf (a masked step's scores) or far below their maximum take the path that
+    keeps exp off its slow path for them: still equal to `torch.logsumexp`, NaN, +inf and all -inf rows
+    included, with and without a row whose maximum is +inf (which takes the plain path)."""
+    from transformers_offload.capture import workspace
+
+    generator = torch.Generator().manual_seed(1)
+    x = torch.full((7, 4_099), float("-inf"))
+    x[0, :50] = torch.randn(50, generator=generator) * 3
+    x[1, 10], x[1, 11] = float("nan"), 5.0
+    x[3, :100] = torch.linspace(-800, 0, 100)  # results down to denormals and below
+    x[4, 7] = -0.0
+    x[5, ::3] = torch.randn(1_367, generator=generator) * 40
+    x = x.to(dtype)
+    assert workspace._mostly_underflow(x - x.amax(-1, keepdim=True).nan_to_num(0.0, neginf=0.0))
+    for rows in (x, torch.cat([x, torch.full_like(x[:1], 1.0).index_fill_(1, torch.tensor([3]), float("inf"))])):
+        mine, theirs = workspace.logsumexp(rows, torch.empty_like(rows)), torch.logsumexp(rows, -1)
+        assert torch.equal(mine.isnan(), theirs.isnan())
+        assert torch.equal(mine.nan_to_num(0.0), theirs.nan_to_num(0.0))

@@ -143,7 +143,8 @@ class Sparse:
         x = x.detach()
         rows, vocab = x.shape
         w = value_words(x.dtype)
-        keep = torch.ne(x, float("-inf"), out=self.buffers.take("keep", x.shape, torch.bool, x.device))
+        # isneginf then not: a third of `ne`'s time into a bool tensor (the same mask, NaN kept).
+        keep = torch.isneginf(x, out=self.buffers.take("keep", x.shape, torch.bool, x.device)).logical_not_()
         # Counted as 0.0 / 1.0 floats (exact below 2**24, 2**53 in float64): summing the bool tensor
         # would make an int64 copy of it, 8 bytes an entry, every step.
         tally = torch.float32 if vocab <= 2**24 else torch.float64
@@ -155,15 +156,28 @@ class Sparse:
             return torch.cat([header, marks, _words(x)])
         if not bool(whole.any()):
             # Per row its ids, then its values: every kept entry keyed by its row, ids before values.
-            found = keep.nonzero()
+            found = _nonzero(keep)
             row = found[:, 0]
-            items = torch.cat([found[:, 1].to(torch.int32), _words(x[keep])])
+            items = torch.cat([found[:, 1].to(torch.int32), _words(x[row, found[:, 1]])])
             keys = torch.cat([2 * row, (2 * row + 1).repeat_interleave(w)])
             return torch.cat([header, marks, items[keys.sort(stable=True).indices]])
         parts: list[torch.Tensor] = []
         for r in range(rows):
             _row_parts(x[r], parts, keep[r])
         return torch.cat([header, marks, *parts])
+
+
+def _nonzero(mask: torch.Tensor) -> torch.Tensor:
+    """`mask.nonzero()` of a contiguous `(rows, vocab)` bool host tensor with few True entries, in a
+    fifth of its time where `vocab` is a multiple of 8: the words of 8 entries that hold one first,
+    then the entries of those words."""
+    rows, vocab = mask.shape
+    if vocab % 8 or not mask.is_contiguous() or mask.storage_offset() % 8:
+        return mask.nonzero()
+    words = mask.view(torch.int64).nonzero()  # (n, 2): row, word
+    inner = mask.view(rows, vocab // 8, 8)[words[:, 0], words[:, 1]].nonzero()  # (m, 2): found word, entry
+    word = words[inner[:, 0]]
+    return torch.stack([word[:, 0], word[:, 1] * 8 + inner[:, 1]], dim=1)
 
 
 def value_words(dtype: torch.dtype) -> int:

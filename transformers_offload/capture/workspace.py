@@ -38,6 +38,14 @@ def logsumexp(t: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
     (`logsumexp_out_impl`, torch 2.x): the maximum, made 0 where it is infinite, subtracted; exp; the sum;
     its log; the maximum added back. `tests/test_stats.py` checks the equality on this torch.
 
+    On the CPU, `exp` of an argument so far below 0 that its result is 0 (-inf included) takes a slow
+    path, several times the cost of any other: a masked step's scores (few finite entries a row) took
+    1.2 ms of exp against 0.33 ms for its logits (8 x 49,152 float32, one core). Where a sample of the
+    differences holds many such entries (and no row's maximum is +inf), they are replaced by 2 before
+    the exp and their results (e**2, above any other: the other differences are <= 0) by 0 after it:
+    the same values as exp gives them, without the slow path. On other devices nothing looks at the
+    values (no host synchronisation).
+
     Args:
         t (`torch.Tensor` of shape `(rows, vocab)`): the values, any floating dtype and device.
         work (`torch.Tensor` of `t`'s shape, dtype and device): overwritten.
@@ -46,6 +54,28 @@ def logsumexp(t: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
         `torch.Tensor` of shape `(rows,)`, `t`'s dtype and device: a new (small) tensor.
     """
     maxes = torch.amax(t, -1, keepdim=True)
-    maxes.masked_fill_(maxes.abs() == float("inf"), 0)
-    total = torch.sub(t, maxes, out=work).exp_().sum(-1)
-    return total.log_().add_(maxes.squeeze(-1))
+    infinite = maxes.abs() == float("inf")
+    difference = torch.sub(t, maxes.masked_fill(infinite, 0), out=work)
+    if t.device.type == "cpu" and not bool((maxes == float("inf")).any()) and _mostly_underflow(difference):
+        # threshold_(x, bound, value): x where x > bound, else value; NaN stays NaN.
+        torch.nn.functional.threshold_(difference, _UNDERFLOW.get(t.dtype, _UNDERFLOW[None]), 2.0)
+        # -exp(2) <= -7 (set to -0.0, +0.0 once negated back); -exp(d) for d <= 0 is >= -1: kept.
+        torch.nn.functional.threshold_(difference.exp_().neg_(), -7.0, -0.0).neg_()
+    else:
+        difference.exp_()
+    total = difference.sum(-1)
+    return total.log_().add_(maxes.masked_fill_(infinite, 0).squeeze(-1))
+
+
+# Below these, exp() is +0.0 in the dtype, with a wide margin (float32's smallest denormal is about
+# exp(-103.3), float64's exp(-744.4); float16 and bfloat16 underflow sooner or with float32).
+_UNDERFLOW = {torch.float64: -760.0, None: -110.0}
+_SAMPLE_STRIDE = 61  # a prime: the sample does not follow a row's period
+
+
+def _mostly_underflow(difference: torch.Tensor) -> bool:
+    """Whether at least a quarter of a strided sample (one entry in 61, on the host) is at or below the
+    underflow bound: then replacing them costs less than the slow path it avoids."""
+    sample = difference.reshape(-1)[::_SAMPLE_STRIDE]
+    bound = _UNDERFLOW.get(difference.dtype, _UNDERFLOW[None])
+    return 4 * int(torch.count_nonzero(sample <= bound)) >= sample.numel()

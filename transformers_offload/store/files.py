@@ -18,7 +18,8 @@ import numpy
 from .format import MANIFEST, RecordingError
 
 
-def write_atomically(path: Path, write: Callable[[Path], None], *, checksum: bool = False) -> dict[str, Any]:
+def write_atomically(path: Path, write: Callable[[Path], None], *, checksum: bool = False,
+                     drop_cache: bool = False, contents: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write `path` so that it is either absent/old or complete: `write(temporary)`, fsync, rename.
 
     The temporary file is `path`'s name with a unique middle part and `.tmp`, next to it.
@@ -28,6 +29,16 @@ def write_atomically(path: Path, write: Callable[[Path], None], *, checksum: boo
     the fsync runs (both wait outside the GIL: the checksum costs about nothing where the disk is
     the bottleneck). The temporary file is removed when `write` fails (a full disk...), and the
     error is raised.
+
+    `drop_cache`: once the file is durable, tell the kernel its pages are not needed
+    (`posix_fadvise(POSIX_FADV_DONTNEED)`, where the platform has it): a recording's shards are written
+    to be read later, and dropping each one's clean pages lets the next file reuse them instead of taking
+    fresh memory for the page cache, which costs the writer thread several times the write itself
+    (bench/README.md, "Spilling at batch 8"). A later read comes from the disk.
+
+    `contents`, for a safetensors file: each tensor's bytes as `write` wrote them (a uint8 NumPy array
+    by name). The checksum is then computed from them and the file's header (`safetensors_checksum`)
+    instead of reading the whole file back; the file is read where they do not match its header.
     """
     fd, name = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     os.close(fd)
@@ -37,15 +48,22 @@ def write_atomically(path: Path, write: Callable[[Path], None], *, checksum: boo
         with open(temporary, "rb+") as file:
             record = {"bytes": os.fstat(file.fileno()).st_size}
             if checksum:
-                record["checksum"] = _while_fsync(file.fileno(), lambda: file_checksum(file))
+                record["checksum"] = _while_fsync(
+                    file.fileno(), lambda: (contents is not None and safetensors_checksum(file, contents)) or file_checksum(file)
+                )
             else:
                 os.fsync(file.fileno())
+            if drop_cache and _FADVISE is not None:
+                _FADVISE(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         os.replace(temporary, path)
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
     _fsync_directory(path.parent)
     return record
+
+
+_FADVISE = getattr(os, "posix_fadvise", None)  # POSIX; absent on Windows and macOS
 
 
 def _while_fsync(fd: int, work: Callable[[], Any]) -> Any:
@@ -106,6 +124,34 @@ def file_checksum(file: Any, algorithm: str = CHECKSUM_ALGORITHM) -> str:
     file.seek(0)
     while count := file.readinto(block):
         crc = _EXTEND[algorithm](crc, view[:count])
+    return f"{algorithm}:{crc:08x}"
+
+
+def safetensors_checksum(file: Any, contents: dict[str, Any], algorithm: str = CHECKSUM_ALGORITHM) -> str | None:
+    """`file_checksum(file)` of a safetensors file (an open binary file) just written from `contents`
+    (each tensor's bytes, a uint8 NumPy array by name), computed from its header, read from the file,
+    and those arrays in the order of their offsets: a shard is not read back. None where the header
+    does not name exactly `contents`, back to back, to the end of the file (then read the file)."""
+    size = os.fstat(file.fileno()).st_size
+    file.seek(0)
+    length = file.read(8)
+    if len(length) != 8 or not 8 + int.from_bytes(length, "little") <= size:
+        return None
+    text = file.read(int.from_bytes(length, "little"))
+    try:
+        spans = sorted((info["data_offsets"], name) for name, info in json.loads(text).items() if name != "__metadata__")
+    except (ValueError, TypeError, KeyError):
+        return None
+    crc = _EXTEND[algorithm](_CHECKSUMS[algorithm](length), text)
+    end = 0
+    for (begin, stop), name in spans:
+        data = contents.get(name)
+        if data is None or begin != end or stop - begin != data.nbytes:
+            return None
+        crc = _EXTEND[algorithm](crc, data)
+        end = stop
+    if len(spans) != len(contents) or 8 + len(text) + end != size:
+        return None
     return f"{algorithm}:{crc:08x}"
 
 

@@ -462,8 +462,11 @@ class ShardStore:
     def _commit(self, name: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> int:
         """Write one safetensors file of the recording durably, and note its size and checksum in the
         manifest's `files` (the manifest written next names it). Returns its size in bytes."""
+        # Each tensor's bytes, for the checksum (computed from memory, not read back from the file).
+        contents = {key: tensor.contiguous().reshape(-1).view(torch.uint8).numpy() for key, tensor in tensors.items()}
         record = _files.write_atomically(
-            self._spill.root / name, lambda temporary: save_file(tensors, temporary, metadata=metadata), checksum=True
+            self._spill.root / name, lambda temporary: save_file(tensors, temporary, metadata=metadata), checksum=True,
+            drop_cache=True, contents=contents,
         )
         self._spill.manifest["files"][name] = record
         return record["bytes"]
