@@ -146,7 +146,6 @@ RELEASE_INDEPENDENT = frozenset({
     "test_plots",
     "test_reader",
     "test_transfer",
-    "test_verify",
     "test_viewer",
 })
 

@@ -150,10 +150,6 @@ def test_spilling_keeps_peak_memory_flat_while_the_memory_store_grows(real_model
     assert memory["growth_mib"] >= stock["growth_mib"] + 0.9 * late_steps * STEP_MIB, (stock, memory)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "in a default-allocator process (2026-12-03) the spilling recorder grew 63.4 and 69.5 MiB against stock's "
-    "32.2 and 26.7, over the 3 shard buffers' 12 MiB bound by 19-31 MiB: per-step attentions grow by a key a "
-    "step and the ring slots' and shard buffers' doubling frees blocks glibc keeps; not yet found and fixed"))
 def test_spilling_every_layers_attentions_keeps_peak_memory_flat(real_model):
     """Batch 4, 160 steps, the attentions of all 30 layers: peak RSS growth from step 32 to the end.
 

@@ -8,7 +8,7 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from transformers_offload import Recorder, RecordingMismatchWarning, open_recording
-from transformers_offload.capture.verify import check_beams, check_loop
+from transformers_offload.capture.verify import StepLog, check_beams, check_loop
 
 from .conftest import left_padded_batch, make_tiny
 from .helpers import assert_steps_equal, hf_reference
@@ -198,3 +198,16 @@ def test_check_beams_in_beam_search_checks_the_length():
     verdict = check_beams(complete_steps=2, sequences=_ids([5, 6, 7, 8]), prompt=prompt, tokens=[], parents=[],
                           num_beams=2, fill_ids=(0,))
     assert "3 generated token(s), but the recorder saw 2 step(s)" in verdict.problem
+
+
+def test_a_step_log_keeps_every_step_in_order_across_its_growth_and_a_change_of_rows():
+    log = StepLog(capacity=2)
+    steps = [torch.arange(3) + 10 * t for t in range(5)]  # 5 steps: the buffer doubles twice
+    for values in steps:
+        log.append(values)
+        values.zero_()  # kept as copies: the caller's tensors may change later (input_ids do)
+    assert len(log) == 5
+    assert torch.equal(log.values(), torch.stack([torch.arange(3) + 10 * t for t in range(5)], dim=1))
+    assert all(torch.equal(a, torch.arange(3) + 10 * t) for t, a in enumerate(log.steps()))
+    log.append(torch.tensor([7, 8]))  # another row count: another buffer, the order kept
+    assert len(log) == 6 and torch.equal(log.steps()[-1], torch.tensor([7, 8]))

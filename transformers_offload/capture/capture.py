@@ -28,7 +28,7 @@ from .modes import check_mode
 from .prompt_logprobs import PromptScoring
 from .stats import StepStats
 from .transfer import HostRing
-from .verify import RecordingMismatch, check_beams, check_loop
+from .verify import RecordingMismatch, StepLog, check_beams, check_loop
 from .workspace import ChunkBuffers
 
 # Opens the store of one call: given the stream names, the call's header and the most steps it can
@@ -101,8 +101,8 @@ class Capture:
         # the end-of-loop check (`verify`): the prompt and each step's tokens; in beam search also each
         # step's parents.
         self._seen_prompt: torch.Tensor | None = None
-        self._seen_tokens: list[torch.Tensor] = []
-        self._seen_parents: list[torch.Tensor] = []
+        self._seen_tokens = StepLog()
+        self._seen_parents = StepLog()
         self.mismatch: str | None = None  # what `finish` found to disagree with the call, if anything
         # A model whose generate() runs the loop several times (`loops`): this loop's own output, and
         # per prompt whether the model reruns it (fallback) or skips it; whether it was the last attempt.
@@ -467,7 +467,7 @@ class Capture:
         last = input_ids.shape[-1] - self.prompt_length
         for step in range(self._tokens_until, last):  # assisted decoding accepts several tokens at once
             chosen = token if step == last - 1 else input_ids[:, self.prompt_length + step]
-            self._seen_tokens.append(chosen.clone())
+            self._seen_tokens.append(chosen)
             self.ring.put(step, "tokens", chosen)
             if self._stats is not None and self._stats.has(step):
                 self.ring.put(step, _format.STATS_STREAM, self._stats.record(step, chosen))
@@ -495,7 +495,7 @@ class Capture:
         # The ancestry of step t's rows is known at step t + 1: it is stored under step t.
         parents = (first + offset).reshape(rows)
         if not self.is_group:  # group beam search is checked by its length only
-            self._seen_tokens.append(input_ids[:, -1].clone())
+            self._seen_tokens.append(input_ids[:, -1])
             self._seen_parents.append(parents)
         self.ring.put(step - 1, "beam_parents", parents)
         self.ring.put(step - 1, "tokens", input_ids[:, -1])
@@ -533,17 +533,19 @@ class Capture:
             # checked by their length only (no ancestry, no prompt).
             verdict = check_beams(
                 complete_steps=complete_steps, sequences=sequences, prompt=self._seen_prompt,
-                tokens=self._seen_tokens, parents=self._seen_parents, check_paths=not self.is_group,
+                tokens=self._seen_tokens.steps(), parents=self._seen_parents.steps(), check_paths=not self.is_group,
                 num_beams=self.num_beams,
                 fill_ids=tuple(i for i in (self.header.get("pad_token_id"), *self.header["eos_token_id"]) if isinstance(i, int)),
             )
         else:
             seen = None
             if self._seen_prompt is not None:
-                seen = torch.cat([self._seen_prompt, *(token.unsqueeze(1) for token in self._seen_tokens)], dim=1)
+                seen = self._seen_prompt
+                if len(self._seen_tokens):
+                    seen = torch.cat([seen, self._seen_tokens.values()], dim=1)
             verdict = check_loop(complete_steps=complete_steps, sequences=sequences, seen_ids=seen,
                                  prompt_length=self.prompt_length)
-        self._seen_prompt, self._seen_tokens, self._seen_parents = None, [], []
+        self._seen_prompt, self._seen_tokens, self._seen_parents = None, StepLog(), StepLog()
         num_steps = verdict.num_steps
         if verdict.problem is not None and error is None:
             self.mismatch = verdict.problem

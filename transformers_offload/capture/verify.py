@@ -35,6 +35,50 @@ class Verdict:
     problem: str | None = None
 
 
+class StepLog:
+    """One value per row and step (the tokens the loop chose, the beams' parents), copied as they come
+    into one `(rows, capacity)` buffer per call that doubles when full: a tensor kept per step would
+    leave small long-lived blocks between the step's large temporaries, which the C library's default
+    allocator then cannot merge (the heap grew by tens of MiB over a few hundred steps). Rows, dtype
+    and device are the first value's; a value that differs starts another buffer."""
+
+    def __init__(self, capacity: int = 256) -> None:
+        self._capacity = max(1, capacity)
+        self._segments: list[list] = []  # [buffer, count]
+
+    def append(self, values: torch.Tensor) -> None:
+        """Copy `values` (`(rows,)`, any device; no host sync) as the next step's."""
+        segment = self._segments[-1] if self._segments else None
+        if segment is not None:
+            buffer, count = segment
+            if buffer.shape[0] != values.shape[0] or buffer.dtype != values.dtype or buffer.device != values.device:
+                segment = None
+            elif count == buffer.shape[1]:
+                grown = buffer.new_empty((buffer.shape[0], 2 * count))
+                grown[:, :count].copy_(buffer)
+                segment[0] = grown
+        if segment is None:
+            segment = [values.new_empty((values.shape[0], self._capacity)), 0]
+            self._segments.append(segment)
+        segment[0][:, segment[1]].copy_(values)
+        segment[1] += 1
+
+    def __len__(self) -> int:
+        return sum(count for _, count in self._segments)
+
+    def steps(self) -> list[torch.Tensor]:
+        """Each step's values, `(rows,)` views, in order."""
+        return [buffer[:, i] for buffer, count in self._segments for i in range(count)]
+
+    def values(self) -> torch.Tensor:
+        """`(rows, steps)`: every step's values side by side (raises where rows differ between steps, or
+        where there are none)."""
+        if len(self._segments) == 1:
+            buffer, count = self._segments[0]
+            return buffer[:, :count]
+        return torch.cat([buffer[:, :count] for buffer, count in self._segments], dim=1)
+
+
 def check_loop(*, complete_steps: int, sequences: torch.Tensor | None, seen_ids: torch.Tensor | None,
                prompt_length: int) -> Verdict:
     """Compare one decoding loop's recording with what it produced (outside beam search, whose rows keep
