@@ -29,16 +29,20 @@ install() {
     local entry="$1" release extra target
     read -r release extra <<<"$entry"
     target=".matrix/transformers-$release"
-    if [ "$(cat "$target/.installed" 2>/dev/null)" = "$entry" ]; then
+    if [ "$(cat "$target/.installed" 2>/dev/null)" = "$entry (hub-kernels)" ]; then
         return 0
     fi
     rm -rf "$target"
+    # With its `hub-kernels` extra: transformers 5.25 requires `kernels`, so the project's .venv has the
+    # newest, and releases from 4.53 import it when it is there, and fail on one newer than theirs
+    # (4.53.3 on its huggingface-hub, 5.0.0 on its API). Each release gets the `kernels` it declares, in
+    # its own directory, over the .venv's; a release without the extra gets a warning from pip.
     # shellcheck disable=SC2086  # $extra: further requirements, one word each
     .venv/bin/python -m pip install --quiet --no-compile --disable-pip-version-check --target "$target" \
-        "transformers==$release" $extra 2>&1 | grep -v "^WARNING: Location" || true
+        "transformers[hub-kernels]==$release" $extra 2>&1 | grep -v "^WARNING: Location" || true
     .venv/bin/python -c "import sys; sys.path.insert(0, '$target'); import transformers; assert transformers.__version__ == '$release'" \
         || return 1
-    echo "$entry" >"$target/.installed"
+    echo "$entry (hub-kernels)" >"$target/.installed"
 }
 # Every release is installed first, all at once (pip's time is the network's and the disk's more than
 # the CPU's: one after the other they took 45 s a release on CI's machines, 8 of its minutes), each
