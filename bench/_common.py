@@ -36,6 +36,24 @@ RESULTS = Path(__file__).resolve().parent / "results"
 ALLOCATOR_VARIABLES = ("MALLOC_", "GLIBC_TUNABLES")  # glibc malloc's environment settings
 
 
+# The sampling settings and chat prompts the real-model benches share (their batches repeat the prompts).
+SAMPLING_SETTINGS = {
+    "greedy": dict(do_sample=False),
+    "top_p": dict(do_sample=True, temperature=0.7, top_p=0.9),
+    "top_k": dict(do_sample=True, top_k=50),
+}
+CHAT_PROMPTS = [
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "Give three tips for learning to cook.",
+    "What is the capital of Australia, and why is it not Sydney?",
+    "Name two uses of a paperclip besides holding paper.",
+    "Summarise the plot of Romeo and Juliet in one sentence.",
+    "How many legs does a spider have?",
+    "Translate 'good morning' into French and Spanish.",
+]
+
+
 def default_env(**extra: str) -> dict[str, str]:
     """This process's environment without any allocator setting (`ALLOCATOR_VARIABLES`), plus `extra`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(ALLOCATOR_VARIABLES)}

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from _common import (RESULTS, TIMING_HEADERS, interleaved, machine, print_table,  # noqa: E402
+from _common import (CHAT_PROMPTS, RESULTS, TIMING_HEADERS, interleaved, machine, print_table,  # noqa: E402
                      summarize, timed, timing_columns, write_json)
 from transformers_offload import Recorder  # noqa: E402
 from transformers_offload.demo_model import load  # noqa: E402
@@ -55,12 +55,7 @@ SAMPLING = {  # --sampling
     "top_k": dict(do_sample=True, top_k=50),
     "greedy": dict(do_sample=False),
 }
-PROMPTS = [
-    "Write a haiku about the sea.",
-    "Explain what a hash table is in two sentences.",
-    "Give three tips for learning to cook.",
-    "What is the capital of Australia, and why is it not Sydney?",
-]
+PROMPTS = CHAT_PROMPTS[:4]
 
 
 def recorded_bytes(rec: Recorder) -> int:

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from _common import (RESULTS, TIMING_HEADERS, interleaved, machine, print_table, stopwatch,  # noqa: E402
+from _common import (CHAT_PROMPTS as PROMPTS, RESULTS, SAMPLING_SETTINGS as SETTINGS, TIMING_HEADERS, interleaved, machine, print_table, stopwatch,  # noqa: E402
                      summarize, timed, timing_columns, write_json)
 from transformers_offload import Recorder  # noqa: E402
 from transformers_offload.demo_model import load  # noqa: E402
@@ -52,21 +52,6 @@ CASES = {  # name: Recorder options, or None for stock generate()
     "stats only": dict(streams=("stats",)),
     "lossy: topk:20 both": dict(encodings={"logits": "topk:20", "scores": "topk:20"}),
 }
-SETTINGS = {
-    "greedy": dict(do_sample=False),
-    "top_p": dict(do_sample=True, temperature=0.7, top_p=0.9),
-    "top_k": dict(do_sample=True, top_k=50),
-}
-PROMPTS = [
-    "Write a haiku about the sea.",
-    "Explain what a hash table is in two sentences.",
-    "Give three tips for learning to cook.",
-    "What is the capital of Australia, and why is it not Sydney?",
-    "Name two uses of a paperclip besides holding paper.",
-    "Summarise the plot of Romeo and Juliet in one sentence.",
-    "How many legs does a spider have?",
-    "Translate 'good morning' into French and Spanish.",
-]
 # Distillation stores of the top 128 logprobs, after lossy compression (issue 14's survey).
 DISTILLATION_BYTES_PER_TOKEN = 300
 

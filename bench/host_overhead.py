@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from _common import RESULTS, interleaved, machine, plot_bars, print_table, summarize, write_json  # noqa: E402
+from _common import CHAT_PROMPTS as PROMPTS, RESULTS, SAMPLING_SETTINGS as SETTINGS, interleaved, machine, plot_bars, print_table, summarize, write_json  # noqa: E402
 from transformers_offload import Recorder, recorder as recorder_module  # noqa: E402
 from transformers_offload.capture.capture import Capture  # noqa: E402
 from transformers_offload.store.shards import ShardStore  # noqa: E402
@@ -81,21 +81,6 @@ SPILL_CASES = {
     "scores sparse": {"scores": "sparse"},
     "topk:20 both": {"logits": "topk:20", "scores": "topk:20"},
 }
-SETTINGS = {
-    "top_k": dict(do_sample=True, top_k=50),
-    "top_p": dict(do_sample=True, temperature=0.7, top_p=0.9),
-    "greedy": dict(do_sample=False),
-}
-PROMPTS = [
-    "Write a haiku about the sea.",
-    "Explain what a hash table is in two sentences.",
-    "Give three tips for learning to cook.",
-    "What is the capital of Australia, and why is it not Sydney?",
-    "Name two uses of a paperclip besides holding paper.",
-    "Summarise the plot of Romeo and Juliet in one sentence.",
-    "How many legs does a spider have?",
-    "Translate 'good morning' into French and Spanish.",
-]
 TAPS = ("on_forward", "on_raw", "on_processed", "on_stopping")  # what generate()'s thread runs of the recorder
 
 
