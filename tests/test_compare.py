@@ -243,6 +243,22 @@ def test_what_does_not_line_up_is_refused(tmp_path):
                        eos_token_id=EOS, **MODES["sample"])
     with pytest.raises(CompareError, match="differ in their tokens from step 0.*rescore"):
         compare(a, other)
+    greedy = _record(model, MODES["greedy"])
+    prompt_length = left_padded_batch()["input_ids"].shape[-1]
+    chosen = int(greedy.generation().tokens()[3][1])
+    other = (chosen + 1) % model.config.vocab_size
+
+    def another_token_at_step_3(input_ids, scores):  # row 1 of step 3 only
+        if input_ids.shape[-1] == prompt_length + 3:
+            scores = scores.clone()
+            scores[1, other] = scores[1].max() + 10.0
+        return scores
+
+    with Recorder(model) as forced:
+        model.generate(**left_padded_batch(), logits_processor=[another_token_at_step_3, forced], max_new_tokens=8,
+                       pad_token_id=PAD, eos_token_id=EOS, do_sample=False)
+    with pytest.raises(CompareError, match=f"from step 3: row 1 chose {chosen} in `a` and {other} in `b`"):
+        compare(greedy, forced)
     shorter = _record(model, MODES["sample"], steps=5)
     with pytest.raises(CompareError, match="differ in steps: 8 and 5"):
         compare(a, shorter)

@@ -157,26 +157,42 @@ def _check_pair(ga: Any, gb: Any, stream: str) -> dict[str, Any]:
         if g.num_steps and stream not in g.streams:
             raise ValueError(f"`{side}`'s generation {g.index} has no {stream!r} stream (it holds {sorted(g.streams)}): "
                              f"compare another `stream`, or record {stream!r}.")
-    tokens_a, tokens_b = ga.tokens(), gb.tokens()
-    for t, (ya, yb) in enumerate(zip(tokens_a, tokens_b)):
-        if not torch.equal(ya, yb):
-            r = int((ya != yb).nonzero()[0, 0])
-            raise CompareError(f"{where} differ in their tokens from step {t}: row {r} chose {int(ya[r])} in `a` and "
-                               f"{int(yb[r])} in `b`. Compare a recording with its rescore (`rescore(a, model)`), "
-                               "which replays `a`'s tokens.")
-    finished = [ga.finished(), gb.finished()] if not ga.is_beam and ga.num_steps else [(), ()]
-    for t, (fa, fb) in enumerate(zip(*finished)):
-        if not torch.equal(fa, fb):
-            raise CompareError(f"{where} differ in which rows had finished before step {t}: compare a recording "
-                               "with its rescore.")
-    parents = ga.beam_parents() if ga.is_beam and ga.num_steps else ()
-    if parents and not all(torch.equal(pa, pb) for pa, pb in zip(parents, gb.beam_parents())):
+    tokens_a, tokens_b = _stacked(ga, "tokens"), _stacked(gb, "tokens")
+    if tokens_a is not None and not torch.equal(tokens_a, tokens_b):
+        t, r = (tokens_a != tokens_b).nonzero()[0].tolist()
+        raise CompareError(f"{where} differ in their tokens from step {t}: row {r} chose {int(tokens_a[t, r])} in `a` "
+                           f"and {int(tokens_b[t, r])} in `b`. Compare a recording with its rescore "
+                           "(`rescore(a, model)`), which replays `a`'s tokens.")
+    finished = (_stacked(ga, "finished"), _stacked(gb, "finished")) if not ga.is_beam else (None, None)
+    if finished[0] is not None and not torch.equal(*finished):
+        t = int((finished[0] != finished[1]).any(-1).nonzero()[0, 0])
+        raise CompareError(f"{where} differ in which rows had finished before step {t}: compare a recording "
+                           "with its rescore.")
+    parents = _stacked(ga, "beam_parents") if ga.is_beam else None
+    if parents is not None and not torch.equal(parents, _stacked(gb, "beam_parents")):
         raise CompareError(f"{where} differ in their beams' parents: compare a recording with its rescore.")
     widths = [_width(g, stream) for g in (ga, gb)]
     if None not in widths and widths[0] != widths[1]:
         raise CompareError(f"{where} differ in vocabulary: {widths[0]} and {widths[1]} entries per row. Compare "
                            "models that share a tokenizer (and vocabulary size).")
     return {"tokens": tokens_a, "finished": finished[0], "parents": parents}
+
+
+def _stacked(generation: Any, name: str, chunk_steps: int = 1024) -> torch.Tensor | None:
+    """A per-step field of `generation` (`tokens`, `finished`, `beam_parents`) as one `(steps, rows)`
+    tensor, None without steps. Not the tuple of one tensor per step that the accessors return: kept
+    for the whole comparison, those cost about 600 bytes a step each (70 MiB at 32k tokens for the
+    two recordings' tokens and finished rows); read `chunk_steps` steps at a time for the same reason."""
+    if not generation.num_steps:
+        return None
+    read = getattr(generation, name)
+    stacked = None
+    for start in range(0, generation.num_steps, chunk_steps):
+        part = np.stack(read(steps=range(start, min(start + chunk_steps, generation.num_steps)), framework="np"))
+        if stacked is None:
+            stacked = np.empty((generation.num_steps, *part.shape[1:]), dtype=part.dtype)
+        stacked[start : start + len(part)] = part
+    return torch.from_numpy(stacked)
 
 
 def _width(generation: Any, stream: str) -> int | None:
@@ -195,8 +211,8 @@ def _read(generation: Any, stream: str, steps: range, rows: Any = None) -> list[
 
 def _token_count(ga: Any, plan: dict[str, Any]) -> int:
     """The tokens `_pair_values` yields for a pair: every row of every step, less finished rows."""
-    if plan["finished"]:
-        return sum(int((~finished).sum()) for finished in plan["finished"])
+    if plan["finished"] is not None:
+        return int((~plan["finished"]).sum())
     return ga.num_rows * ga.num_steps
 
 
@@ -240,7 +256,8 @@ def _pair_values(ga: Any, gb: Any, stream: str, plan: dict[str, Any], chunk_step
                 chosen_rows = plan["parents"][t].clamp(min=0)
                 tokens = torch.where(plan["parents"][t] >= 0, tokens, -1)
             else:
-                rows = torch.nonzero(~plan["finished"][t]).flatten() if plan["finished"] else torch.arange(ga.num_rows)
+                rows = (torch.nonzero(~plan["finished"][t]).flatten() if plan["finished"] is not None
+                        else torch.arange(ga.num_rows))
                 chosen_rows = rows
                 tokens = tokens[rows]
             if rows.numel() == 0:
