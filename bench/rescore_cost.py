@@ -16,8 +16,9 @@ full-vocabulary log-probabilities (llama.cpp's `--kl-divergence-base` file holds
 run of that length spilled to disk, then in fresh processes with default allocator settings measures the
 peak anonymous memory (sampled `RssAnon`: what the process holds) and the peak RSS (sampled `VmRSS`, which
 also counts the recordings' memory-mapped pages, page cache the kernel can drop) of: loading the model and
-the recording only (the base), `rescore(mode="forward")` into a spilled recording, and `compare` of the two
-(`--cases` picks some); `--runs` times, median and min..max. Writes `rescore_cost.json` /
+the recording only (the base); stock forwards of the same sequence, 512 positions each, keeping the KV
+cache (what scoring it without this library holds); `rescore(mode="forward")` into a spilled recording,
+also reported over those stock forwards; and `compare` of the two recordings (`--cases` picks some); `--runs` times, median and min..max. Writes `rescore_cost.json` /
 `rescore_memory.json` under `--out`.
 """
 
@@ -158,23 +159,46 @@ class AnonPeak:
         return tuple(map(max, self.peaks, self.read()))
 
 
+def stock_forward(model, reference, chunk_size: int = 512) -> None:
+    """What a user's own forward scoring of the same sequence holds: `chunk_size` positions a forward (as
+    `rescore`'s forward mode), the KV cache kept between chunks, each chunk's logits dropped."""
+    from transformers_offload import _compat
+
+    sequences = reference.generation(0).sequences
+    mask = torch.ones_like(sequences)
+    positions = torch.arange(sequences.shape[1])[None]
+    cache, argument = None, _compat.cache_argument(model)
+    with torch.no_grad():
+        for start in range(0, sequences.shape[1] - 1, chunk_size):
+            end = min(start + chunk_size, sequences.shape[1] - 1)
+            out = model(input_ids=sequences[:, start:end], attention_mask=mask[:, :end],
+                        position_ids=positions[:, start:end], use_cache=True, **{argument: cache})
+            cache = _compat.cache_of(out)
+            del out
+
+
 def memory_child(args: argparse.Namespace) -> None:
-    """One measurement in this (fresh) process; prints its result as JSON on the last line."""
+    """One measurement in this (fresh) process; prints its result as JSON on the last line. The first
+    forward rescore writes `rescored` (compare's second recording); later ones write a directory removed
+    after."""
     anon = AnonPeak()
     work = Path(args.work)
     model = tiny_model(args.vocab, args.tokens)
     reference = open_recording(work / "reference")
-    target = work / f"child-{os.getpid()}"
-    if args.child == "rescore-forward":
-        rescore(reference, model, target, mode="forward")
+    target = work / "rescored" if not (work / "rescored").exists() else work / f"child-{os.getpid()}"
+    if args.child == "stock-forward":
+        stock_forward(model, reference)
+    elif args.child == "rescore-forward":
+        rescore(reference, model, target, mode="forward", progress=False)
     elif args.child == "compare":
         compare(reference, open_recording(work / "rescored")).summary()
     anon_peak, rss_peak = anon.stop()
-    shutil.rmtree(target, ignore_errors=True)
+    if target.name != "rescored":
+        shutil.rmtree(target, ignore_errors=True)
     print(json.dumps({"anon_peak_mib": anon_peak / 2**20, "rss_peak_mib": rss_peak / 2**20}))
 
 
-MEMORY_CASES = ("base", "rescore-forward", "compare")
+MEMORY_CASES = ("base", "stock-forward", "rescore-forward", "compare")
 
 
 def memory_part(args: argparse.Namespace) -> None:
@@ -184,13 +208,17 @@ def memory_part(args: argparse.Namespace) -> None:
         with Recorder(model, spill_dir=work / "reference", streams=("logits",)) as rec:
             model.generate(input_ids=torch.tensor([[1, 5, 6, 7]]), logits_processor=[rec], max_new_tokens=args.tokens,
                            do_sample=False, pad_token_id=0)
-        if "compare" in args.cases:
-            rescore(open_recording(work / "reference"), model, work / "rescored", mode="forward")
+        if "compare" in args.cases and "rescore-forward" not in args.cases:
+            rescore(open_recording(work / "reference"), model, work / "rescored", mode="forward", progress=False)
         common = ["--part", "memory-child", "--work", str(work), "--tokens", str(args.tokens), "--vocab", str(args.vocab)]
         found = fresh_runs(__file__, {case: [*common, "--child", case] for case in args.cases}, args.runs)
         base = "base" if "base" in args.cases else None
         summary = {"anon": print_peaks(found, key="anon_peak_mib", base=base, label="anonymous peak"),
                    "rss": print_peaks(found, key="rss_peak_mib", base=base, label="RSS peak (mapped files included)")}
+        if {"stock-forward", "rescore-forward"} <= set(args.cases):
+            pair = {case: found[case] for case in ("stock-forward", "rescore-forward")}
+            summary["anon_over_stock_forward"] = print_peaks(pair, key="anon_peak_mib", base="stock-forward",
+                                                             label="anonymous peak")
         on_disk = sum(p.stat().st_size for p in (work / "reference").iterdir())
     finally:
         shutil.rmtree(work, ignore_errors=True)
