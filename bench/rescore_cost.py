@@ -18,8 +18,8 @@ peak anonymous memory (sampled `RssAnon`: what the process holds) and the peak R
 also counts the recordings' memory-mapped pages, page cache the kernel can drop) of: loading the model and
 the recording only (the base); stock forwards of the same sequence, 512 positions each, keeping the KV
 cache (what scoring it without this library holds); `rescore(mode="forward")` into a spilled recording,
-also reported over those stock forwards; and `compare` of the two recordings (`--cases` picks some); `--runs` times, median and min..max. Writes `rescore_cost.json` /
-`rescore_memory.json` under `--out`.
+also reported over those stock forwards; and `compare` of the two recordings (`--cases` picks some);
+`--runs` times, median and min..max. Writes `rescore_cost.json` / `rescore_memory.json` under `--out`.
 """
 
 from __future__ import annotations

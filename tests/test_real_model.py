@@ -171,7 +171,7 @@ def test_spilling_every_layers_attentions_keeps_peak_memory_flat(real_model):
 
 
 LAYER_PEAK_RUNS = 3
-GLIBC_HEAP_MIB = 64  # a non-main arena's heap (HEAP_MAX_SIZE on 64-bit Linux)
+GLIBC_HEAP_MIB = 64  # the size of one glibc heap of a non-main arena (HEAP_MAX_SIZE, 64-bit Linux)
 
 
 def _layer_peak(case: dict, prompt_tokens: int = 1000) -> float:
@@ -201,8 +201,9 @@ def test_one_selected_layer_over_a_long_prompt_costs_at_most_twice_its_own_bytes
     The peak of this call is bimodal, stock's and the recorder's alike: 4 fresh processes each,
     2026-12-03, stock 201.7, 127.0, 188.2, 193.6 MiB; hidden states 173.3, 200.6, 126.4, 184.3 MiB
     (`bench/layer_peak.py --runs 4`). The upper mode sits 55 to 75 MiB higher, about one 64 MiB heap
-    of the C library's allocator (not traced further). Comparing the least of 3 runs failed once in CI (121.3 against 182.7: every recorded
-    run in the upper mode), so the bound allows that heap."""
+    of the C library's allocator (not traced further). Comparing the least of 3 runs failed once on a
+    clean clone (121.3 against 182.7: every recorded run in the upper mode), so the bound allows that
+    heap."""
     stock = stock_peak
     recorded = _layer_peak(selection)
     layer_mib = (9 * 1000 * 1000 * 4 if selection["streams"] == ["attentions"] else 1000 * 576 * 4) / 2**20
