@@ -33,6 +33,8 @@ import tarfile
 import time
 from pathlib import Path
 
+import transformers
+
 ROOT = Path(__file__).resolve().parent.parent
 PLUGIN_DIR = ROOT / "tests" / "conformance"
 CACHE = ROOT / ".matrix" / "conformance"
@@ -63,33 +65,80 @@ def _sdist(release: str) -> Path:
     return target
 
 
-def _hf_tests(release: str, repo: Path | None) -> tuple[Path, list[str]]:
-    """A folder laid out as transformers' repository (its `tests/`), and the test files to run."""
-    tree = _sdist(release)
-    if repo is not None:
-        for part in ("tests/generation", "tests/models", "tests/utils", "tests/exporters", "tests/fixtures"):
-            if (repo / part).exists():
-                shutil.copytree(repo / part, tree / part, dirs_exist_ok=True)
-        for extra in (repo / "tests").glob("*.py"):
-            if not (tree / "tests" / extra.name).exists():
-                shutil.copy2(extra, tree / "tests" / extra.name)
-    if not (tree / "tests" / "generation" / "test_utils.py").exists():
-        print(f"conformance: transformers {release}'s source distribution holds only tests/*_common.py, not "
-              "tests/generation/ nor tests/models/: pass --hf-repo with a checkout of the transformers "
-              f"repository at tag v{release}, or run --corpus standin.", file=sys.stderr)
-        raise SystemExit(2)
-    files = [f"tests/models/{family}/test_modeling_{family}.py" for family in HF_FAMILIES
-             if (tree / "tests" / "models" / family / f"test_modeling_{family}.py").exists()]
-    return tree, files
+# The parts of a transformers checkout its model tests need besides the release's `tests/*_common.py`:
+# `utils/test_module` (custom classes the common tests import), the root `conftest.py` (markers and
+# options), the generation tests, the model tests and their helpers.
+CHECKOUT_PARTS = ("conftest.py", "utils", "tests/__init__.py", "tests/generation", "tests/models", "tests/utils",
+                  "tests/exporters", "tests/fixtures", "tests/causal_lm_tester.py")
+REQUIRED_PARTS = ("utils/test_module", "conftest.py", "tests/generation/test_utils.py", "tests/models")
 
 
-def _pytest(cwd: Path, files: list[str], out: Path, *, workers: int, selection: str | None, baseline: bool) -> float:
+class TreeError(SystemExit):
+    """The tree given cannot run Hugging Face's tests: what is missing (exit status 2)."""
+
+    def __init__(self, message: str) -> None:
+        print(f"conformance: {message}", file=sys.stderr)
+        super().__init__(2)
+
+
+def _hf_tests(release: str, repo: Path | None, families: list[str] | None = None) -> tuple[Path, list[str]]:
+    """A folder laid out as transformers' repository, built anew for this run: the release's source
+    distribution (`tests/*_common.py`, the release's own) with the checkout's other parts laid over it;
+    and the model test files of `families` (default: each of HF_FAMILIES the checkout holds)."""
+    if repo is None:
+        raise TreeError(f"transformers {release}'s source distribution holds only tests/*_common.py, not "
+                        "tests/generation/ nor tests/models/: pass --hf-repo with a checkout of the transformers "
+                        f"repository (tag v{release}, or a tree laid out as one), or run --corpus standin.")
+    repo = repo.resolve()
+    missing = [part for part in REQUIRED_PARTS if not (repo / part).exists()]
+    if missing:
+        raise TreeError(f"{repo} is not a checkout the model tests can run from: it lacks {', '.join(missing)} "
+                        "(the model tests import utils/test_module and the generation tests; the root conftest.py "
+                        "registers their markers)")
+    present = {path.parent.name for path in (repo / "tests" / "models").glob("*/test_modeling_*.py")
+               if path.name == f"test_modeling_{path.parent.name}.py"}
+    wanted = families if families is not None else [family for family in HF_FAMILIES if family in present]
+    absent = [family for family in wanted if family not in present]
+    if absent:
+        raise TreeError(f"{repo} has no model tests for {', '.join(absent)} (tests/models/FAMILY/test_modeling_FAMILY.py)")
+    if not wanted:
+        raise TreeError(f"{repo} holds the model tests of none of the families this script knows ({' '.join(HF_FAMILIES)})")
+    sdist = _sdist(release)
+    tree = CACHE / f"tree-{release}"
+    shutil.rmtree(tree, ignore_errors=True)
+    shutil.copytree(sdist / "tests", tree / "tests")
+    for part in CHECKOUT_PARTS:
+        source = repo / part
+        if source.is_dir():
+            shutil.copytree(source, tree / part, dirs_exist_ok=True)
+        elif source.is_file():
+            shutil.copy2(source, tree / part)
+    for extra in (repo / "tests").glob("*.py"):  # common modules the release does not ship
+        if not (tree / "tests" / extra.name).exists():
+            shutil.copy2(extra, tree / "tests" / extra.name)
+    _make_writable(tree)
+    # `tests/test_pipeline_mixin.py` loads `src/transformers/__init__.py` of the checkout: the installed
+    # release's package, the one the tests run against.
+    (tree / "src").mkdir()
+    (tree / "src" / "transformers").symlink_to(Path(transformers.__file__).resolve().parent, target_is_directory=True)
+    return tree, [f"tests/models/{family}/test_modeling_{family}.py" for family in wanted]
+
+
+def _make_writable(tree: Path) -> None:
+    """The copy is the run's own: a tree given read-only (CI's shared folder) leaves read-only copies."""
+    for path in [tree, *tree.rglob("*")]:
+        path.chmod(path.stat().st_mode | (0o700 if path.is_dir() else 0o600))
+
+
+def _pytest(cwd: Path, files: list[str], out: Path, *, workers: int, selection: str | None, baseline: bool) -> tuple[float, int]:
+    """Runs pytest with the plugin; pytest's output goes to `out`/pytest.log. Seconds taken and pytest's
+    exit status."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(PLUGIN_DIR), str(ROOT), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-m", "pytest", "-p", "offload_conformance", "--conformance-out", str(out),
-               "-q", "-p", "no:cacheprovider", "-W", "ignore", "--rootdir", str(cwd), *files]
+               "-q", "-p", "no:cacheprovider", "-p", "no:logging", "-W", "ignore", "--rootdir", str(cwd), *files]
     if cwd == PLUGIN_DIR:
         command += ["-c", os.devnull]  # not the project's pytest settings: the corpus is not its suite
     if baseline:
@@ -99,8 +148,34 @@ def _pytest(cwd: Path, files: list[str], out: Path, *, workers: int, selection: 
     if selection:
         command += ["-k", selection]
     start = time.monotonic()
-    subprocess.run(command, cwd=cwd, env=env, check=False, stdout=subprocess.DEVNULL)
-    return time.monotonic() - start
+    with open(out / "pytest.log", "w", encoding="utf-8") as log:
+        status = subprocess.run(command, cwd=cwd, env=env, check=False, stdout=log, stderr=subprocess.STDOUT).returncode
+    return time.monotonic() - start, status
+
+
+# pytest's exit statuses that mean the tests did not run as asked (1, some tests failed, is read per test).
+PYTEST_STATUS = {2: "interrupted", 3: "an internal error", 4: "a usage error", 5: "no test collected"}
+
+
+def _refusals(out: Path, status: int, files: list[str], calls: list[dict] | None) -> list[str]:
+    """Why a run cannot be trusted: pytest did not finish, a file did not collect, no test ran, or (with
+    `calls`) a file recorded no call. Empty when every file ran and, where asked, each recorded calls."""
+    problems = []
+    log = out / "pytest.log"
+    if status in PYTEST_STATUS:
+        problems.append(f"pytest ended with status {status} ({PYTEST_STATUS[status]}); see {log}")
+    for row in _read(out, "collect"):
+        problems.append(f"{row['file']} failed to collect: {row['detail']} (see {log})")
+    ran = [t for t in _read(out, "tests") if t["when"] == "call"]
+    if not ran:
+        problems.append(f"no test ran (see {log})")
+    if calls is not None:
+        recorded = collections.Counter(call["test"].split("::", 1)[0] for call in calls if call.get("test"))
+        for file in files:
+            if not recorded[file]:
+                problems.append(f"{file}: no generate() call was recorded (its tests ran none, or the plugin did not "
+                                "see them)")
+    return problems
 
 
 def _read(out: Path, kind: str) -> list[dict]:
@@ -157,29 +232,34 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--corpus", choices=("hf", "standin"), default="hf")
     parser.add_argument("--hf-repo", type=Path, help="a checkout of the transformers repository at the release's tag")
+    parser.add_argument("--families", nargs="+", metavar="FAMILY",
+                        help="Hugging Face's model families to run (default: each of the list the checkout holds)")
     parser.add_argument("-n", "--workers", type=int, default=2, help="pytest-xdist workers (default 2)")
     parser.add_argument("-k", dest="selection", help="run only the tests pytest's -k selects")
     parser.add_argument("--baseline", action="store_true", help="also run without the plugin, to compare test outcomes")
     parser.add_argument("--update-docs", action="store_true", help="write the table into docs/support.md")
     args = parser.parse_args()
-    import transformers
 
     release = transformers.__version__
     if args.corpus == "hf":
-        cwd, files = _hf_tests(release, args.hf_repo)
+        cwd, files = _hf_tests(release, args.hf_repo, args.families)
         selection = HF_SELECTION if not args.selection else f"({HF_SELECTION}) and ({args.selection})"
     else:
         cwd, files, selection = PLUGIN_DIR, ["standin_generation.py"], args.selection
     name = f"{release}-{args.corpus}"
     out = CACHE / f"run-{name}"
-    seconds = _pytest(cwd, files, out, workers=args.workers, selection=selection, baseline=False)
+    seconds, status = _pytest(cwd, files, out, workers=args.workers, selection=selection, baseline=False)
+    calls, tests = _read(out, "calls"), _read(out, "tests")
+    problems = _refusals(out, status, files, calls)
     baseline = None
     if args.baseline:
-        _pytest(cwd, files, out.with_name(out.name + "-baseline"), workers=args.workers, selection=selection, baseline=True)
-        baseline = _read(out.with_name(out.name + "-baseline"), "tests")
-    calls, tests = _read(out, "calls"), _read(out, "tests")
+        base = out.with_name(out.name + "-baseline")
+        _, base_status = _pytest(cwd, files, base, workers=args.workers, selection=selection, baseline=True)
+        problems += [f"baseline run: {problem}" for problem in _refusals(base, base_status, files, None)]
+        baseline = _read(base, "tests")
     markdown, summary = table(calls, tests, baseline)
-    summary.update(release=release, corpus=args.corpus, seconds=round(seconds, 1), workers=args.workers)
+    summary.update(release=release, corpus=args.corpus, seconds=round(seconds, 1), workers=args.workers,
+                   shims=sorted({row["shim"] for row in _read(out, "shims")}), problems=problems)
     CACHE.mkdir(parents=True, exist_ok=True)
     (CACHE / f"results-{name}.json").write_text(json.dumps({"summary": summary, "calls": calls}, indent=1, default=str))
     (CACHE / f"results-{name}.md").write_text(markdown + "\n")
@@ -188,6 +268,12 @@ def main() -> int:
     for call in calls:
         if call["verdict"] in ("different", "crashed", "unchecked"):
             print(f"{call['verdict']}: {call['test']} ({call['model']}, {call.get('modes')}): {call.get('detail')}")
+    for problem in problems:
+        print(f"conformance: {problem}", file=sys.stderr)
+    if problems:
+        print(f"conformance: FAILED: {len(problems)} problem(s) above: the run did not check what it was given",
+              file=sys.stderr)
+        return 2
     if args.update_docs:
         _update_docs(markdown + f"\n\ntransformers {release}, {args.corpus} corpus, {summary['tests']} tests, "
                      f"{round(seconds)} s with {args.workers} workers (`python scripts/conformance.py --corpus {args.corpus}`).")
