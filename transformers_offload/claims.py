@@ -28,10 +28,10 @@ import os
 import shlex
 import socket
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from .store.files import open_temporary
 from .store.format import WRITERS
 
 _SHOWN = 5  # sample ids named in a refusal
@@ -137,7 +137,7 @@ def _live_claims(directory: Path, fcntl: Any) -> list[dict[str, Any]]:
 
 
 def _write_claim(directory: Path, fcntl: Any, content: dict[str, Any]) -> tuple[int, Path]:
-    fd, name = tempfile.mkstemp(dir=directory, prefix="claim-", suffix=".json")
+    fd, name = open_temporary(directory, "claim-", ".json")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # held until `_release` (or the process ends)
         os.write(fd, json.dumps(content).encode("utf-8"))

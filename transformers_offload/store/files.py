@@ -18,11 +18,47 @@ import numpy
 from .format import MANIFEST, RecordingError
 
 
+def created_mode(*, directory: bool = False) -> int:
+    """The mode a file (0666) or directory (0777) the user creates gets: less the process's umask
+    (0644 / 0755 under umask 022). `tempfile.mkstemp`, which the atomic writes start from, creates 0600;
+    the file is given this mode before it is renamed into place, so a colleague can read a recording.
+
+    The umask is read from `/proc/self/status` where Linux gives it (4.7 and newer), else by setting and
+    restoring it (which another thread creating a file at that instant would see)."""
+    return (0o777 if directory else 0o666) & ~_umask()
+
+
+def _umask() -> int:
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def open_temporary(directory: Path, prefix: str, suffix: str) -> tuple[int, Path]:
+    """`tempfile.mkstemp` in `directory`, given the mode of a file the user creates (`created_mode`)."""
+    fd, name = tempfile.mkstemp(dir=directory, prefix=prefix, suffix=suffix)
+    try:
+        os.fchmod(fd, created_mode())
+    except BaseException:
+        os.close(fd)
+        Path(name).unlink(missing_ok=True)
+        raise
+    return fd, Path(name)
+
+
 def write_atomically(path: Path, write: Callable[[Path], None], *, checksum: bool = False,
                      drop_cache: bool = False, contents: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write `path` so that it is either absent/old or complete: `write(temporary)`, fsync, rename.
 
-    The temporary file is `path`'s name with a unique middle part and `.tmp`, next to it.
+    The temporary file is `path`'s name with a unique middle part and `.tmp`, next to it, with the
+    mode of a file the user creates (`created_mode`: 0644 under umask 022).
 
     Returns the manifest's record of the file: `{"bytes": size}`, and with `checksum` also
     `"checksum"`, computed from what the file holds before it is renamed (`file_checksum`), while
@@ -40,12 +76,12 @@ def write_atomically(path: Path, write: Callable[[Path], None], *, checksum: boo
     by name). The checksum is then computed from them and the file's header (`safetensors_checksum`)
     instead of reading the whole file back; the file is read where they do not match its header.
     """
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    fd, temporary = open_temporary(path.parent, path.name + ".", ".tmp")
     os.close(fd)
-    temporary = Path(name)
     try:
         write(temporary)
         with open(temporary, "rb+") as file:
+            os.fchmod(file.fileno(), created_mode())  # `write` may have made the file anew (safetensors does)
             record = {"bytes": os.fstat(file.fileno()).st_size}
             if checksum:
                 record["checksum"] = _while_fsync(
@@ -193,8 +229,7 @@ def create_manifest(root: Path, manifest: dict[str, Any]) -> None:
     """
     path = root / MANIFEST
     text = _manifest_text(manifest)
-    fd, name = tempfile.mkstemp(dir=root, prefix=MANIFEST + ".", suffix=".tmp")
-    temporary = Path(name)
+    fd, temporary = open_temporary(root, MANIFEST + ".", ".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as file:
             file.write(text)
