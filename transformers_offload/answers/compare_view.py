@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from ..demo_model import load_tokenizer
+
 _TEMPLATE = Path(__file__).with_name("compare_view.html")
 
 
@@ -24,8 +26,7 @@ def page_data(comparison: Any, *, max_rows: int = 16, max_steps: int = 512, toke
     for name, value in (("max_rows", max_rows), ("max_steps", max_steps)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"`{name}` must be an int of at least 1, got {value!r}.")
-    if tokenizer is not None and not hasattr(tokenizer, "decode"):
-        raise TypeError("`tokenizer` must be a Hugging Face tokenizer (with `decode`).")
+    tokenizer = load_tokenizer(tokenizer)  # a tokenizer, a directory or the demo model's name
 
     def text(token: int) -> str:
         return "" if token < 0 else tokenizer.decode([token]) if tokenizer is not None else f"#{token}"
@@ -74,7 +75,8 @@ def render(comparison: Any, **options: Any) -> str:
         comparison (`Comparison`): what `compare(a, b)` returned.
         max_rows (`int`, defaults to 16), max_steps (`int`, defaults to 512): the most rows per compared
             generation and steps per row the page holds.
-        tokenizer: a Hugging Face tokenizer, to show text (else token ids, `#1234`).
+        tokenizer: a Hugging Face tokenizer, a local tokenizer directory or the demo model's name
+            (`smollm2`), to show text (else token ids, `#1234`).
 
     Raises:
         ValueError: a bad `max_rows` or `max_steps`. TypeError: a `tokenizer` without `decode`.

@@ -39,6 +39,7 @@ from typing import Any, Iterator, Sequence
 from ..read.logprobs import KINDS, token_chunks
 from ..store.files import write_atomically
 from ..read.samples import sample_ids
+from ..demo_model import load_tokenizer
 
 KINDS_ORDER = tuple(KINDS)
 
@@ -129,7 +130,8 @@ def record_batches(source: Any, *, generations: Sequence[int] | None = None, top
         source: a `Recorder`, a `Recording` or one `Generation`.
         generations (`Sequence[int]`, *optional*): which generations (default all).
         top (`int`): alternatives per token under each kind (0: none).
-        tokenizer: a Hugging Face tokenizer: adds the `text` column (each token decoded alone).
+        tokenizer: a Hugging Face tokenizer, a local tokenizer directory or the demo model's name
+            (`smollm2`): adds the `text` column (each token decoded alone).
         chunk_steps (`int`): steps read at once.
 
     Raises:
@@ -139,8 +141,7 @@ def record_batches(source: Any, *, generations: Sequence[int] | None = None, top
     """
     pa = _pyarrow()
     every, picked = select_generations(source, generations)
-    if tokenizer is not None and not hasattr(tokenizer, "decode"):
-        raise TypeError("`tokenizer` must be a Hugging Face tokenizer (with `decode`).")
+    tokenizer = load_tokenizer(tokenizer)  # a tokenizer, a directory or the demo model's name
     ids = dict(zip(map(id, every), sample_ids(every)))  # a lone Generation numbers its own prompts
     as_text = any(isinstance(i, str) for per_call in ids.values() for i in per_call)
     has_metadata = any(g.sample_metadata for g in every)

@@ -25,6 +25,7 @@ from ..read import display
 from ..read.logprobs import token_chunks
 from ..read.samples import sample_ids
 from ..store.files import write_atomically
+from ..demo_model import load_tokenizer
 
 _TEMPLATE = Path(__file__).with_name("viewer.html")
 MAX_TOP = 20
@@ -44,8 +45,7 @@ def page_data(source: Any, *, generations: Sequence[int] | None = None, sequence
             raise ValueError(f"`{name}` must be an int of at least {minimum}, got {value!r}.")
     if top > MAX_TOP:
         raise ValueError(f"the viewer shows at most {MAX_TOP} alternatives per token (a page of bounded size), got `top` {top}.")
-    if tokenizer is not None and not hasattr(tokenizer, "decode"):
-        raise TypeError("`tokenizer` must be a Hugging Face tokenizer (with `decode`).")
+    tokenizer = load_tokenizer(tokenizer)  # a tokenizer, a directory or the demo model's name
     ids = dict(zip(map(id, every), sample_ids(every)))  # a lone Generation numbers its own prompts
 
     def text(token: int) -> str:
@@ -133,7 +133,8 @@ def render(source: Any, **options: Any) -> str:
         max_sequences (`int`, defaults to 16), max_steps (`int`, defaults to 512): the most sequences per
             generation and steps per sequence the page holds.
         top (`int`, defaults to 5): alternatives shown per token, under each kind.
-        tokenizer: a Hugging Face tokenizer, to show text (else token ids, `#1234`).
+        tokenizer: a Hugging Face tokenizer, a local tokenizer directory or the demo model's name
+            (`smollm2`), to show text (else token ids, `#1234`).
 
     Raises:
         TypeError, ValueError: as `answers.table.record_batches`, or a bad `max_*`/`top`.
