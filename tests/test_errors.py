@@ -202,3 +202,25 @@ def test_custom_generate_is_refused_before_anything_is_loaded(gpt2):
             gpt2.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=3,
                           custom_generate="someone/a-decoding-loop")
     assert forwards.count == 0 and rec.generations == ()
+
+
+def test_a_recorder_that_recorded_nothing_while_generate_ran_without_it_says_so_once(gpt2, tmp_path):
+    from transformers_offload import UnrecordedCallWarning
+
+    rec = Recorder(gpt2, spill_dir=tmp_path / "run")
+    gpt2.generate(**left_padded_batch(), max_new_tokens=2)  # the recorder was not handed to the call
+    gpt2.generate(**left_padded_batch(), max_new_tokens=2)
+    with pytest.warns(UnrecordedCallWarning, match=r"recorded nothing, while GPT2LMHeadModel.generate\(\) ran 2 "
+                                                   r"time\(s\) without it.*logits_processor=\[rec\]"):
+        rec.close()
+    rec.close()  # once
+
+
+@pytest.mark.filterwarnings("error")
+def test_no_warning_where_the_recorder_recorded_or_generate_never_ran(gpt2):
+    with Recorder(gpt2):
+        pass  # nothing ran: nothing to say
+    with Recorder(gpt2) as rec:
+        gpt2.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=2)
+        gpt2.generate(**left_padded_batch(), max_new_tokens=2)  # one call without it, one with: fine
+    assert len(rec.generations) == 1

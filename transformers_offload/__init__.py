@@ -26,6 +26,7 @@ _EXPORTS = {
     "DeviceAccumulationWarning": ".recorder",
     "Recorder": ".recorder",
     "RecordingMismatchWarning": ".recorder",
+    "UnrecordedCallWarning": ".recorder",
     "RescoreError": ".rescoring",
     "rescore": ".rescoring",
     "KDCollator": ".distill",
@@ -63,7 +64,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from .read.generation import Generation
     from .read.indexing import StreamNotRecorded
     from .read.reader import Recording, open_recording
-    from .recorder import DeviceAccumulationWarning, Recorder, RecordingMismatchWarning
+    from .recorder import DeviceAccumulationWarning, Recorder, RecordingMismatchWarning, UnrecordedCallWarning
     from .rescoring import RescoreError, rescore
     from .distill import KDCollator, group_sequences, kd_loss
     from .answers.kd_table import write_kd_parquet

@@ -47,6 +47,11 @@ class DeviceAccumulationWarning(UserWarning):
     states), which it keeps on the device until it returns."""
 
 
+class UnrecordedCallWarning(UserWarning):
+    """A Recorder closed having recorded nothing, while its model's `generate()` ran without it in
+    `logits_processor`: a recorder only records the calls it is handed (`logits_processor=[rec]`)."""
+
+
 @reads_through("_recording")  # logits(), scores(), topk()...: those of the `MemoryRecording` it owns
 class Recorder(CallRecorder, LogitsProcessor, StoppingCriteria):
     """Records every step of `model.generate()` and moves it off the device within the step.
@@ -271,6 +276,8 @@ class Recorder(CallRecorder, LogitsProcessor, StoppingCriteria):
         self._warned_accumulation = False
         self._pending_samples: dict[str, Any] | None = None  # from set_samples, for the next call
         self._closed = False
+        self._began = 0  # generate() calls that carried this recorder
+        self._ran_without = 0  # the model's generate() calls that did not
         _hooks.attach(model, self)
 
     # -- lifecycle ---------------------------------------------------------------------------------------
@@ -281,6 +288,14 @@ class Recorder(CallRecorder, LogitsProcessor, StoppingCriteria):
             _hooks.detach(self._model, self)
             if self._spill is not None:
                 self._spill.close()
+            if not self._began and self._ran_without:
+                warnings.warn(UnrecordedCallWarning(
+                    f"this Recorder closed having recorded nothing, while {type(self._model).__name__}.generate() "
+                    f"ran {self._ran_without} time(s) without it: a Recorder records only the calls it is handed; "
+                    "pass it as `model.generate(..., logits_processor=[rec])`."), stacklevel=2)
+
+    def _ran_without_it(self) -> None:
+        self._ran_without += 1
 
     def __enter__(self) -> Recorder:
         if self._closed:
@@ -376,6 +391,7 @@ class Recorder(CallRecorder, LogitsProcessor, StoppingCriteria):
     def _begin_generation(self, *, assistant_model: Any, custom_generate: Any, attention_mask: Any,
                           inputs: Any = None, past_key_values: Any = None) -> Capture:
         with self._lock:
+            self._began += 1
             samples, self._pending_samples = self._pending_samples, None
         if samples is not None:
             batch = next((int(t.shape[0]) for t in (attention_mask, inputs) if t is not None and t.dim() >= 1), None)

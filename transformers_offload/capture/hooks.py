@@ -112,6 +112,10 @@ class CallRecorder:
         """End the call's recording: `output` is what generate() returned (None when `error` ended it)."""
         raise NotImplementedError
 
+    def _ran_without_it(self) -> None:
+        """The model's `generate()` ran, outside any recorded call, without this recorder in its
+        `logits_processor` (the recorder may say so when it closes having recorded nothing)."""
+
 
 class ModelHooks:
     """The wrappers installed on one model instance, shared by every recorder attached to it."""
@@ -200,6 +204,9 @@ class ModelHooks:
             arguments = {**extra, **bound}
             recorder = self._recorder_of_call(arguments)
             if recorder is None:
+                if _active_call(model) is None:
+                    for attached in list(self.recorders):
+                        attached._ran_without_it()
                 # Not recorded, even when made inside a recorded call (e.g. from a processor).
                 with _active(model, None):
                     return original(*args, **kwargs)
