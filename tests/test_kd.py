@@ -242,16 +242,23 @@ def test_the_gradient_is_the_gradient_of_the_expression(temperature):
     targets = _targets(teacher, 5)
     targets["top_logprobs"][0, 1, 3:] = float("-inf")  # padding alternatives (a row with fewer than K)
     targets["top_ids"][0, 1, 3:] = 0
+    targets["tail_logmass"][0, 1] = torch.log1p(-targets["top_logprobs"][0, 1].exp().sum())  # the mass outside the 3
     targets["target_mask"] = torch.ones((3, 4), dtype=torch.bool)
     targets["target_mask"][2, 2:] = False
     for kind in ("forward", "reverse", "jsd"):
         assert torch.autograd.gradcheck(lambda z: kd_loss(z, targets, temperature, kind), (student,))
 
 
+def _tail(logprobs: list[float]) -> float:
+    """The tail a table row holds: log(1 - sum(exp(logprobs)))."""
+    return math.log1p(-math.fsum(math.exp(value) for value in logprobs))
+
+
 def test_padding_positions_give_no_nan_and_no_gradient():
     student = _logits(8, (2, 5, VOCAB), 2.0, torch.float32).requires_grad_()
-    rows = [{"input_ids": [3, 4, 5], "position": 3, "top_ids": [7, 8], "top_logprobs": [-0.5, -1.5], "tail_logmass": -2.0},
-            {"input_ids": [3, 4, 5, 6, 9], "position": 2, "top_ids": [9], "top_logprobs": [-0.1], "tail_logmass": -2.4}]
+    rows = [{"input_ids": [3, 4, 5], "position": 3, "top_ids": [7, 8], "top_logprobs": [-0.5, -1.5],
+             "tail_logmass": _tail([-0.5, -1.5])},
+            {"input_ids": [3, 4, 5, 6, 9], "position": 2, "top_ids": [9], "top_logprobs": [-0.1], "tail_logmass": _tail([-0.1])}]
     batch = KDCollator(pad_token_id=PAD)(rows)
     loss = kd_loss(student, batch, kind="reverse")
     loss.backward()
@@ -304,9 +311,55 @@ def test_the_collator_refuses_rows_it_cannot_place():
         KDCollator(pad_token_id=None)
 
 
+@pytest.mark.parametrize("kind", ["forward", "reverse", "jsd"])
+def test_a_tail_of_zero_mass_with_every_id_kept_gives_the_dense_loss_exactly_as_before(kind, monkeypatch):
+    teacher = torch.log_softmax(_logits(11, (3, 4, VOCAB), 3.0), -1)
+    student = _logits(12, (3, 4, VOCAB), 2.0)
+    targets = _targets(teacher, VOCAB)
+    targets["tail_logmass"] = torch.full_like(targets["tail_logmass"], float("-inf"))  # every id kept
+    found = kd_loss(student, targets, kind=kind, reduction="none")
+    assert torch.allclose(found, _dense_kl(teacher, student, kind), rtol=0, atol=1e-12)
+    from transformers_offload import distill
+
+    monkeypatch.setattr(distill, "_check_mass", lambda *arguments: None)  # the loss as it was before the check
+    assert torch.equal(found, kd_loss(student, targets, kind=kind, reduction="none"))
+
+
+def test_targets_whose_mass_is_not_one_are_refused_saying_where_and_how_much():
+    teacher = torch.log_softmax(_logits(13, (2, 3, VOCAB), 3.0), -1)
+    student = _logits(14, (2, 3, VOCAB), 2.0)
+    targets = _targets(teacher, VOCAB)
+    targets["tail_logmass"] = torch.zeros_like(targets["tail_logmass"])  # a tail of 0 with every id kept
+    targets["tail_logmass"][0, 1] = float("-inf")  # this one is right
+    with pytest.raises(ValueError, match=r"5 target\(s\) whose kept probability plus tail mass is not 1 \(within 0.001\): "
+                                         r"position \(0, 0\): 2, \(0, 2\): 2, \(1, 0\): 2"):
+        kd_loss(student, targets)
+    # The tail's mass counted twice: refused too; positions the mask leaves out are not checked.
+    targets = _targets(teacher, 4)
+    assert (targets["tail_logmass"].exp() > 0.01).all()
+    targets["tail_logmass"] = targets["tail_logmass"] + math.log(2.0)
+    mask = torch.zeros(2, 3, dtype=torch.bool)
+    assert torch.isfinite(kd_loss(student, {**targets, "target_mask": mask}))
+    with pytest.raises(ValueError, match="not 1"):
+        kd_loss(student, {**targets, "target_mask": ~mask})
+    # Within the tolerance (float32 rounding): accepted.
+    close = _targets(teacher, 4)
+    close["tail_logmass"] = close["tail_logmass"] + 1e-5
+    assert torch.isfinite(kd_loss(student, close))
+
+
+def test_the_collator_refuses_a_target_whose_mass_is_not_one():
+    row = {"input_ids": [3, 4, 5], "position": 2, "top_ids": [7, 8], "top_logprobs": [-0.5, -1.5]}
+    with pytest.raises(ValueError, match=r"feature 0: the target at position 2 holds a kept probability plus tail mass "
+                                         r"of 1\.8296\d*, not 1"):
+        KDCollator()([{**row, "tail_logmass": 0.0}])
+    batch = KDCollator()([{**row, "tail_logmass": _tail([-0.5, -1.5])}])
+    assert batch["target_mask"].tolist() == [[False, True, False]]
+
+
 def test_max_length_cuts_sequences_and_their_targets():
     example = {"input_ids": [5, 6, 7, 8], "position": [1, 2, 3], "top_ids": [[6], [7], [8]],
-               "top_logprobs": [[-0.1], [-0.2], [-0.3]], "tail_logmass": [-2.0, -2.0, -2.0]}
+               "top_logprobs": [[-0.1], [-0.2], [-0.3]], "tail_logmass": [_tail([-0.1]), _tail([-0.2]), _tail([-0.3])]}
     batch = KDCollator(max_length=2)([example])
     assert batch["input_ids"].tolist() == [[5, 6]] and batch["target_mask"].tolist() == [[True, True]]
 

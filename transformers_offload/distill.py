@@ -44,6 +44,10 @@ import torch
 KINDS = ("forward", "reverse", "jsd")
 REDUCTIONS = ("mean", "sum", "none")
 _TARGET_KEYS = ("top_ids", "top_logprobs", "tail_logmass")
+# How far a target's kept probability plus its tail mass may be from 1: the table's float32 logprobs
+# round each probability by about 6e-8 of itself, a lossy top-k encoding's by more; a target whose
+# tail was computed wrongly (a tail of 0 with every id kept sums to 2) is far outside it.
+MASS_TOLERANCE = 1e-3
 
 
 def kd_loss(student_logits: torch.Tensor, targets: Mapping[str, Any], temperature: float = 1.0,
@@ -68,7 +72,10 @@ def kd_loss(student_logits: torch.Tensor, targets: Mapping[str, Any], temperatur
 
     Raises:
         ValueError: a bad `kind`, `reduction` or `temperature`; targets missing a key or whose shapes do
-            not match the logits'.
+            not match the logits'; a target whose kept probability plus tail mass,
+            `sum(exp(top_logprobs)) + exp(tail_logmass)`, is off 1 by more than `MASS_TOLERANCE` (1e-3)
+            (the message names the positions and the mass found). The check reads one boolean back from
+            the logits' device.
 
     Example:
         >>> batch = KDCollator()(rows)  # doctest: +SKIP
@@ -96,6 +103,7 @@ def kd_loss(student_logits: torch.Tensor, targets: Mapping[str, Any], temperatur
     valid = ids >= 0
     if teacher.is_floating_point():
         valid = valid & (teacher > float("-inf"))
+    _check_mass(teacher, valid, tail, targets.get("target_mask"))
     log_s = _StudentBuckets.apply(student_logits, _safe_ids(ids, valid), valid, float(temperature))
     minus_inf = torch.tensor(float("-inf"), dtype=dtype, device=log_s.device)
     tail = tail.to(dtype)
@@ -113,6 +121,26 @@ def kd_loss(student_logits: torch.Tensor, targets: Mapping[str, Any], temperatur
         return per_position.sum()
     count = per_position.numel() if mask is None else mask.to(torch.bool).sum()
     return per_position.sum() / torch.clamp(torch.as_tensor(count, device=per_position.device), min=1)
+
+
+def _check_mass(teacher: torch.Tensor, valid: torch.Tensor, tail: torch.Tensor, mask: Any) -> None:
+    """Raise where a target's buckets do not hold the teacher's whole distribution (positions with no
+    target, all padding, are skipped)."""
+    kept = torch.where(valid, teacher.double(), torch.tensor(float("-inf"), dtype=torch.float64, device=teacher.device))
+    mass = kept.exp().sum(-1) + tail.double().exp()
+    targeted = valid.any(-1) | (tail > float("-inf"))
+    if mask is not None:
+        targeted = targeted & mask.to(torch.bool)
+    wrong = targeted & ~((mass - 1.0).abs() <= MASS_TOLERANCE)  # NaN mass is wrong too
+    if bool(wrong.any()):
+        where = wrong.nonzero().tolist()
+        shown = ", ".join(f"{tuple(index)}: {mass[tuple(index)].item():.6g}" for index in where[:5])
+        raise ValueError(
+            f"{len(where)} target(s) whose kept probability plus tail mass is not 1 (within {MASS_TOLERANCE}): "
+            f"position {shown}{' ...' if len(where) > 5 else ''}. `tail_logmass` must be the log of the teacher's "
+            "probability outside `top_ids`, log(1 - sum(exp(top_logprobs))), and -inf where every id is kept "
+            "(the distillation table's column: `export --kd`)."
+        )
 
 
 def _safe_ids(ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -212,8 +240,9 @@ class KDCollator:
     with `K` the widest row's.
 
     Raises:
-        ValueError: a feature lacks a column, its lists disagree in length, or a target's position is not
-            inside its `input_ids` (`1 <= position <= len(input_ids)`).
+        ValueError: a feature lacks a column, its lists disagree in length, a target's position is not
+            inside its `input_ids` (`1 <= position <= len(input_ids)`), or a target's kept probability plus
+            tail mass is off 1 by more than `MASS_TOLERANCE` (1e-3).
 
     Example:
         >>> from datasets import Dataset  # doctest: +SKIP
@@ -277,6 +306,12 @@ def _as_example(feature: Mapping[str, Any], index: int, max_length: int | None) 
                              f"len(input_ids) ({len(input_ids)}): the logits at position - 1 predict it.")
         if len(ids) != len(logprobs):
             raise ValueError(f"feature {index}: `top_ids` and `top_logprobs` differ in length at position {position}.")
+    for position, logprobs, tail in zip(targets["position"], targets["top_logprobs"], targets["tail_logmass"]):
+        mass = math.fsum(math.exp(value) for value in logprobs) + (0.0 if tail is None else math.exp(tail))
+        if not abs(mass - 1.0) <= MASS_TOLERANCE:
+            raise ValueError(f"feature {index}: the target at position {position} holds a kept probability plus "
+                             f"tail mass of {mass:.6g}, not 1 (within {MASS_TOLERANCE}): `tail_logmass` must be "
+                             "log(1 - sum(exp(top_logprobs))), -inf (or None) where every id is kept.")
     if max_length is not None and len(input_ids) > max_length:
         input_ids = input_ids[:max_length]
         keep = [i for i, position in enumerate(targets["position"]) if position <= max_length]
