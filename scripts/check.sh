@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# Everything CI checks, from a fresh machine, in three stages:
-#   suite    the whole test suite on the newest transformers (scripts/test.sh, which sets up first)
-#   matrix   the version matrix on the older releases (scripts/matrix.sh)
-#   support  the support table (docs/support.md) against their results (scripts/support_table.py --check)
+# Everything CI checks, from a fresh machine, in four stages:
+#   suite        the whole test suite on the newest transformers (scripts/test.sh, which sets up first)
+#   matrix       the version matrix on the older releases (scripts/matrix.sh)
+#   support      the support table (docs/support.md) against their results (scripts/support_table.py --check)
+#   conformance  Hugging Face's own generation tests with a Recorder on every call (scripts/conformance.sh;
+#                the tree: $TRANSFORMERS_OFFLOAD_HF_TESTS, which .ci/run sets; skipped without one, but
+#                under CI=true, where it fails)
 # Every stage runs even after one fails; a summary of all of them ends the output, and the exit status
-# is non-zero if any failed.
+# is non-zero if any failed. A stage that exits 77 did not run (it says why): "skipped" in the summary.
 #
-#   bash scripts/check.sh                  # all three
+#   bash scripts/check.sh                  # all four
 #   bash scripts/check.sh matrix support   # only these (to rerun what failed)
 #
-# CHECK_SUITE, CHECK_MATRIX and CHECK_SUPPORT replace a stage's command (a bash command line), e.g. to
-# try this script itself (tests/test_check_script.py) without the 40 minutes of the real stages.
+# CHECK_SUITE, CHECK_MATRIX, CHECK_SUPPORT and CHECK_CONFORMANCE replace a stage's command (a bash command
+# line), e.g. to try this script itself (tests/test_check_script.py) without the 40 minutes of the real stages.
 # The whole suite runs on every core, one torch thread per worker, as the matrix does: on CI's 2 cores
 # 12.6 min for the whole suite (serially, the whole CI run had reached 45 min, its budget).
 set -uo pipefail
@@ -19,19 +22,21 @@ declare -A commands=(
     [suite]="${CHECK_SUITE:-OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 bash scripts/test.sh -q -n auto}"
     [matrix]="${CHECK_MATRIX:-bash scripts/matrix.sh}"
     [support]="${CHECK_SUPPORT:-.venv/bin/python scripts/support_table.py --check}"
+    [conformance]="${CHECK_CONFORMANCE:-bash scripts/conformance.sh}"
 )
 stages=("$@")
 if [ "${#stages[@]}" -eq 0 ]; then
-    stages=(suite matrix support)
+    stages=(suite matrix support conformance)
 fi
 for stage in "${stages[@]}"; do
     if [ -z "${commands[$stage]+set}" ]; then
-        echo "check: unknown stage '$stage' (stages: suite matrix support)" >&2
+        echo "check: unknown stage '$stage' (stages: suite matrix support conformance)" >&2
         exit 2
     fi
 done
 summary=()
 failed=()
+skipped=()
 for stage in "${stages[@]}"; do
     echo "== check: $stage: ${commands[$stage]}"
     started=$SECONDS
@@ -40,11 +45,14 @@ for stage in "${stages[@]}"; do
     took="$(( (SECONDS - started) / 60 )) min $(( (SECONDS - started) % 60 )) s"
     if [ "$status" -eq 0 ]; then
         outcome="passed"
+    elif [ "$status" -eq 77 ]; then
+        outcome="skipped"
+        skipped+=("$stage")
     else
         outcome="FAILED (exit $status)"
         failed+=("$stage")
     fi
-    summary+=("$(printf '  %-8s %-18s %s' "$stage" "$outcome" "$took")")
+    summary+=("$(printf '  %-12s %-18s %s' "$stage" "$outcome" "$took")")
 done
 echo "== check: summary"
 printf '%s\n' "${summary[@]}"
@@ -52,4 +60,8 @@ if [ "${#failed[@]}" -gt 0 ]; then
     echo "check: ${#failed[@]} of ${#stages[@]} stages failed: ${failed[*]} (rerun them: bash scripts/check.sh ${failed[*]})"
     exit 1
 fi
-echo "check: all ${#stages[@]} stages passed"
+if [ "${#skipped[@]}" -gt 0 ]; then
+    echo "check: $(( ${#stages[@]} - ${#skipped[@]} )) of ${#stages[@]} stages passed; skipped: ${skipped[*]}"
+else
+    echo "check: all ${#stages[@]} stages passed"
+fi
