@@ -2,22 +2,28 @@
 call (the pytest plugin `tests/conformance/offload_conformance.py`) and write a table per model family:
 calls exact / different / refused / crashed / unchecked.
 
-    python scripts/conformance.py                         # the installed release, Hugging Face's tests
-    python scripts/conformance.py --hf-repo PATH          # ... with the repository's tests at that release
+    python scripts/conformance.py --hf-repo PATH          # Hugging Face's tests, from a checkout
+    python scripts/conformance.py --hf-repo PATH --families gpt2 whisper
     python scripts/conformance.py --corpus standin        # the stand-in corpus (tests/conformance/)
-    python scripts/conformance.py --corpus standin --baseline --update-docs
+    python scripts/conformance.py --hf-repo PATH --baseline --update-docs
 
 Hugging Face's tests: the release's source distribution (from the package index, with pip, cached in
-.matrix/conformance/) holds only `tests/*_common.py`; the generation tests (`tests/generation/`) and the
-model tests (`tests/models/FAMILY/`) come from a checkout of the transformers repository at the release's
-tag (`--hf-repo`), laid over the source distribution's. Without them the script says so and exits 2.
-The stand-in corpus (`tests/conformance/standin_generation.py`) calls `generate()` on tiny models of 38
-families in the modes Hugging Face's `GenerationTesterMixin` exercises.
+.matrix/conformance/) holds only `tests/*_common.py`; the generation tests (`tests/generation/`), the model
+tests (`tests/models/FAMILY/`), `utils/test_module` and the root `conftest.py` come from a checkout of the
+transformers repository (`--hf-repo`, at the release's tag or a tree laid out as one, such as
+../shared/hf-generation-tests/transformers), laid over the source distribution's in a tree built anew for
+the run (.matrix/conformance/tree-<release>). The families run are those of HF_FAMILIES the checkout holds
+(or `--families`). The stand-in corpus (`tests/conformance/standin_generation.py`) calls `generate()` on
+tiny models of 38 families in the modes Hugging Face's `GenerationTesterMixin` exercises.
 
 Writes .matrix/conformance/results-<release>-<corpus>.json (every call) and .md (the table); with
-`--update-docs`, the table between the `conformance-table` markers of docs/support.md. `--baseline` also
-runs the tests without the plugin and lists the tests that fail only with it. Exits 1 when a call is
-`different` or `crashed`, or a test fails only with the plugin.
+`--update-docs`, the table between the corpus's markers in docs/support.md (`conformance-hf-table`,
+`conformance-table` for the stand-in). `--baseline` also runs the tests without the plugin and lists the
+tests that fail only with it.
+
+Exits 2 when the run checked less than it was given: a checkout lacking what the tests need, pytest ending
+abnormally, a test file that failed to collect, no test run, or a file (a family) that recorded no call.
+Exits 1 when a call is `different` or `crashed`, or a test fails only with the plugin; else 0.
 """
 
 from __future__ import annotations
@@ -202,25 +208,34 @@ def table(calls: list[dict], tests: list[dict], baseline: list[dict] | None) -> 
     failed = {t["test"] for t in tests if t["outcome"] == "failed"}
     failed_before = None if baseline is None else {t["test"] for t in baseline if t["outcome"] == "failed"}
     only_with_plugin = sorted(failed - failed_before) if failed_before is not None else None
-    lines = ["| family | calls | exact | different | refused | crashed | unchecked | raises without the Recorder too |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for test in only_with_plugin or ():
+        per_family[_family_of({"test": test, "family": "?"})]["only with the Recorder"] += 1
+    columns = (*VERDICTS, "raises", "only with the Recorder")
+    lines = ["| family | calls | exact | different | refused | crashed | unchecked | raises without the Recorder too "
+             "| tests failing only with the Recorder |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     totals = collections.Counter()
     for family in sorted(per_family):
         counts = per_family[family]
         totals.update(counts)
-        lines.append(f"| {family} | {sum(counts.values())} | " + " | ".join(str(counts[v]) for v in (*VERDICTS, "raises")) + " |")
-    lines.append(f"| **all {len(per_family)} families** | {sum(totals.values())} | "
-                 + " | ".join(str(totals[v]) for v in (*VERDICTS, "raises")) + " |")
-    summary = {"families": len(per_family), "totals": dict(totals),
+        calls_made = sum(counts[v] for v in (*VERDICTS, "raises"))
+        lines.append(f"| {family} | {calls_made} | " + " | ".join(
+            str(counts[v]) if v != "only with the Recorder" or baseline is not None else "-" for v in columns) + " |")
+    lines.append(f"| **all {len(per_family)} families** | {sum(totals[v] for v in (*VERDICTS, 'raises'))} | " + " | ".join(
+        str(totals[v]) if v != "only with the Recorder" or baseline is not None else "-" for v in columns) + " |")
+    summary = {"families": len(per_family), "totals": {v: totals[v] for v in (*VERDICTS, "raises") if totals[v]},
                "tests": len({t["test"] for t in tests}), "tests_failed": sorted(failed),
                "tests_failing_only_with_the_plugin": only_with_plugin}
     return "\n".join(lines), summary
 
 
-def _update_docs(markdown: str) -> None:
+DOC_MARKERS = {"hf": "conformance-hf-table", "standin": "conformance-table"}
+
+
+def _update_docs(markdown: str, corpus: str) -> None:
     path = ROOT / "docs" / "support.md"
     text = path.read_text()
-    start, end = "<!-- conformance-table:start -->", "<!-- conformance-table:end -->"
+    start, end = f"<!-- {DOC_MARKERS[corpus]}:start -->", f"<!-- {DOC_MARKERS[corpus]}:end -->"
     if start not in text:
         sys.exit(f"conformance: {path} has no {start} marker")
     head, rest = text.split(start, 1)
@@ -275,8 +290,13 @@ def main() -> int:
               file=sys.stderr)
         return 2
     if args.update_docs:
-        _update_docs(markdown + f"\n\ntransformers {release}, {args.corpus} corpus, {summary['tests']} tests, "
-                     f"{round(seconds)} s with {args.workers} workers (`python scripts/conformance.py --corpus {args.corpus}`).")
+        if args.corpus == "hf":
+            command = f"python scripts/conformance.py --hf-repo TREE{' --baseline' if args.baseline else ''}"
+            what = (f"transformers {release}, Hugging Face's tests ({summary['tests']} tests of {len(files)} families; "
+                    f"the harness's shims: {'; '.join(summary['shims']) or 'none'})")
+        else:
+            command, what = "python scripts/conformance.py --corpus standin", f"transformers {release}, standin corpus, {summary['tests']} tests"
+        _update_docs(markdown + f"\n\n{what}, {round(seconds)} s with {args.workers} workers (`{command}`).", args.corpus)
     bad = summary["totals"].get("different", 0) + summary["totals"].get("crashed", 0)
     return 1 if bad or summary["tests_failing_only_with_the_plugin"] else 0
 
