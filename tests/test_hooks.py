@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import GenerationMixin, LogitsProcessor, StoppingCriteria, StoppingCriteriaList
 
-from transformers_offload import Recorder, _compat
+from transformers_offload import Recorder, UnrecordedCallWarning, _compat
 from transformers_offload.capture.hooks import is_hooked
 
 from .conftest import left_padded_batch, make_tiny
@@ -64,7 +64,7 @@ def test_calls_without_the_recorder_are_untouched(gpt2):
     batch = left_padded_batch()
     torch.manual_seed(0)
     plain = gpt2.generate(**batch, do_sample=True, max_new_tokens=6, return_dict_in_generate=True, output_scores=True)
-    with Recorder(gpt2) as rec:
+    with pytest.warns(UnrecordedCallWarning, match="ran 1 time"), Recorder(gpt2) as rec:
         torch.manual_seed(0)
         hooked = gpt2.generate(
             **batch, do_sample=True, max_new_tokens=6, return_dict_in_generate=True, output_scores=True

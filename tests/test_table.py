@@ -235,7 +235,7 @@ def test_nothing_is_written_inside_the_recording(gpt2, tmp_path, command, capsys
 @pytest.mark.parametrize("arguments, match", [
     (["--generations", "0,0"], "lists generation 0 twice"),
     (["--generations", ""], "at least one generation"),
-    (["--tokenizer", "/nonexistent"], "must be a local tokenizer directory"),
+    (["--tokenizer", "/nonexistent"], "must be a local directory (save_pretrained) or the demo model's name"),
 ])
 def test_export_refuses_bad_options_with_a_clean_message(gpt2, tmp_path, arguments, match, capsys):
     _two_calls(gpt2, tmp_path / "run")
