@@ -72,6 +72,7 @@ class Capture:
         self.attention_mask = attention_mask
         self.started = False
         self.wants_forward = True
+        self.nested_calls = 0  # generate() calls made inside this loop (an inner decoder's), not recorded
         self.mode = ""
         self.do_sample = False
         self.prompt_length = 0
@@ -505,6 +506,8 @@ class Capture:
     # -- the end ---------------------------------------------------------------------------------------
     def finish(self, output: Any, error: BaseException | None) -> StoredGeneration:
         self.close_taps()
+        if self.nested_calls:
+            self.header["nested_calls"] = self.nested_calls
         steps = self._step + 1
         if self.is_beam and steps > 0:
             # After the last step no running beam continues.

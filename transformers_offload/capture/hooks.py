@@ -29,9 +29,9 @@ import torch
 
 from .. import _compat, _interrupts
 from .capture import Capture
-from .modes import check_mode, refuse_continuous_batching
+from .modes import check_mode, check_own_loop, refuse_continuous_batching
 from .loops import RecordedCall, active_call as _active_call, active_capture as _active_capture
-from .loops import arguments_of as _bind, calls_on as _active, loop_tap_wrappers
+from .loops import active_calls as _active_calls, arguments_of as _bind, calls_on as _active, loop_tap_wrappers
 from . import prompt_logprobs as _prompt_logprobs
 
 _ABSENT = object()
@@ -203,18 +203,27 @@ class ModelHooks:
             extra = bound.get(var_keyword, {}) if var_keyword else {}
             arguments = {**extra, **bound}
             recorder = self._recorder_of_call(arguments)
-            if recorder is None:
-                if _active_call(model) is None:
+            if recorder is None and _active_call(model) is None:
+                outer = _recording_call_in_this_thread()
+                if outer is not None:  # a generate() inside a recorded loop (an inner decoder's, per step)
+                    outer.capture.nested_calls += 1
+                elif not any(call is not None for call in _active_calls()):  # not inside any recorded call
                     for attached in list(self.recorders):
                         attached._ran_without_it()
+            if recorder is None:
                 # Not recorded, even when made inside a recorded call (e.g. from a processor).
                 with _active(model, None):
                     return original(*args, **kwargs)
+            outer = _recording_call_of(recorder) if _active_call(model) is None else None
+            if outer is not None:
+                # The recorder reached a generate() inside the loop it records (a model that generates per
+                # step with an inner decoder, handed the outer call's processors): not recorded, counted
+                # on the outer loop's generation; the recorder passes the inner call's scores through.
+                outer.capture.nested_calls += 1
+                with _active(model, None):
+                    return original(*args, **kwargs)
             config = _compat.provisional_generation_config(model, arguments.get("generation_config"), extra)
-            check_mode(config, arguments.get("assistant_model"), recorder._streams)
-            delegates = _compat.generation_delegates(model)
-            if delegates:
-                return self._delegate(recorder, delegates, original, args, kwargs)
+            check_own_loop(model, check_mode(config, arguments.get("assistant_model"), recorder._streams))
             # Ctrl-C is held while the recorder's own code runs, and the end of the call writes what
             # was recorded before raising it (`_interrupts`).
             tapped = bool(self._loop_taps)
@@ -229,10 +238,16 @@ class ModelHooks:
                 past_key_values=arguments.get("past_key_values"),
             )
             call = RecordedCall(recorder, begin, tapped=tapped)
-            with _interrupts.call():
+            delegates = _compat.generation_delegates(model)
+            with _interrupts.call(), _attached_for_the_call(delegates, recorder):
+                before = len(recorder.generations)
                 try:
-                    with _interrupts.held():
-                        call.begin()
+                    if not delegates:
+                        with _interrupts.held():
+                            call.begin()
+                    # A model with generating children (BLIP-2's language model, CSM's depth decoder) may
+                    # hand the call to a child's generate() or run the loop itself: its capture begins
+                    # when its own loop starts, if it does (`_get_logits_processor`).
                     with _active(model, call):
                         output = original(*args, **kwargs)
                 except BaseException as error:
@@ -240,38 +255,22 @@ class ModelHooks:
                         with _interrupts.ending():
                             call.end(None, error)
                     raise
-                with _interrupts.ending():
-                    call.end(output, None)
+                if call.capture is not None:
+                    with _interrupts.ending():
+                        call.end(output, None)
+                elif len(recorder.generations) == before:
+                    names = ", ".join(type(inner).__name__ for inner in delegates)
+                    raise RuntimeError(
+                        f"{type(model).__name__}.generate() returned without running a decoding loop of its own or "
+                        f"passing the Recorder on to its inner model's generate() ({names}), so nothing was recorded: "
+                        "this model's generate() is not supported by transformers-offload. Record the inner model's "
+                        "own generate() call instead."
+                    )
             return output
 
         generate.__wrapped__ = original  # type: ignore[attr-defined]
         generate.__doc__ = original.__doc__
         return generate
-
-    def _delegate(self, recorder: Any, delegates: list[torch.nn.Module], original: Callable[..., Any],
-                  args: tuple, kwargs: dict) -> Any:
-        """A model whose `generate()` calls an inner model's (BLIP-2's language model...): the recorder
-        is attached to the inner models for the call, so the inner call, which receives the outer
-        call's `logits_processor`, is recorded as this call's generation."""
-        model = self._model_ref()
-        before = len(recorder.generations)
-        for inner in delegates:
-            attach(inner, recorder)
-        try:
-            with _active(model, None):
-                output = original(*args, **kwargs)
-        finally:
-            for inner in delegates:
-                detach(inner, recorder)
-        if len(recorder.generations) == before:
-            names = ", ".join(type(inner).__name__ for inner in delegates)
-            raise RuntimeError(
-                f"{type(model).__name__}.generate() returned without running a decoding loop of its own or "
-                f"passing the Recorder on to its inner model's generate() ({names}), so nothing was recorded: "
-                "this model's generate() is not supported by transformers-offload. Record the inner model's "
-                "own generate() call instead."
-            )
-        return output
 
     def _wrap_generate_batch(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def generate_batch(*args: Any, **kwargs: Any) -> Any:
@@ -291,9 +290,10 @@ class ModelHooks:
             if call is None:
                 return processors  # no recorded call
             with _interrupts.held():
-                # From a call's second loop on (a generate() that runs transformers' loop more than
-                # once), a new capture: its own generation.
-                capture = call.loop_starts()
+                # The first loop of a call whose capture waited for it (a model with generating
+                # children); from a call's second loop on (a generate() that runs transformers' loop
+                # more than once), a new capture: its own generation.
+                capture = call.begin() if call.capture is None else call.loop_starts()
             arguments = _bind(original, args, kwargs)
             kept = [p for p in processors if not _is_recorder(p)]
             with _interrupts.held():
@@ -382,6 +382,35 @@ class ModelHooks:
                 "created with. Create one for this model: `Recorder(model)`."
             )
         return recorder
+
+
+@contextlib.contextmanager
+def _attached_for_the_call(children: list[torch.nn.Module], recorder: Any):
+    """`recorder` attached to `children` while the call runs: a child's generate() that is handed the
+    recorder records as the call's generation (BLIP-2), one inside the recorded loop is seen (CSM)."""
+    for child in children:
+        attach(child, recorder)
+    try:
+        yield
+    finally:
+        for child in children:
+            detach(child, recorder)
+
+
+def _recording_call_in_this_thread() -> RecordedCall | None:
+    """The recorded call of this thread whose decoding loop runs now (its capture started), if any."""
+    for call in _active_calls():
+        if call is not None and call.capture is not None and call.capture.started:
+            return call
+    return None
+
+
+def _recording_call_of(recorder: Any) -> RecordedCall | None:
+    """This thread's call recorded by `recorder` whose loop runs now, if any."""
+    for call in _active_calls():
+        if call is not None and call.recorder is recorder and call.capture is not None and call.capture.started:
+            return call
+    return None
 
 
 def _first_tensor(*values: Any) -> torch.Tensor | None:

@@ -36,6 +36,11 @@ def active_call(model: torch.nn.Module) -> RecordedCall | None:
     return None if calls is None else calls.get(id(model))
 
 
+def active_calls() -> list[RecordedCall]:
+    """Every recorded call running in this thread (an outer call's, and an inner model's within it)."""
+    return list(getattr(_ACTIVE, "calls", {}).values())
+
+
 def active_capture(model: torch.nn.Module) -> Capture | None:
     """The capture of the decoding loop `model`'s recorded call runs now in this thread, if any."""
     call = active_call(model)

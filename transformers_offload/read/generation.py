@@ -87,6 +87,10 @@ class Generation(LayerReading, EncodedReading):
             prompt for call row `r` is `batch_rows.index(r)`). Readers may find other keys: a `generate()`
             that runs the loop twice without saying which result it keeps has each earlier loop marked
             incomplete (`RecordingMismatch`) instead.
+        nested_calls (`int`): the `generate()` calls made inside this generation's decoding loop and not
+            recorded: a model that generates per step with an inner decoder (CSM's depth decoder, Moshi's)
+            runs it once per step; its steps are not in this recording (only the outer loop is). 0 for a
+            stock `generate()`.
     """
 
     index: int
@@ -109,6 +113,7 @@ class Generation(LayerReading, EncodedReading):
     sample_ids: tuple[Any, ...] | None = field(default=None, repr=False)
     sample_metadata: tuple[dict[str, Any], ...] | None = field(default=None, repr=False)
     loop: dict[str, Any] | None = field(default=None, repr=False)
+    nested_calls: int = field(default=0, repr=False)
 
     @property
     def sequences(self) -> torch.Tensor | None:

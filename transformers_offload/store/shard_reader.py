@@ -407,6 +407,7 @@ def stored_generation(root: Path, entry: dict[str, Any], *, stats: TransferStats
         sample_ids=None if entry.get("sample_ids") is None else tuple(entry["sample_ids"]),
         sample_metadata=None if entry.get("sample_metadata") is None else tuple(entry["sample_metadata"]),
         loop=entry.get("loop"),
+        nested_calls=entry.get("nested_calls", 0),
     )
     return StoredGeneration(fields, source)
 

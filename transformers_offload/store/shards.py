@@ -283,6 +283,8 @@ class ShardStore:
             entry["num_rows"] = header["num_rows"]
         if header.get("loop") is not None:  # only for a call that ran several loops: others read the same
             entry["loop"] = header["loop"]
+        if header.get("nested_calls"):  # only for a loop that made generate() calls of its own
+            entry["nested_calls"] = header["nested_calls"]
         while True:
             if problem is None and _interrupts.pending():
                 problem = KeyboardInterrupt()  # Ctrl-C held while the call ended: it raises next

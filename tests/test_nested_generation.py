@@ -1,0 +1,103 @@
+"""A model that calls another model's `generate()` while its own recorded loop runs (a decoder that
+generates per step with an inner decoder, as Moshi's forward does with its depth decoder): the outer loop
+is recorded exactly; each inner call is not recorded, and is counted on the outer generation
+(`Generation.nested_calls`); never a `RuntimeError` from the processor. transformers' own CSM, whose
+`_sample` replaces the loop (its steps are codebook frames), is refused before it runs, saying why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from transformers_offload import Recorder, UnsupportedModeError, open_recording
+
+from .conftest import EOS, PAD, VOCAB, left_padded_batch
+from .helpers import assert_steps_equal, hf_reference
+
+NEW_TOKENS = 4
+
+
+def _gpt2(seed: int) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=128,
+                                       bos_token_id=2, eos_token_id=EOS, pad_token_id=PAD)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+class PerStepInner(GPT2LMHeadModel):
+    """Each forward also generates two tokens with an inner decoder (a child model), from the last
+    position's top token; its own `generate()` passes everything to transformers' (as Moshi's does),
+    and with `hand_down` also hands the call's processors to one more inner call after the loop."""
+
+    hand_down = False
+
+    def forward(self, *args, **kwargs):
+        output = super().forward(*args, **kwargs)
+        first = output.logits[:, -1:].argmax(-1)
+        self.inner.generate(input_ids=first, max_new_tokens=2, do_sample=False, pad_token_id=PAD)
+        return output
+
+    def generate(self, *args, **kwargs):
+        out = super().generate(*args, **kwargs)
+        if self.hand_down:
+            self.inner.generate(input_ids=torch.tensor([[5]]), max_new_tokens=2,
+                                logits_processor=kwargs.get("logits_processor"), pad_token_id=PAD)
+        return out
+
+
+def _outer() -> PerStepInner:
+    base = _gpt2(0)
+    model = PerStepInner(base.config).eval()
+    model.load_state_dict(base.state_dict())
+    model.inner = _gpt2(1)  # a child that generates
+    return model
+
+
+@pytest.mark.parametrize("store", ["memory", "spill"])
+@pytest.mark.parametrize("hand_down", [False, True])
+def test_the_outer_loop_is_recorded_exactly_and_each_inner_call_is_counted(tmp_path, store, hand_down):
+    model = _outer()
+    model.hand_down = hand_down
+    kwargs = {**left_padded_batch(), "max_new_tokens": NEW_TOKENS, "do_sample": False}
+    reference = hf_reference(model, **kwargs)
+    spill = {"spill_dir": tmp_path / "run"} if store == "spill" else {}
+    with Recorder(model, **spill) as rec:
+        out = model.generate(**kwargs, logits_processor=[rec])
+    recording = open_recording(tmp_path / "run") if store == "spill" else rec
+    generation = recording.generation(0)
+    assert len(recording.generations) == 1 and generation.complete, generation.error
+    assert torch.equal(out, reference.sequences) and torch.equal(generation.sequences, out)
+    assert_steps_equal(generation.scores(), reference.scores, "scores")
+    assert_steps_equal(generation.logits(), reference.logits, "logits")
+    # One inner call per forward of the outer loop (its steps), and the one handed the processors.
+    assert generation.nested_calls == NEW_TOKENS + hand_down
+
+
+def test_a_model_without_inner_calls_counts_none(gpt2):
+    with Recorder(gpt2) as rec:
+        gpt2.generate(**left_padded_batch(), max_new_tokens=2, logits_processor=[rec])
+    assert rec.generation().nested_calls == 0
+
+
+def test_csm_whose_sample_replaces_the_loop_is_refused_before_it_runs_not_a_processor_error():
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "CsmForConditionalGeneration"):
+        pytest.skip("CSM arrived in transformers 4.52")
+    depth = dict(num_codebooks=3, backbone_hidden_size=32, vocab_size=20, hidden_size=16, intermediate_size=32,
+                 num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=8)
+    config = transformers.CsmConfig(
+        num_codebooks=3, vocab_size=20, text_vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, pad_token_id=38, codebook_pad_token_id=19, codebook_eos_token_id=0,
+        bos_token_id=37, audio_token_id=36, audio_eos_token_id=35, depth_decoder_config=depth, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.CsmForConditionalGeneration(config).eval()
+    calls = []
+    model.depth_decoder.register_forward_hook(lambda *_: calls.append(1))
+    with Recorder(model) as rec:
+        with pytest.raises(UnsupportedModeError, match=r"CsmForConditionalGeneration runs 'greedy_search' in a decoding "
+                                                       r"loop of its own \(_sample overrides transformers'\)"):
+            model.generate(input_ids=torch.tensor([[37, 5, 6, 7]]), max_new_tokens=2, logits_processor=[rec])
+    assert calls == [] and rec.generations == ()  # refused before any forward
