@@ -1,7 +1,8 @@
 """A model that calls another model's `generate()` while its own recorded loop runs (a decoder that
 generates per step with an inner decoder, as Moshi's forward does with its depth decoder): the outer loop
 is recorded exactly; each inner call is not recorded, and is counted on the outer generation
-(`Generation.nested_calls`); never a `RuntimeError` from the processor. transformers' own CSM, whose
+(`Generation.nested_calls`); never a `RuntimeError` from the processor. Of transformers' own models,
+Moshi (its depth decoder generates per step of the text decoder's loop) records exactly; CSM, whose
 `_sample` replaces the loop (its steps are codebook frames), is refused before it runs, saying why."""
 
 from __future__ import annotations
@@ -101,3 +102,52 @@ def test_csm_whose_sample_replaces_the_loop_is_refused_before_it_runs_not_a_proc
                                                        r"loop of its own \(_sample overrides transformers'\)"):
             model.generate(input_ids=torch.tensor([[37, 5, 6, 7]]), max_new_tokens=2, logits_processor=[rec])
     assert calls == [] and rec.generations == ()  # refused before any forward
+
+
+def _tiny_moshi():
+    """Moshi (transformers' own): its forward's input preparation runs the depth decoder's generate() once
+    per step of the text decoder's loop, which is transformers' own."""
+    transformers = pytest.importorskip("transformers")
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version("5.0"):
+        pytest.skip("the tiny Moshi here is built with 5.x's MoshiConfig; earlier Moshi releases are not tried")
+    mimi = {"model_type": "mimi", "audio_channels": 1, "hidden_size": 32, "num_filters": 8, "num_residual_layers": 1,
+            "upsampling_ratios": [8, 4], "codebook_size": 64, "vector_quantization_hidden_dimension": 64,
+            "upsample_groups": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
+            "sliding_window": 3, "codebook_dim": 64, "use_cache": False, "sampling_rate": 800}
+    depth = {"hidden_size": 16, "num_hidden_layers": 1, "max_position_embeddings": 5, "num_attention_heads": 2,
+             "ffn_dim": 16, "sliding_window": 4}
+    config = transformers.MoshiConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_codebooks=4, rms_norm_eps=1e-3,
+        tie_word_embeddings=False, pad_token_id=25, bos_token_id=25, ffn_dim=32, audio_encoder_config=mimi,
+        depth_decoder_config=depth)
+    torch.manual_seed(0)
+    model = transformers.MoshiForConditionalGeneration(config).eval()
+    generator = torch.Generator().manual_seed(1)
+    inputs = {"input_ids": torch.randint(0, 50, (2, 5), generator=generator),
+              "moshi_audio_codes": torch.randint(0, 64, (2, 4, 5), generator=generator),
+              "user_audio_codes": torch.randint(0, 64, (2, 4, 5), generator=generator),
+              "return_audio_waveforms": False, "return_audio_codes": False, "concat_unconditional_inputs": False}
+    return model, inputs
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_moshi_records_its_text_decoders_loop_exactly_and_counts_the_depth_decoders_calls(do_sample):
+    model, inputs = _tiny_moshi()
+    kwargs = {**inputs, "max_new_tokens": 4, "do_sample": do_sample}
+    torch.manual_seed(2)
+    reference = model.generate(**kwargs, return_dict_in_generate=True, output_scores=True, output_logits=True)
+    depth_calls = []
+    handle = model.depth_decoder.register_forward_pre_hook(lambda module, args: depth_calls.append(1))
+    with Recorder(model) as rec:
+        torch.manual_seed(2)
+        out = model.generate(**kwargs, logits_processor=[rec])
+    handle.remove()
+    generation = rec.generation()
+    assert len(rec.generations) == 1 and generation.complete, generation.error
+    assert torch.equal(out, reference.sequences)
+    assert_steps_equal(generation.scores(), reference.scores, "scores")
+    assert_steps_equal(generation.logits(), reference.logits, "logits")
+    # One depth decoder generate() per step after the first (the audio codes of the previous text token).
+    assert generation.nested_calls == kwargs["max_new_tokens"] - 1 and depth_calls

@@ -9,8 +9,13 @@ the session, `generate` of `GenerationMixin` and of every model class that overr
 
 1. runs as the test made it, with a `Recorder(model)` added to its `logits_processor`;
 2. where it did not ask for both `output_scores` and `output_logits` (with `return_dict_in_generate`),
-   runs again from the same torch random state (generation configs, a given cache and processors as
-   they were before the first run) without the Recorder and with them on: Hugging Face's reference;
+   runs again from the same torch random state without the Recorder and with them on: Hugging Face's
+   reference. The rerun starts from deep copies, taken before the first run, of what the call may change
+   (a given cache, processors, stopping criteria, a passed generation config, the model's and the
+   assistant's generation configs); it gets no streamer (the test's sees the recorded run's tokens once).
+   A Whisper long-form call is rerun with `return_timestamps=True`, so that each segment's result holds
+   its loop's outputs (`_whisper_segments`); torch.compile's recompilation logs are off while it runs
+   (`_harness_only`);
 3. compares, with `torch.equal`, every recorded step's raw logits and processed scores with the
    reference's (`out.logits`, `out.scores`; Whisper's per-sequence and per-segment outputs mapped as
    `docs/support.md` says), and the sequences of the recorded run with the reference's.
@@ -21,7 +26,8 @@ stream, step or the returned sequences differ: `detail` says which); `refused`
 (`UnsupportedModeError`, its message in `detail`); `crashed` (the recorded call raised anything else
 while the same call without the Recorder does not); `unchecked` (recorded, but the call returns no
 scores to compare with even when asked); `raises` (the call raises without the Recorder too: the test
-expects it). Each test's outcome goes to `DIR/tests-<worker>.jsonl`.
+expects it). Each test's outcome goes to `DIR/tests-<worker>.jsonl`, each file that failed to collect
+to `DIR/collect-<worker>.jsonl`, and the shims `follow_the_release` applied to `DIR/shims-<worker>.jsonl`.
 
 The test sees what it would without the plugin: the recorded run's result (checked equal to the
 reference's sequences), or, where the recorder refused or crashed, the result of the call without it;
