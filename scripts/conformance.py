@@ -225,6 +225,7 @@ def table(calls: list[dict], tests: list[dict], baseline: list[dict] | None) -> 
         str(totals[v]) if v != "only with the Recorder" or baseline is not None else "-" for v in columns) + " |")
     summary = {"families": len(per_family), "totals": {v: totals[v] for v in (*VERDICTS, "raises") if totals[v]},
                "tests": len({t["test"] for t in tests}), "tests_failed": sorted(failed),
+               "tests_failing_without_the_plugin_too": None if failed_before is None else sorted(failed_before),
                "tests_failing_only_with_the_plugin": only_with_plugin}
     return "\n".join(lines), summary
 

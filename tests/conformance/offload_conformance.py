@@ -366,7 +366,7 @@ def _differ(mine: torch.Tensor, theirs: torch.Tensor) -> str | None:
     if not unequal.any():
         return None  # equal but for NaNs in the same places
     row, column = unequal.nonzero()[0].tolist()[:2] if mine.dim() >= 2 else (unequal.nonzero()[0].item(), None)
-    where = f"[{row}, {column}]" if column is not None else f"[{row}]"
+    where = f"row {row}, column {column}" if column is not None else f"row {row}"
     return (f"{int(unequal.sum())} of {mine.numel()} values differ, first at {where}: "
             f"{mine[row, column].item() if column is not None else mine[row].item()!r} recorded, "
             f"{theirs[row, column].item() if column is not None else theirs[row].item()!r} returned")
