@@ -111,7 +111,9 @@ def _hf_tests(release: str, repo: Path | None, families: list[str] | None = None
         raise TreeError(f"{repo} holds the model tests of none of the families this script knows ({' '.join(HF_FAMILIES)})")
     sdist = _sdist(release)
     tree = CACHE / f"tree-{release}"
-    shutil.rmtree(tree, ignore_errors=True)
+    if tree.exists():
+        _make_writable(tree)  # a run stopped before it made its copies writable
+        shutil.rmtree(tree)
     shutil.copytree(sdist / "tests", tree / "tests")
     for part in CHECKOUT_PARTS:
         source = repo / part
@@ -133,7 +135,8 @@ def _hf_tests(release: str, repo: Path | None, families: list[str] | None = None
 def _make_writable(tree: Path) -> None:
     """The copy is the run's own: a tree given read-only (CI's shared folder) leaves read-only copies."""
     for path in [tree, *tree.rglob("*")]:
-        path.chmod(path.stat().st_mode | (0o700 if path.is_dir() else 0o600))
+        if not path.is_symlink():
+            path.chmod(path.stat().st_mode | (0o700 if path.is_dir() else 0o600))
 
 
 def _pytest(cwd: Path, files: list[str], out: Path, *, workers: int, selection: str | None, baseline: bool) -> tuple[float, int]:
@@ -165,13 +168,15 @@ PYTEST_STATUS = {2: "interrupted", 3: "an internal error", 4: "a usage error", 5
 
 def _refusals(out: Path, status: int, files: list[str], calls: list[dict] | None) -> list[str]:
     """Why a run cannot be trusted: pytest did not finish, a file did not collect, no test ran, or (with
-    `calls`) a file recorded no call. Empty when every file ran and, where asked, each recorded calls."""
+    `calls`) a file recorded no call; a pytest-xdist worker crashed. Empty when every file ran and, where asked, each recorded calls."""
     problems = []
     log = out / "pytest.log"
     if status in PYTEST_STATUS:
         problems.append(f"pytest ended with status {status} ({PYTEST_STATUS[status]}); see {log}")
     for row in _read(out, "collect"):
         problems.append(f"{row['file']} failed to collect: {row['detail']} (see {log})")
+    for row in _read(out, "crashed"):
+        problems.append(f"the pytest worker running {row['test']} crashed: {row['detail']}")
     ran = [t for t in _read(out, "tests") if t["when"] == "call"]
     if not ran:
         problems.append(f"no test ran (see {log})")

@@ -117,6 +117,41 @@ def test_a_topk_recording_gives_the_dense_recordings_targets(tmp_path, top):
         assert b["tail_logmass"] == pytest.approx(a["tail_logmass"], abs=1e-6)
 
 
+@pytest.mark.parametrize("bits", [2, 5, 8])
+def test_a_lossy_topk_recording_gives_targets_that_sum_to_one_with_its_exact_tail(tmp_path, bits):
+    """`topk:K:qB` quantises the K log-probabilities and keeps the mass outside them exactly: the export
+    rescales the K probabilities by one factor per row so that the row sums to 1 (the expression in
+    `kd_table._from_topk`), and `kd_loss` takes them."""
+    run = open_recording(_record(tmp_path, encodings={"logits": f"topk:6:q{bits}"}))
+    rows = kd_arrow(run, top=4).to_pylist()
+    records = {}
+    for generation in run:
+        for step, record in enumerate(generation.topk("logits")):
+            records[step] = record
+    assert rows
+    for row in rows:
+        mass = math.fsum(math.exp(v) for v in row["top_logprobs"]) + math.exp(row["tail_logmass"])
+        assert abs(mass - 1.0) < 1e-6
+    # The expression, on one record: decoded logprobs shifted by log((1 - mass_outside) / sum(exp(logprobs))).
+    record = records[0]
+    from transformers_offload.answers.kd_table import _from_topk
+
+    ids, logprobs, tail = _from_topk(record, 4, lossy=True)
+    decoded, outside = record["logprobs"].double(), record["mass_outside"].double()
+    expected = decoded + torch.log1p(-outside)[:, None] - torch.logsumexp(decoded, -1, keepdim=True)
+    assert torch.equal(logprobs, expected[:, :4].float())
+    assert torch.equal(tail, torch.logaddexp(torch.log(outside), torch.logsumexp(expected[:, 4:], -1)).float())
+    batch = KDCollator(pad_token_id=PAD)(group_sequences(rows))
+    assert torch.isfinite(kd_loss(torch.randn(*batch["input_ids"].shape, VOCAB), batch))
+
+
+def test_targets_in_bfloat16_are_checked_within_bfloat16s_precision():
+    teacher = torch.log_softmax(_logits(15, (2, 3, VOCAB), 3.0), -1)
+    targets = {name: value.to(torch.bfloat16) if value.is_floating_point() else value
+               for name, value in _targets(teacher, 8).items()}
+    assert torch.isfinite(kd_loss(_logits(16, (2, 3, VOCAB), 2.0, torch.float32), targets))
+
+
 def test_top_above_the_recorded_k_is_refused(tmp_path):
     with open_recording(_record(tmp_path, encodings={"logits": "topk:6"})) as run:
         with pytest.raises(ValueError, match=r"`top` must be at most the recorded K \(6"):

@@ -151,3 +151,18 @@ def test_moshi_records_its_text_decoders_loop_exactly_and_counts_the_depth_decod
     assert_steps_equal(generation.logits(), reference.logits, "logits")
     # One depth decoder generate() per step after the first (the audio codes of the previous text token).
     assert generation.nested_calls == kwargs["max_new_tokens"] - 1 and depth_calls
+
+
+def test_a_model_with_generating_children_is_refused_before_anything_runs_where_a_recorder_would_refuse():
+    """Its capture begins with its own loop, if it runs one; what the recorder refuses is refused first."""
+    model = _outer()
+    forwards = []
+    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    with Recorder(model) as rec:
+        rec.set_samples(["only-one"])
+        with pytest.raises(ValueError, match="`set_samples` named 1 prompt\\(s\\), but this generate\\(\\) call has a batch of"):
+            model.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=2)
+        with pytest.raises(UnsupportedModeError, match="`custom_generate` replaces transformers' decoding loop"):
+            model.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=2,
+                           custom_generate=lambda *args, **kwargs: None)
+    assert forwards == [] and rec.generations == ()

@@ -53,7 +53,7 @@ def resolve(name_or_directory: str | os.PathLike[str], *, what: str = "model") -
         return text
     if text.lower() in NAMES:
         try:
-            return str(fetch(quiet=True))
+            return str(fetch())
         except RuntimeError as error:
             raise OSError(f"{what} {text!r}: {error}") from error
     raise ValueError(f"{what} must be a local directory (save_pretrained) or the demo model's name "

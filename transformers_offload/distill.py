@@ -44,10 +44,16 @@ import torch
 KINDS = ("forward", "reverse", "jsd")
 REDUCTIONS = ("mean", "sum", "none")
 _TARGET_KEYS = ("top_ids", "top_logprobs", "tail_logmass")
-# How far a target's kept probability plus its tail mass may be from 1: the table's float32 logprobs
-# round each probability by about 6e-8 of itself, a lossy top-k encoding's by more; a target whose
-# tail was computed wrongly (a tail of 0 with every id kept sums to 2) is far outside it.
+# How far a target's kept probability plus its tail mass may be from 1, for float32 targets: the table's
+# float32 logprobs round each probability by about 6e-8 of itself (a lossy `topk:K:qB` export is rescaled
+# to sum to 1); a target whose tail was computed wrongly (a tail of 0 with every id kept sums to 2) is far
+# outside it. Targets in a shorter float get 4 of their epsilons (bfloat16: 0.031, float16: 0.0039).
 MASS_TOLERANCE = 1e-3
+
+
+def mass_tolerance(dtype: torch.dtype) -> float:
+    """The tolerance for targets of `dtype`: `max(MASS_TOLERANCE, 4 * torch.finfo(dtype).eps)`."""
+    return max(MASS_TOLERANCE, 4 * torch.finfo(dtype).eps) if dtype.is_floating_point else MASS_TOLERANCE
 
 
 def kd_loss(student_logits: torch.Tensor, targets: Mapping[str, Any], temperature: float = 1.0,
@@ -73,8 +79,9 @@ def kd_loss(student_logits: torch.Tensor, targets: Mapping[str, Any], temperatur
     Raises:
         ValueError: a bad `kind`, `reduction` or `temperature`; targets missing a key or whose shapes do
             not match the logits'; a target whose kept probability plus tail mass,
-            `sum(exp(top_logprobs)) + exp(tail_logmass)`, is off 1 by more than `MASS_TOLERANCE` (1e-3)
-            (the message names the positions and the mass found). The check reads one boolean back from
+            `sum(exp(top_logprobs)) + exp(tail_logmass)`, is off 1 by more than `mass_tolerance` of the
+            targets' dtype (1e-3 in float32, 0.031 in bfloat16) (the message names the positions and the mass
+            found). The check reads one boolean back from
             the logits' device.
 
     Example:
@@ -131,12 +138,13 @@ def _check_mass(teacher: torch.Tensor, valid: torch.Tensor, tail: torch.Tensor, 
     targeted = valid.any(-1) | (tail > float("-inf"))
     if mask is not None:
         targeted = targeted & mask.to(torch.bool)
-    wrong = targeted & ~((mass - 1.0).abs() <= MASS_TOLERANCE)  # NaN mass is wrong too
+    tolerance = max(mass_tolerance(teacher.dtype) if teacher.is_floating_point() else 0.0, mass_tolerance(tail.dtype))
+    wrong = targeted & ~((mass - 1.0).abs() <= tolerance)  # NaN mass is wrong too
     if bool(wrong.any()):
         where = wrong.nonzero().tolist()
         shown = ", ".join(f"{tuple(index)}: {mass[tuple(index)].item():.6g}" for index in where[:5])
         raise ValueError(
-            f"{len(where)} target(s) whose kept probability plus tail mass is not 1 (within {MASS_TOLERANCE}): "
+            f"{len(where)} target(s) whose kept probability plus tail mass is not 1 (within {tolerance:g}): "
             f"position {shown}{' ...' if len(where) > 5 else ''}. `tail_logmass` must be the log of the teacher's "
             "probability outside `top_ids`, log(1 - sum(exp(top_logprobs))), and -inf where every id is kept "
             "(the distillation table's column: `export --kd`)."

@@ -388,14 +388,16 @@ class Recorder(CallRecorder, LogitsProcessor, StoppingCriteria):
             self._pending_samples = {"sample_ids": tuple(ids), "sample_metadata": None if metadata is None else tuple(metadata)}
 
     # -- called by the hooks ---------------------------------------------------------------------------
-    def _begin_generation(self, *, assistant_model: Any, custom_generate: Any, attention_mask: Any,
-                          inputs: Any = None, past_key_values: Any = None) -> Capture:
-        with self._lock:
-            self._began += 1
-            samples, self._pending_samples = self._pending_samples, None
+    def _check_generation(self, *, custom_generate: Any, attention_mask: Any, inputs: Any = None,
+                          past_key_values: Any = None) -> None:
+        """What `_begin_generation` refuses, checked without starting anything (before a call whose capture
+        begins later, with its loop)."""
+        samples = self._pending_samples
         if samples is not None:
             batch = next((int(t.shape[0]) for t in (attention_mask, inputs) if t is not None and t.dim() >= 1), None)
             if batch is not None and batch != len(samples["sample_ids"]):
+                with self._lock:
+                    self._pending_samples = None  # dropped, as the message says: name them again
                 raise ValueError(
                     f"`set_samples` named {len(samples['sample_ids'])} prompt(s), but this generate() call has a "
                     f"batch of {batch}; nothing was run. Call `set_samples` again with one id per prompt."
@@ -412,6 +414,20 @@ class Recorder(CallRecorder, LogitsProcessor, StoppingCriteria):
                 "`custom_generate` replaces transformers' decoding loop, which the Recorder cannot see "
                 "into; remove the Recorder from `logits_processor` or drop `custom_generate`."
             )
+        if self._active is not None:
+            raise RuntimeError(
+                "this Recorder is already recording a generate() call (in another thread, or one "
+                "that has not returned): one Recorder records one call at a time. Give each "
+                "concurrent call its own Recorder."
+            )
+
+    def _begin_generation(self, *, assistant_model: Any, custom_generate: Any, attention_mask: Any,
+                          inputs: Any = None, past_key_values: Any = None) -> Capture:
+        self._check_generation(custom_generate=custom_generate, attention_mask=attention_mask, inputs=inputs,
+                               past_key_values=past_key_values)
+        with self._lock:
+            self._began += 1
+            samples, self._pending_samples = self._pending_samples, None
         if "attentions" in self._streams:
             _layers.require_eager(self._model)
         is_encoder_decoder = bool(getattr(self._model.config, "is_encoder_decoder", False))

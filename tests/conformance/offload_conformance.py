@@ -322,7 +322,7 @@ def _harness_only(model: Any):
     reference run without them (its guards read whether a call is recorded); a test that counts
     recompilations (`test_generate_compile_model_forward_fullgraph`) must see its own calls only. The
     test's later recorded calls still log any recompilation of theirs."""
-    names = [name for name in logging.Logger.manager.loggerDict if name.startswith("torch._dynamo")]
+    names = [name for name in list(logging.Logger.manager.loggerDict) if name.startswith("torch._dynamo")]
     loggers = [logging.getLogger(name) for name in names]
     before = [logger.disabled for logger in loggers]
     for logger in loggers:
@@ -571,7 +571,11 @@ def pytest_runtest_call(item: pytest.Item):
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if _SESSION.out is None or hasattr(report, "node"):  # xdist's controller: the worker wrote it already
+    if _SESSION.out is None:
+        return
+    if hasattr(report, "node"):  # xdist's controller: the worker wrote it already, unless it crashed
+        if report.when == "???":
+            _write("crashed", [{"test": report.nodeid, "detail": str(report.longrepr)[:500]}])
         return
     if report.when == "call" or report.outcome != "passed":
         row = {"test": report.nodeid, "when": report.when, "outcome": report.outcome}

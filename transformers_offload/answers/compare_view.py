@@ -79,7 +79,8 @@ def render(comparison: Any, **options: Any) -> str:
             (`smollm2`), to show text (else token ids, `#1234`).
 
     Raises:
-        ValueError: a bad `max_rows` or `max_steps`. TypeError: a `tokenizer` without `decode`.
+        ValueError: a bad `max_rows` or `max_steps`, or a `tokenizer` name that is neither a directory nor
+            the demo model's. TypeError: a `tokenizer` that is neither a tokenizer (with `decode`) nor a name.
     """
     data = page_data(comparison, **options)
     payload = json.dumps(data, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")

@@ -22,7 +22,10 @@ Two sources:
 - completions (default): the generated steps, from the `logits` stream (the raw logits, `out.logits`).
   A dense (or sparse) stream gives `torch.topk(torch.log_softmax(x.float(), -1), K)` and the tail as
   `torch.logsumexp` of the other entries; a `topk:K` stream gives its `logprobs` and `indices` and the
-  tail as `log(mass_outside)` (with `top` < K, the dropped entries' mass added back). A teacher's own
+  tail as `log(mass_outside)` (with `top` < K, the dropped entries' mass added back). A lossy
+  `topk:K:qB` stream's K probabilities are first rescaled by one factor per row so that with the exact
+  `mass_outside` they sum to 1 (`_from_topk`; decoded as they are, they were off 1 by up to 1.4% at q8
+  and 64% at q2 on SmolLM2), which `kd_loss` requires. A teacher's own
   completions come from recording its `generate()`; its scores on another model's completions from
   `transformers_offload.rescore(recording, teacher)`, whose result exports the same way.
 - prompt tokens (`prompt=True`): the teacher's scores on a given text, recorded with
@@ -45,7 +48,7 @@ import torch
 
 from ..read.logprobs import token_positions
 from ..read.samples import sample_ids
-from ..store.format import topk_width
+from ..store.format import topk_bits, topk_width
 from .table import _pyarrow, output_path, select_generations, write_batches
 
 DEFAULT_TOP = 20
@@ -133,6 +136,7 @@ def _prompts_without_padding(generation: Any) -> list[list[int]]:
 def _completion_rows(generation: Any, top: int | None, chunk_steps: int) -> Iterator[dict[str, Any]]:
     """The generated tokens' rows, a chunk of steps at a time."""
     width = topk_width(generation.encodings.get("logits", ""))
+    lossy = width is not None and topk_bits(generation.encodings["logits"]) is not None
     if top is not None and width is not None and top > width:
         raise ValueError(f"`top` must be at most the recorded K ({width}: logits recorded as "
                          f"{generation.encodings['logits']!r}), got {top}.")
@@ -151,7 +155,7 @@ def _completion_rows(generation: Any, top: int | None, chunk_steps: int) -> Iter
             dense = generation.logits(steps=steps, rows=needed)
             read = [_from_dense(x, k) for x in dense]
         else:
-            read = [_from_topk(record, k) for record in generation.topk("logits", steps=steps, rows=needed)]
+            read = [_from_topk(record, k, lossy=lossy) for record in generation.topk("logits", steps=steps, rows=needed)]
         part: dict[str, list[Any]] = {name: [] for name in ("sequence", "position", "token", "input_ids")}
         found: dict[str, list[torch.Tensor]] = {"top_ids": [], "top_logprobs": [], "tail_logmass": []}
         for offset, t in enumerate(steps):
@@ -179,13 +183,24 @@ def _from_dense(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, to
     return best.indices, best.values, torch.logsumexp(rest, -1)
 
 
-def _from_topk(record: dict[str, torch.Tensor], k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The same from a `topk:K` record (`Generation.topk`), keeping its first `k` <= K entries."""
-    tail = torch.log(record["mass_outside"].double())
-    dropped = record["logprobs"][:, k:].double()
+def _from_topk(record: dict[str, torch.Tensor], k: int, *, lossy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same from a `topk:K` record (`Generation.topk`), keeping its first `k` <= K entries.
+
+    `lossy` (a `topk:K:qB` record): its K log-probabilities are quantised while its mass outside them is
+    exact, so they and that mass do not sum to 1 (by up to 1.4% at q8 and 64% at q2 on SmolLM2). The K
+    probabilities are first rescaled by one factor per row so that they sum to `1 - mass_outside`
+    (`logprobs + log((1 - mass_outside) / sum(exp(logprobs)))`, in float64): every target then holds the
+    teacher's whole distribution, as `kd_loss` requires, with the exact mass outside kept."""
+    logprobs = record["logprobs"].double()
+    outside = record["mass_outside"].double()
+    if lossy:
+        kept = torch.logsumexp(logprobs, -1, keepdim=True)
+        logprobs = logprobs + torch.log1p(-outside.clamp(max=1.0))[:, None] - kept
+    tail = torch.log(outside)
+    dropped = logprobs[:, k:]
     if dropped.shape[-1]:
         tail = torch.logaddexp(tail, torch.logsumexp(dropped, -1))
-    return record["indices"][:, :k], record["logprobs"][:, :k], tail.float()
+    return record["indices"][:, :k], logprobs[:, :k].to(record["logprobs"].dtype), tail.float()
 
 
 def _prompt_rows(generation: Any, top: int | None) -> Iterator[dict[str, Any]]:

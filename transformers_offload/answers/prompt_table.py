@@ -53,7 +53,8 @@ def prompt_batches(source: Any, *, generations: Sequence[int] | None = None,
     prompt logprobs.
 
     Raises:
-        TypeError: `source` is not a recorder, a recording or a generation; `tokenizer` has no `decode`.
+        TypeError: `source` is not a recorder, a recording or a generation; `tokenizer` is neither a
+            tokenizer (with `decode`) nor a name. ValueError: `tokenizer` names neither a directory nor the demo model.
         ValueError: a bad `generations`, or no selected generation holds prompt logprobs (record them
             with `prompt_logprobs=True`).
         ImportError: pyarrow is not installed.

@@ -135,7 +135,8 @@ def record_batches(source: Any, *, generations: Sequence[int] | None = None, top
         chunk_steps (`int`): steps read at once.
 
     Raises:
-        TypeError: `source` is not a recorder, a recording or a generation; `tokenizer` has no `decode`.
+        TypeError: `source` is not a recorder, a recording or a generation; `tokenizer` is neither a
+            tokenizer (with `decode`) nor a name. ValueError: `tokenizer` names neither a directory nor the demo model.
         ValueError: a bad `generations`, `top` or `chunk_steps`.
         ImportError: pyarrow is not installed.
     """

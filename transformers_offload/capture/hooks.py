@@ -29,7 +29,8 @@ import torch
 
 from .. import _compat, _interrupts
 from .capture import Capture
-from .modes import check_mode, check_own_loop, refuse_continuous_batching
+from .layers import STREAMS as _layer_streams
+from .modes import UnsupportedModeError, check_mode, check_own_loop, refuse_continuous_batching
 from .loops import RecordedCall, active_call as _active_call, active_capture as _active_capture
 from .loops import active_calls as _active_calls, arguments_of as _bind, calls_on as _active, loop_tap_wrappers
 from . import prompt_logprobs as _prompt_logprobs
@@ -115,6 +116,11 @@ class CallRecorder:
     def _ran_without_it(self) -> None:
         """The model's `generate()` ran, outside any recorded call, without this recorder in its
         `logits_processor` (the recorder may say so when it closes having recorded nothing)."""
+
+    def _check_generation(self, *, custom_generate: Any, attention_mask: torch.Tensor | None,
+                          inputs: torch.Tensor | None = None, past_key_values: Any = None) -> None:
+        """What `_begin_generation` would refuse, raised before the call runs, for a call whose capture
+        begins only when its own loop starts (a model with generating children)."""
 
 
 class ModelHooks:
@@ -239,6 +245,8 @@ class ModelHooks:
             )
             call = RecordedCall(recorder, begin, tapped=tapped)
             delegates = _compat.generation_delegates(model)
+            if delegates:
+                _check_lazy_call(model, recorder, arguments, begin)
             with _interrupts.call(), _attached_for_the_call(delegates, recorder):
                 before = len(recorder.generations)
                 try:
@@ -384,16 +392,34 @@ class ModelHooks:
         return recorder
 
 
+def _check_lazy_call(model: torch.nn.Module, recorder: Any, arguments: dict[str, Any], begin: Any) -> None:
+    """Before a call whose capture begins with its own loop (a model with generating children): what the
+    recorder would refuse at the start, refused now, before anything runs; and an encoder-decoder model
+    asked for attentions or hidden states, whose encoder runs before the recorder knows whether the call
+    runs its own loop or hands it to a child (its encoder's layers could not be asked for)."""
+    recorder._check_generation(**{name: begin.keywords[name] for name in ("custom_generate", "attention_mask",
+                                                                          "inputs", "past_key_values")})
+    layer_streams = [name for name in recorder._streams if name in _layer_streams]
+    if layer_streams and _compat.encoder_of(model) is not None:
+        raise UnsupportedModeError(
+            f"{type(model).__name__} is an encoder-decoder model whose generate() may hand the call to a child "
+            f"model's: its encoder runs before the Recorder knows which loop it records, so {layer_streams} "
+            "cannot be recorded for it. Use a Recorder without them in `streams` for this model."
+        )
+
+
 @contextlib.contextmanager
 def _attached_for_the_call(children: list[torch.nn.Module], recorder: Any):
     """`recorder` attached to `children` while the call runs: a child's generate() that is handed the
-    recorder records as the call's generation (BLIP-2), one inside the recorded loop is seen (CSM)."""
-    for child in children:
-        attach(child, recorder)
+    recorder records as the call's generation (BLIP-2), one inside the recorded loop is seen (Moshi)."""
+    attached = []
     try:
+        for child in children:
+            attach(child, recorder)
+            attached.append(child)
         yield
     finally:
-        for child in children:
+        for child in attached:
             detach(child, recorder)
 
 

@@ -87,10 +87,11 @@ class Generation(LayerReading, EncodedReading):
             prompt for call row `r` is `batch_rows.index(r)`). Readers may find other keys: a `generate()`
             that runs the loop twice without saying which result it keeps has each earlier loop marked
             incomplete (`RecordingMismatch`) instead.
-        nested_calls (`int`): the `generate()` calls made inside this generation's decoding loop and not
-            recorded: a model that generates per step with an inner decoder (CSM's depth decoder, Moshi's)
-            runs it once per step; its steps are not in this recording (only the outer loop is). 0 for a
-            stock `generate()`.
+        nested_calls (`int`): the `generate()` calls of the recorded model's children (or of another model
+            with a recorder attached) made while this generation's loop ran, or after it before its call
+            returned, none of them recorded: a model that generates per step with an inner decoder (Moshi's
+            depth decoder) runs it once per step; its steps are not in this recording (only the outer loop
+            is). 0 for a stock `generate()`.
     """
 
     index: int

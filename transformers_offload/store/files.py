@@ -4,6 +4,7 @@ The names are `format`'s, the manifest's checks `manifest`'s."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -24,7 +25,8 @@ def created_mode(*, directory: bool = False) -> int:
     the file is given this mode before it is renamed into place, so a colleague can read a recording.
 
     The umask is read from `/proc/self/status` where Linux gives it (4.7 and newer), else by setting and
-    restoring it (which another thread creating a file at that instant would see)."""
+    restoring it (which another thread creating a file at that instant would see). A file system that
+    refuses the mode change keeps the mode it gives."""
     return (0o777 if directory else 0o666) & ~_umask()
 
 
@@ -44,13 +46,14 @@ def _umask() -> int:
 def open_temporary(directory: Path, prefix: str, suffix: str) -> tuple[int, Path]:
     """`tempfile.mkstemp` in `directory`, given the mode of a file the user creates (`created_mode`)."""
     fd, name = tempfile.mkstemp(dir=directory, prefix=prefix, suffix=suffix)
-    try:
-        os.fchmod(fd, created_mode())
-    except BaseException:
-        os.close(fd)
-        Path(name).unlink(missing_ok=True)
-        raise
+    _give_created_mode(fd)
     return fd, Path(name)
+
+
+def _give_created_mode(fd: int) -> None:
+    """Best effort: a file system that refuses a mode change (FAT, some network mounts) keeps its own."""
+    with contextlib.suppress(OSError, AttributeError, NotImplementedError):  # no os.fchmod on Windows before 3.13
+        os.fchmod(fd, created_mode())
 
 
 def write_atomically(path: Path, write: Callable[[Path], None], *, checksum: bool = False,
@@ -81,7 +84,7 @@ def write_atomically(path: Path, write: Callable[[Path], None], *, checksum: boo
     try:
         write(temporary)
         with open(temporary, "rb+") as file:
-            os.fchmod(file.fileno(), created_mode())  # `write` may have made the file anew (safetensors does)
+            _give_created_mode(file.fileno())  # `write` may have made the file anew (safetensors does)
             record = {"bytes": os.fstat(file.fileno()).st_size}
             if checksum:
                 record["checksum"] = _while_fsync(
