@@ -21,7 +21,7 @@ def cached_demo(tmp_path, monkeypatch):
     folder = demo_model.model_dir()
     vocab = {f"t{i}": i for i in range(32)}
     backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="t0").save_pretrained(folder)
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="t0", clean_up_tokenization_spaces=False).save_pretrained(folder)
     (folder / "model.safetensors").write_bytes(b"")  # `is_cached` looks for it
     assert demo_model.is_cached()
     return folder
