@@ -16,8 +16,6 @@ from typing import Any
 
 import numpy as np
 
-from ..demo_model import load_tokenizer
-
 _TEMPLATE = Path(__file__).with_name("compare_view.html")
 
 
@@ -26,6 +24,8 @@ def page_data(comparison: Any, *, max_rows: int = 16, max_steps: int = 512, toke
     for name, value in (("max_rows", max_rows), ("max_steps", max_steps)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"`{name}` must be an int of at least 1, got {value!r}.")
+    from ..demo_model import load_tokenizer  # here: `python -m transformers_offload.demo_model` imports the package first
+
     tokenizer = load_tokenizer(tokenizer)  # a tokenizer, a directory or the demo model's name
 
     def text(token: int) -> str:

@@ -28,7 +28,6 @@ from typing import Any, Iterator, Sequence
 
 from ..read.samples import sample_ids
 from .table import _pyarrow, output_path, select_generations, write_batches
-from ..demo_model import load_tokenizer
 
 
 def prompt_schema(*, top: bool, text: bool, sample_type: Any, metadata: bool) -> Any:
@@ -61,6 +60,8 @@ def prompt_batches(source: Any, *, generations: Sequence[int] | None = None,
     """
     pa = _pyarrow()
     every, picked = select_generations(source, generations)
+    from ..demo_model import load_tokenizer  # here: `python -m transformers_offload.demo_model` imports the package first
+
     tokenizer = load_tokenizer(tokenizer)  # a tokenizer, a directory or the demo model's name
     scored = [g for g in picked if "prompt_logprobs" in g._once_streams()]
     if not scored:

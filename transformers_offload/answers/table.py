@@ -39,7 +39,6 @@ from typing import Any, Iterator, Sequence
 from ..read.logprobs import KINDS, token_chunks
 from ..store.files import write_atomically
 from ..read.samples import sample_ids
-from ..demo_model import load_tokenizer
 
 KINDS_ORDER = tuple(KINDS)
 
@@ -142,6 +141,8 @@ def record_batches(source: Any, *, generations: Sequence[int] | None = None, top
     """
     pa = _pyarrow()
     every, picked = select_generations(source, generations)
+    from ..demo_model import load_tokenizer  # here: `python -m transformers_offload.demo_model` imports the package first
+
     tokenizer = load_tokenizer(tokenizer)  # a tokenizer, a directory or the demo model's name
     ids = dict(zip(map(id, every), sample_ids(every)))  # a lone Generation numbers its own prompts
     as_text = any(isinstance(i, str) for per_call in ids.values() for i in per_call)

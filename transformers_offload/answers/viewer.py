@@ -25,7 +25,6 @@ from ..read import display
 from ..read.logprobs import token_chunks
 from ..read.samples import sample_ids
 from ..store.files import write_atomically
-from ..demo_model import load_tokenizer
 
 _TEMPLATE = Path(__file__).with_name("viewer.html")
 MAX_TOP = 20
@@ -45,6 +44,8 @@ def page_data(source: Any, *, generations: Sequence[int] | None = None, sequence
             raise ValueError(f"`{name}` must be an int of at least {minimum}, got {value!r}.")
     if top > MAX_TOP:
         raise ValueError(f"the viewer shows at most {MAX_TOP} alternatives per token (a page of bounded size), got `top` {top}.")
+    from ..demo_model import load_tokenizer  # here: `python -m transformers_offload.demo_model` imports the package first
+
     tokenizer = load_tokenizer(tokenizer)  # a tokenizer, a directory or the demo model's name
     ids = dict(zip(map(id, every), sample_ids(every)))  # a lone Generation numbers its own prompts
 
