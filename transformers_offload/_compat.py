@@ -54,6 +54,28 @@ def generation_delegates(model: Any) -> list[Any]:
             if isinstance(child, GenerationMixin) and callable(getattr(child, "can_generate", None)) and child.can_generate()]
 
 
+# The GenerationMixin methods that run each mode's decoding loop, under their names across releases
+# (4.36-4.38 `greedy_search`/`sample`, 4.39-4.4x `_greedy_search`/`_sample`, 4.45+ `_sample` for both...).
+_LOOP_METHODS = {
+    "greedy_search": ("_sample", "_greedy_search", "greedy_search"),
+    "sample": ("_sample", "sample"),
+    "beam_search": ("_beam_search", "beam_search"),
+    "beam_sample": ("_beam_search", "_beam_sample", "beam_sample"),
+    "assisted_generation": ("_assisted_decoding", "assisted_decoding"),
+}
+
+
+def own_decoding_loop(model: Any, mode: str) -> str | None:
+    """The name of the method by which `model`'s class replaces the GenerationMixin loop that runs `mode`
+    (CSM's `_sample`), or None where it runs transformers' own."""
+    for name in _LOOP_METHODS.get(mode, ()):
+        ours = getattr(GenerationMixin, name, None)
+        theirs = getattr(type(model), name, None)
+        if ours is not None and theirs is not None and theirs is not ours:
+            return name
+    return None
+
+
 LIST_BUILDERS = ("_get_logits_processor", "_get_stopping_criteria") + (
     ("_get_logits_warper",) if HAS_SEPARATE_WARPER_LIST else ()
 )

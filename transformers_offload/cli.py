@@ -21,8 +21,6 @@ from .read.reader import open_recording
 from .store.format import RecordingError, verify_command
 
 
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run one command (`argv`: its arguments, default `sys.argv[1:]`); returns the exit status: 0 done,
     1 a damaged or missing input, 2 a usage error (argparse's own exit for bad arguments)."""

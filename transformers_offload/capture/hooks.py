@@ -209,23 +209,17 @@ class ModelHooks:
             extra = bound.get(var_keyword, {}) if var_keyword else {}
             arguments = {**extra, **bound}
             recorder = self._recorder_of_call(arguments)
-            if recorder is None and _active_call(model) is None:
-                outer = _recording_call_in_this_thread()
-                if outer is not None:  # a generate() inside a recorded loop (an inner decoder's, per step)
-                    outer.capture.nested_calls += 1
-                elif not any(call is not None for call in _active_calls()):  # not inside any recorded call
-                    for attached in list(self.recorders):
-                        attached._ran_without_it()
-            if recorder is None:
-                # Not recorded, even when made inside a recorded call (e.g. from a processor).
-                with _active(model, None):
-                    return original(*args, **kwargs)
-            outer = _recording_call_of(recorder) if _active_call(model) is None else None
+            # A call inside another model's recorded loop (an inner decoder's, per step; with or without the
+            # recorder, handed down with the outer call's processors) is not recorded: it is counted on the
+            # outer loop's generation, and the recorder passes its scores through.
+            outer = _recording_loop(recorder) if _active_call(model) is None else None
             if outer is not None:
-                # The recorder reached a generate() inside the loop it records (a model that generates per
-                # step with an inner decoder, handed the outer call's processors): not recorded, counted
-                # on the outer loop's generation; the recorder passes the inner call's scores through.
                 outer.capture.nested_calls += 1
+            elif recorder is None and not _active_calls():
+                for attached in list(self.recorders):
+                    attached._ran_without_it()
+            if recorder is None or outer is not None:
+                # Not recorded, even when made inside a recorded call (e.g. from a processor).
                 with _active(model, None):
                     return original(*args, **kwargs)
             config = _compat.provisional_generation_config(model, arguments.get("generation_config"), extra)
@@ -233,9 +227,7 @@ class ModelHooks:
             # Ctrl-C is held while the recorder's own code runs, and the end of the call writes what
             # was recorded before raising it (`_interrupts`).
             tapped = bool(self._loop_taps)
-            begin = functools.partial(
-                recorder._begin_generation,
-                assistant_model=arguments.get("assistant_model"),
+            checked = dict(
                 custom_generate=arguments.get("custom_generate"),
                 # A model that runs the loop per segment masks its audio frames, not the loop's prompts.
                 attention_mask=None if tapped else _tensor_or_none(arguments.get("attention_mask")),
@@ -243,10 +235,12 @@ class ModelHooks:
                                      arguments.get("input_features"), arguments.get("pixel_values")),
                 past_key_values=arguments.get("past_key_values"),
             )
+            begin = functools.partial(recorder._begin_generation, assistant_model=arguments.get("assistant_model"),
+                                      **checked)
             call = RecordedCall(recorder, begin, tapped=tapped)
             delegates = _compat.generation_delegates(model)
             if delegates:
-                _check_lazy_call(model, recorder, arguments, begin)
+                _check_lazy_call(model, recorder, checked)
             with _interrupts.call(), _attached_for_the_call(delegates, recorder):
                 before = len(recorder.generations)
                 try:
@@ -392,13 +386,12 @@ class ModelHooks:
         return recorder
 
 
-def _check_lazy_call(model: torch.nn.Module, recorder: Any, arguments: dict[str, Any], begin: Any) -> None:
+def _check_lazy_call(model: torch.nn.Module, recorder: Any, checked: dict[str, Any]) -> None:
     """Before a call whose capture begins with its own loop (a model with generating children): what the
     recorder would refuse at the start, refused now, before anything runs; and an encoder-decoder model
     asked for attentions or hidden states, whose encoder runs before the recorder knows whether the call
     runs its own loop or hands it to a child (its encoder's layers could not be asked for)."""
-    recorder._check_generation(**{name: begin.keywords[name] for name in ("custom_generate", "attention_mask",
-                                                                          "inputs", "past_key_values")})
+    recorder._check_generation(**checked)
     layer_streams = [name for name in recorder._streams if name in _layer_streams]
     if layer_streams and _compat.encoder_of(model) is not None:
         raise UnsupportedModeError(
@@ -423,18 +416,11 @@ def _attached_for_the_call(children: list[torch.nn.Module], recorder: Any):
             detach(child, recorder)
 
 
-def _recording_call_in_this_thread() -> RecordedCall | None:
-    """The recorded call of this thread whose decoding loop runs now (its capture started), if any."""
+def _recording_loop(recorder: Any) -> RecordedCall | None:
+    """This thread's recorded call whose decoding loop runs now (its capture started): any, for a call
+    without a recorder (`recorder` None); else the one `recorder` records."""
     for call in _active_calls():
-        if call is not None and call.capture is not None and call.capture.started:
-            return call
-    return None
-
-
-def _recording_call_of(recorder: Any) -> RecordedCall | None:
-    """This thread's call recorded by `recorder` whose loop runs now, if any."""
-    for call in _active_calls():
-        if call is not None and call.recorder is recorder and call.capture is not None and call.capture.started:
+        if call.capture is not None and call.capture.started and recorder in (None, call.recorder):
             return call
     return None
 

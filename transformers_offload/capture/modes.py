@@ -79,30 +79,17 @@ def check_mode(generation_config: Any, assistant_model: Any, streams: tuple[str,
     return mode
 
 
-# The GenerationMixin methods that run each mode's decoding loop, under their names across releases.
-_LOOP_METHODS = {
-    "greedy_search": ("_sample", "_greedy_search", "greedy_search"),
-    "sample": ("_sample", "sample"),
-    "beam_search": ("_beam_search", "beam_search"),
-    "beam_sample": ("_beam_search", "_beam_sample", "beam_sample"),
-    "assisted_generation": ("_assisted_decoding", "assisted_decoding"),
-}
-
 
 def check_own_loop(model: Any, mode: str) -> None:
     """`UnsupportedModeError` where `model`'s class replaces the decoding loop `mode` runs (CSM's `_sample`,
     whose steps replace `input_ids` with codebook frames instead of appending a token): the recorder
     follows transformers' own loop, one token per row and step, and cannot say what such a loop chose."""
-    from transformers import GenerationMixin
-
-    for name in _LOOP_METHODS.get(mode, ()):
-        ours = getattr(GenerationMixin, name, None)
-        theirs = getattr(type(model), name, None)
-        if ours is not None and theirs is not None and theirs is not ours:
-            raise UnsupportedModeError(
-                f"{type(model).__name__} runs {mode!r} in a decoding loop of its own ({name} overrides "
-                f"transformers'), which the Recorder cannot follow step by step: it records transformers' loop, "
-                "which appends one token per row and step. Remove the Recorder from `logits_processor` for this "
-                "model, or record a model of its that generates with transformers' loop (its inner decoder's "
-                "own `generate()`)."
-            )
+    name = _compat.own_decoding_loop(model, mode)
+    if name is not None:
+        raise UnsupportedModeError(
+            f"{type(model).__name__} runs {mode!r} in a decoding loop of its own ({name} overrides "
+            f"transformers'), which the Recorder cannot follow step by step: it records transformers' loop, "
+            "which appends one token per row and step. Remove the Recorder from `logits_processor` for this "
+            "model, or record a model of its that generates with transformers' loop (its inner decoder's "
+            "own `generate()`)."
+        )

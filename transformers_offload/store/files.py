@@ -19,15 +19,15 @@ import numpy
 from .format import MANIFEST, RecordingError
 
 
-def created_mode(*, directory: bool = False) -> int:
-    """The mode a file (0666) or directory (0777) the user creates gets: less the process's umask
-    (0644 / 0755 under umask 022). `tempfile.mkstemp`, which the atomic writes start from, creates 0600;
+def created_mode() -> int:
+    """The mode a file the user creates gets: 0666 less the process's umask (0644 under umask 022;
+    directories are made with `mkdir`, which applies the umask itself). `tempfile.mkstemp`, which the atomic writes start from, creates 0600;
     the file is given this mode before it is renamed into place, so a colleague can read a recording.
 
     The umask is read from `/proc/self/status` where Linux gives it (4.7 and newer), else by setting and
     restoring it (which another thread creating a file at that instant would see). A file system that
     refuses the mode change keeps the mode it gives."""
-    return (0o777 if directory else 0o666) & ~_umask()
+    return 0o666 & ~_umask()
 
 
 def _umask() -> int:
