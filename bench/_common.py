@@ -7,6 +7,13 @@ case once in the same order (`interleaved`), so that a slow minute of the machin
 alike; a case's figure is its median over the rounds with the spread (min..max), and its ratio to stock
 is median over stock's median (`summarize`). A peak is measured in a fresh process per run, as users
 run it (`fresh_runs`, no allocator environment variables), and reported the same way.
+
+Every clock a script reads is one of these: `stopwatch` / `Stopwatch` (wall seconds by the host clock,
+and the process's and the thread's CPU seconds), `timed` (one call), `process_seconds` (a command in a
+fresh process: to its first line of output and to its exit); every median or percentile `median`,
+`percentile`, `spread`, `summarize`. In a measured process, the peak resident set since a point is
+`reset_high_water` then `high_water_mib`, and the peaks of its anonymous memory and resident set are
+sampled by `ResidentPeaks`.
 """
 
 from __future__ import annotations
@@ -18,10 +25,11 @@ import resource
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import transformers
@@ -60,32 +68,57 @@ def default_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-def spread(values: Sequence[float]) -> dict[str, float]:
-    """Median, min and max of `values` (one per run)."""
+def median(values: Iterable[float]) -> float:
+    """The median of `values` (the mean of the two middle ones for an even count), unrounded."""
+    return statistics.median(values)
+
+
+def percentile(values: Sequence[float], q: int) -> float:
+    """The `q`th percentile of `values` (1 to 99: `statistics.quantiles(values, n=100)`, its default
+    method; 50 is the median) or, for 100, the largest."""
+    return max(values) if q >= 100 else statistics.quantiles(values, n=100)[q - 1]
+
+
+def spread(values: Sequence[float], digits: int = 1) -> dict[str, float]:
+    """Median, min and max of `values` (one per run), rounded to `digits` decimals."""
     ordered = sorted(values)
-    middle = len(ordered) // 2
-    median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-    return {"median": round(median, 1), "min": round(ordered[0], 1), "max": round(ordered[-1], 1)}
+    return {"median": round(median(ordered), digits), "min": round(ordered[0], digits),
+            "max": round(ordered[-1], digits)}
 
 
 class Stopwatch:
-    """Wall seconds of a `with stopwatch() as clock:` block, in `clock.seconds` once it ends; `started`
-    is the host clock (`time.perf_counter()`) when it began."""
+    """A clock started when made: `elapsed()` is the wall seconds so far; `stop()` notes the wall seconds
+    in `seconds`, and the CPU seconds of the process (every thread, `time.process_time()`) and of this
+    thread (`time.thread_time()`) in `cpu_seconds` and `thread_seconds`. `started` is the host clock
+    (`time.perf_counter()`) when it began. The CPU clocks are read outside the wall clock's interval."""
 
-    started: float = 0.0
-    seconds: float = 0.0
+    def __init__(self) -> None:
+        self.seconds = self.cpu_seconds = self.thread_seconds = 0.0
+        self._cpu, self._thread = time.process_time(), time.thread_time()
+        self.started = time.perf_counter()
+
+    def elapsed(self) -> float:
+        """Wall seconds since the clock started."""
+        return time.perf_counter() - self.started
+
+    def stop(self) -> float:
+        """Note the wall, process CPU and thread CPU seconds since the clock started; returns the wall seconds."""
+        self.seconds = time.perf_counter() - self.started
+        self.cpu_seconds = time.process_time() - self._cpu
+        self.thread_seconds = time.thread_time() - self._thread
+        return self.seconds
 
 
 @contextmanager
 def stopwatch() -> Iterator[Stopwatch]:
     """Time a block by the host clock (`time.perf_counter()`): `with stopwatch() as clock: ...`, then
-    `clock.seconds`. On a device, synchronise inside the block before it ends."""
+    `clock.seconds` (and `clock.cpu_seconds`, `clock.thread_seconds`; `clock.elapsed()` inside the
+    block). On a device, synchronise inside the block before it ends."""
     clock = Stopwatch()
-    clock.started = time.perf_counter()
     try:
         yield clock
     finally:
-        clock.seconds = time.perf_counter() - clock.started
+        clock.stop()
 
 
 def timed(call: Callable[[], Any]) -> float:
@@ -123,9 +156,9 @@ def summarize(values: Mapping[str, Sequence[float]], base: str | None = None) ->
     summary: dict[str, dict[str, Any]] = {}
     for name, found in values.items():
         entry: dict[str, Any] = {"values": list(found), **spread(found)}
-        entry["median_exact"] = statistics.median(found)
+        entry["median_exact"] = median(found)
         if base is not None:
-            entry["over_base"] = entry["median_exact"] / statistics.median(values[base])
+            entry["over_base"] = entry["median_exact"] / median(values[base])
             entry["excess"] = spread([a - b for a, b in zip(found, values[base])])
         summary[name] = entry
     return summary
@@ -164,6 +197,30 @@ def fresh_runs(script: str | Path, cases: Mapping[str, Sequence[str]], runs: int
     return found
 
 
+def process_seconds(command: Sequence[str], *, first_line: bool = True, cwd: str | Path | None = None,
+                    timeout: float = 600, **env: str) -> dict[str, float]:
+    """Wall seconds from starting `command` in a fresh process (`default_env`, plus `env`, and
+    `HF_HUB_OFFLINE=1`; its output captured) to its exit (`exit`) and, with `first_line`, to its first
+    line on stdout (`first_line`).
+
+    Raises:
+        SystemExit: it failed, or printed no line where `first_line` waits for one (its stderr's end in
+            the message).
+    """
+    environment = default_env(HF_HUB_OFFLINE="1", **env)
+    found: dict[str, float] = {}
+    with stopwatch() as clock:
+        process = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   cwd=cwd, env=environment)
+        line = process.stdout.readline() if first_line else None
+        if first_line:
+            found["first_line"] = clock.elapsed()
+        _, errors = process.communicate(timeout=timeout)
+    if process.returncode != 0 or (first_line and not line):
+        raise SystemExit(f"{list(command)} failed ({process.returncode}):\n{errors[-3000:]}")
+    return {**found, "exit": clock.seconds}
+
+
 def print_peaks(found: Mapping[str, Sequence[Mapping[str, Any]]], *, key: str = "growth_mib",
                 base: str | None = None, label: str = "growth", unit: str = "MiB") -> dict[str, dict[str, Any]]:
     """Print, and return, each case's `key` over its runs (`fresh_runs`' results) as median, min and max,
@@ -193,6 +250,65 @@ def rss_bytes() -> int:
 def peak_rss_bytes() -> int:
     """This process's peak resident set so far, in bytes (`ru_maxrss` is KiB on Linux, bytes on macOS)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def reset_high_water() -> None:
+    """Start this process's peak resident set (`high_water_mib`) over from its current resident set
+    (Linux: `echo 5 > /proc/self/clear_refs`; elsewhere nothing), so that what came before, such as
+    loading a model, whose transient peak depends on timing, does not hide what follows."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        pass
+
+
+def high_water_mib() -> float:
+    """This process's peak resident set since `reset_high_water()` (Linux `VmHWM`), or since it started
+    (`peak_rss_bytes` elsewhere), in MiB."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return peak_rss_bytes() / 2**20
+
+
+def resident_bytes() -> tuple[int, int]:
+    """This process's anonymous resident memory (`RssAnon`: what it allocated, without the file pages it
+    maps, which the kernel can drop) and its whole resident set (`VmRSS`) now, in bytes (Linux
+    `/proc/self/status`; 0 where a line is missing)."""
+    with open("/proc/self/status") as status:
+        found = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in status
+                 if line.startswith(("RssAnon:", "VmRSS:"))}
+    return found.get("RssAnon", 0), found.get("VmRSS", 0)
+
+
+class ResidentPeaks:
+    """The peaks of this process's anonymous resident memory and of its whole resident set
+    (`resident_bytes`), sampled every `interval` seconds by a thread from when it is made until `stop()`.
+    Sampled rather than taken from `ru_maxrss`, which a child started by fork and exec inherits from its
+    parent (the parent's resident set at the fork), and which counts mapped file pages."""
+
+    def __init__(self, interval: float = 0.02) -> None:
+        self.interval = interval
+        self.peaks = resident_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peaks = tuple(map(max, self.peaks, resident_bytes()))
+
+    def stop(self) -> tuple[int, int]:
+        """The peaks (anonymous, resident), in bytes, a last reading included."""
+        self._stop.set()
+        self._thread.join()
+        self.peaks = tuple(map(max, self.peaks, resident_bytes()))
+        return self.peaks
 
 
 class MemoryProbe(StoppingCriteria):

@@ -17,18 +17,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 import torch  # noqa: E402
+from _common import RESULTS, interleaved, machine, print_table, process_seconds, spread, write_json  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
-from _common import RESULTS, default_env, machine, print_table, spread, write_json  # noqa: E402
 from transformers_offload import Recorder, open_recording  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,20 +46,6 @@ def make_recording(directory: Path, *, vocab: int, rows: int, steps: int) -> int
         return sum(generation["file_bytes"] for generation in recording.describe()["generations"])
 
 
-def first_line_seconds(command: list[str]) -> tuple[float, float]:
-    """Wall seconds from starting `command` to its first line on stdout, and to its exit."""
-    started = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                               env=default_env(HF_HUB_OFFLINE="1"))
-    line = process.stdout.readline()
-    first = time.perf_counter() - started
-    rest, errors = process.communicate(timeout=600)
-    total = time.perf_counter() - started
-    if process.returncode != 0 or not line:
-        raise SystemExit(f"{command} failed ({process.returncode}):\n{errors[-3000:]}")
-    return first, total
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", help="where to write the recording (default: a temporary directory, removed)")
@@ -77,18 +61,14 @@ def main() -> None:
         print(f"recording: {size / 2**30:.2f} GiB in {directory}", flush=True)
         inspect = [sys.executable, "-m", "transformers_offload", "inspect", str(directory)]
         torch_only = [sys.executable, "-c", "import torch"]
-        found: dict[str, list[float]] = {"inspect first line": [], "inspect exit": [], "import torch exit": []}
-        for run in range(arguments.runs):  # interleaved: a slow moment of the machine falls on both
-            first, total = first_line_seconds(inspect)
-            found["inspect first line"].append(first)
-            found["inspect exit"].append(total)
-            started = time.perf_counter()
-            subprocess.run(torch_only, check=True, cwd=ROOT, env=default_env(HF_HUB_OFFLINE="1"))
-            found["import torch exit"].append(time.perf_counter() - started)
-            print(f"run {run + 1}/{arguments.runs}: " + ", ".join(f"{k} {v[-1]:.3f} s" for k, v in found.items()),
-                  flush=True)
-    summary = {name: {key: round(value / 1000, 3) for key, value in spread([s * 1000 for s in values]).items()}
-               for name, values in found.items()}
+        # Interleaved, no warm-up: a slow moment of the machine falls on both.
+        runs = interleaved({"inspect": lambda _: process_seconds(inspect, cwd=ROOT),
+                            "import torch": lambda _: process_seconds(torch_only, first_line=False, cwd=ROOT)},
+                           arguments.runs, show=True)
+    found = {"inspect first line": [run["first_line"] for run in runs["inspect"]],
+             "inspect exit": [run["exit"] for run in runs["inspect"]],
+             "import torch exit": [run["exit"] for run in runs["import torch"]]}
+    summary = {name: spread(values, digits=3) for name, values in found.items()}
     print_table(["what", "median s", "min s", "max s"],
                 [[name, s["median"], s["min"], s["max"]] for name, s in summary.items()])
     write_json(arguments.out / "cli_start.json", {

@@ -5,7 +5,8 @@ recording the full tensors.
         [--out bench/results]
 
 SmolLM2-135M-Instruct (CPU, float32; vocabulary 49,152), `--batch` chat prompts, `--sampling`
-`top_p` (temperature 0.7, top_p 0.9), `top_k` (top_k 50) or `greedy`, `--new-tokens` steps (`min_new_tokens` too, so every case runs the same
+`top_p` (temperature 0.7, top_p 0.9), `top_k` (top_k 50) or `greedy`, `--new-tokens` steps (`min_new_tokens` too, so every
+case runs the same
 number of steps). Cases, interleaved, `--repeats` times, each the median wall time of one generate()
 call, in memory:
 
@@ -34,9 +35,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from _common import (  # noqa: E402
+    CHAT_PROMPTS,
+    RESULTS,
+    TIMING_HEADERS,
+    interleaved,
+    machine,
+    print_table,
+    summarize,
+    timed,
+    timing_columns,
+    write_json,
+)
 
-from _common import (CHAT_PROMPTS, RESULTS, TIMING_HEADERS, interleaved, machine, print_table,  # noqa: E402
-                     summarize, timed, timing_columns, write_json)
 from transformers_offload import Recorder  # noqa: E402
 from transformers_offload.demo_model import load  # noqa: E402
 

@@ -23,13 +23,23 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from _common import RESULTS, MemoryProbe, fresh_runs, machine, plot_traces, print_table, rss_bytes, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    RESULTS,
+    MemoryProbe,
+    Stopwatch,
+    fresh_runs,
+    machine,
+    plot_traces,
+    print_table,
+    rss_bytes,
+    stopwatch,
+    write_json,
+)
 
 CASES = ("baseline", "recorder (memory)", "output_scores + output_logits", "recorder (spill)")
 PROMPTS = [
@@ -51,11 +61,9 @@ def worker(case: str, batch_size: int, new_tokens: int, shard_mib: float) -> dic
     common = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=tokenizer.pad_token_id)
     model.generate(**batch, max_new_tokens=4, pad_token_id=tokenizer.pad_token_id)  # warm-up
     loaded = rss_bytes()
-    clock: list[float] = []
-    probe = MemoryProbe(lambda: (clock.append(time.perf_counter()), rss_bytes())[1])
+    probe = MemoryProbe(rss_bytes)  # notes the clock (`probe.times`) and the resident set after each step
     extra: dict = {}
-    with tempfile.TemporaryDirectory(prefix="offload-bench-") as scratch:
-        started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="offload-bench-") as scratch, stopwatch() as clock:
         if case == "baseline":
             model.generate(**batch, **common, stopping_criteria=[probe])
         elif case == "output_scores + output_logits":
@@ -67,12 +75,11 @@ def worker(case: str, batch_size: int, new_tokens: int, shard_mib: float) -> dic
             options = {"spill_dir": spill_dir, "shard_bytes": int(shard_mib * 2**20)} if spill_dir else {}
             with Recorder(model, **options) as rec:
                 model.generate(**batch, **common, stopping_criteria=[probe], logits_processor=[rec])
-            stats = rec.generation().stats
+            stats = rec.generation().transfer
             extra = {"waits": stats.waits, "bytes_written": stats.bytes_written,
                      "write_seconds": round(stats.write_seconds, 3)}
-        total = time.perf_counter() - started
     return {"case": case, "batch": batch_size, "loaded_bytes": loaded, "rss_bytes": probe.trace,
-            "seconds_to_step": [t - started for t in clock], "total_seconds": total, **extra}
+            "seconds_to_step": [t - clock.started for t in probe.times], "total_seconds": clock.seconds, **extra}
 
 
 def main() -> None:
@@ -90,7 +97,7 @@ def main() -> None:
         return
 
     checkpoints = [n for n in args.checkpoints if n <= args.new_tokens]
-    started = time.perf_counter()
+    clock = Stopwatch()
     runs = []
     for batch_size in args.batches:
         # One run of each case, each in a fresh process with default allocator settings, one after the other.
@@ -127,7 +134,7 @@ def main() -> None:
         run["rss_mib"] = [round((v - run["loaded_bytes"]) / 2**20, 1) for v in run.pop("rss_bytes")]
         run["seconds_to_step"] = [round(v, 4) for v in run["seconds_to_step"]]
     record = {"machine": machine(), "new_tokens": args.new_tokens, "checkpoints": checkpoints,
-              "shard_mib": args.shard_mib, "wall_seconds": time.perf_counter() - started, "rows": rows,
+              "shard_mib": args.shard_mib, "wall_seconds": clock.elapsed(), "rows": rows,
               "runs": runs}
     write_json(args.out / "cpu.json", record)
     plot_traces(

@@ -37,9 +37,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from _common import CHAT_PROMPTS as PROMPTS  # noqa: E402
+from _common import (
+    RESULTS,
+    TIMING_HEADERS,
+    interleaved,
+    machine,
+    print_table,
+    stopwatch,
+    summarize,
+    timed,
+    timing_columns,
+    write_json,
+)
+from _common import SAMPLING_SETTINGS as SETTINGS
 
-from _common import (CHAT_PROMPTS as PROMPTS, RESULTS, SAMPLING_SETTINGS as SETTINGS, TIMING_HEADERS, interleaved, machine, print_table, stopwatch,  # noqa: E402
-                     summarize, timed, timing_columns, write_json)
 from transformers_offload import Recorder  # noqa: E402
 from transformers_offload.demo_model import load  # noqa: E402
 

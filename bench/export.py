@@ -13,8 +13,10 @@ allocator settings (`_common.fresh_runs`; peak RSS from `ru_maxrss`):
 - `write_parquet(run, path, top=5)`: the same with 5 alternatives per kind.
 
 Reports tokens (table rows) per second, recording bytes read per second, and each export's peak RSS
-over the baseline of the same round (median, min..max), and of it the anonymous memory (`RssAnon`, sampled every 5 ms; the rest is the
-recording's shard pages the reader maps, file-backed and reclaimable), next to the bytes of one chunk of steps (`--chunk-steps` x 8 rows x 2 streams x
+over the baseline of the same round (median, min..max), and of it the anonymous memory (`RssAnon`, sampled every 5 ms; the
+rest is the
+recording's shard pages the reader maps, file-backed and reclaimable), next to the bytes of one chunk of steps
+(`--chunk-steps` x 8 rows x 2 streams x
 vocabulary x 4); writes `export.json` under `--out`.
 """
 
@@ -26,15 +28,25 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (RESULTS, TIMING_HEADERS, fresh_runs, machine, peak_rss_bytes, print_table,  # noqa: E402
-                     summarize, timing_columns, write_json)
+from _common import (  # noqa: E402
+    RESULTS,
+    TIMING_HEADERS,
+    ResidentPeaks,
+    fresh_runs,
+    machine,
+    peak_rss_bytes,
+    print_table,
+    stopwatch,
+    summarize,
+    timing_columns,
+    write_json,
+)
 
 PROMPTS = [
     "Write a haiku about the sea.", "What is the capital of France?", "Explain photosynthesis briefly.",
@@ -55,8 +67,7 @@ def record(root: Path, new_tokens: int) -> float:
     from transformers_offload.demo_model import load
 
     model, tokenizer = load()
-    start = time.perf_counter()
-    with Recorder(model, spill_dir=root) as rec:
+    with stopwatch() as clock, Recorder(model, spill_dir=root) as rec:
         for first in range(0, len(PROMPTS), 8):
             batch = PROMPTS[first:first + 8]
             texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
@@ -66,45 +77,23 @@ def record(root: Path, new_tokens: int) -> float:
             torch.manual_seed(first)
             model.generate(**enc, logits_processor=[rec], do_sample=True, temperature=0.7, top_p=0.9,
                            max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=tokenizer.pad_token_id)
-    return time.perf_counter() - start
-
-
-def _anonymous_rss() -> int:
-    """Resident anonymous memory now, in bytes (Linux: `RssAnon`): what the process allocated, without
-    the recording's shard pages that it maps (file-backed, `RssFile`, which the kernel can drop)."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return clock.seconds
 
 
 def child(root: str, case: str, target: str, chunk_steps: int) -> None:
-    import threading
-
     from transformers_offload import open_recording
     from transformers_offload.answers.table import write_parquet
 
     run = open_recording(root)
-    peak_anonymous = [_anonymous_rss()]
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.wait(0.005):
-            peak_anonymous[0] = max(peak_anonymous[0], _anonymous_rss())
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    start = time.perf_counter()
-    if case == "baseline":
-        run.logits(0, steps=0)
-        result = {"rows": 0, "bytes": 0}
-    else:
-        result = write_parquet(run, target, top=5 if case == "top 5" else 0, chunk_steps=chunk_steps)
-    seconds = time.perf_counter() - start
-    done.set()
-    sampler.join()
-    print(json.dumps({**result, "seconds": seconds, "peak_rss": peak_rss_bytes(), "peak_anonymous": peak_anonymous[0]}))
+    peaks = ResidentPeaks(interval=0.005)  # the anonymous memory's peak, sampled every 5 ms
+    with stopwatch() as clock:
+        if case == "baseline":
+            run.logits(0, steps=0)
+            result = {"rows": 0, "bytes": 0}
+        else:
+            result = write_parquet(run, target, top=5 if case == "top 5" else 0, chunk_steps=chunk_steps)
+    peak_anonymous, _ = peaks.stop()
+    print(json.dumps({**result, "seconds": clock.seconds, "peak_rss": peak_rss_bytes(), "peak_anonymous": peak_anonymous}))
 
 
 def main() -> None:

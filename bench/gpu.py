@@ -47,7 +47,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -55,9 +54,21 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 import torch  # noqa: E402
+from _common import (  # noqa: E402
+    RESULTS,
+    MemoryProbe,
+    Stopwatch,
+    interleaved,
+    machine,
+    median,
+    plot_traces,
+    print_table,
+    rss_bytes,
+    stopwatch,
+    write_json,
+)
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from _common import RESULTS, MemoryProbe, machine, plot_traces, print_table, rss_bytes, stopwatch, write_json  # noqa: E402
 from transformers_offload import Recorder  # noqa: E402
 from transformers_offload.capture.transfer import HostRing  # noqa: E402
 
@@ -112,7 +123,6 @@ class Meter:
             torch.cuda.reset_peak_memory_stats()
         initial = self.allocated()
         probe = MemoryProbe(self.allocated)
-        cpu_started = time.process_time()
         with stopwatch() as clock:
             sequences = case(probe)
             if self.cuda:
@@ -123,10 +133,11 @@ class Meter:
         ends = [started, *probe.times]
         step_ms = [round((b - a) * 1e3, 3) for a, b in zip(ends, ends[1:])]
         return {"sequences": sequences, "initial": initial, "peak": peak, "seconds": seconds,
-                "cpu_seconds": time.process_time() - cpu_started, "trace": probe.trace, "step_ms": step_ms}
+                "cpu_seconds": clock.cpu_seconds, "trace": probe.trace, "step_ms": step_ms}
 
 
-def bench_model(name: str, args: argparse.Namespace, device: torch.device, deadline: float) -> dict[str, Any]:
+def bench_model(name: str, args: argparse.Namespace, device: torch.device, clock: Stopwatch) -> dict[str, Any]:
+    """Every case of `name`, starting none once `clock` has run `args.budget_s` seconds."""
     model = build(name, device, args.dry_run)
     params = sum(p.numel() for p in model.parameters())
     generator = torch.Generator().manual_seed(1)
@@ -153,9 +164,9 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, deadl
                 sequences = model.generate(**batch, **common, stopping_criteria=[probe], logits_processor=[rec])
             generation = rec.generation()
             stats[case] = {
-                "steps": generation.num_steps, "waits": generation.stats.waits,
-                "bytes_written": generation.stats.bytes_written,
-                "write_seconds": round(generation.stats.write_seconds, 3),
+                "steps": generation.num_steps, "waits": generation.transfer.waits,
+                "bytes_written": generation.transfer.bytes_written,
+                "write_seconds": round(generation.transfer.write_seconds, 3),
             }
             del rec, generation
             if spill:
@@ -167,21 +178,21 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, deadl
     runs = {case: baseline if case.startswith("baseline") else outputs if case == CASES[2] else recorder(case)
             for case in CASES}
     meter = Meter(device)
-    warmup = time.perf_counter()
-    model.generate(**batch, max_new_tokens=args.warmup_tokens, do_sample=False)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    print(f"[{name}] warm-up: {time.perf_counter() - warmup:.2f} s", flush=True)
+    with stopwatch() as warmup:
+        model.generate(**batch, max_new_tokens=args.warmup_tokens, do_sample=False)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    print(f"[{name}] warm-up: {warmup.seconds:.2f} s", flush=True)
     results: dict[str, dict[str, Any]] = {}
     for case, run in runs.items():
-        if time.perf_counter() > deadline:
+        if clock.elapsed() > args.budget_s:
             print(f"[{name}] budget spent: {case!r} not run", flush=True)
             continue
         results[case] = meter.run(run)
         print(f"[{name}] {case}: {results[case]['seconds']:.2f} s, peak {results[case]['peak'] / 2**20:.1f} MiB"
               f"{', ' + str(stats[case]) if case in stats else ''}", flush=True)
     shutil.rmtree(spill_root, ignore_errors=True)
-    del model
+    model = None  # frees it before the next model (the closures above hold its cell)
     return summarize(name, params, args, results, stats)
 
 
@@ -191,7 +202,8 @@ def summarize(name: str, params: int, args: argparse.Namespace, results: dict[st
     base_seconds = sum(r["seconds"] for r in base_runs) / len(base_runs)
     base_increase = sum(r["peak"] - r["initial"] for r in base_runs) / len(base_runs)
     references = [r["sequences"].cpu() for r in base_runs]
-    base_step_ms = _median([ms for r in base_runs for ms in r["step_ms"][1:]])
+    base_steps = [ms for r in base_runs for ms in r["step_ms"][1:]]  # none in a call of one step
+    base_step_ms = median(base_steps) if base_steps else None
     extra_outputs = None
     if CASES[2] in results:
         extra_outputs = results[CASES[2]]["peak"] - results[CASES[2]]["initial"] - base_increase
@@ -210,7 +222,7 @@ def summarize(name: str, params: int, args: argparse.Namespace, results: dict[st
             # Equal to each baseline run's sequences (the two baselines are also compared).
             "matches_baselines": [torch.equal(result["sequences"].cpu(), ref) for ref in references],
             "cpu_seconds": result["cpu_seconds"],
-            "median_step_ms": _median(result["step_ms"][1:]),
+            "median_step_ms": median(result["step_ms"][1:]) if len(result["step_ms"]) > 1 else None,
             "trace_mib": [round(v / 2**20, 2) for v in result["trace"]],
             "step_ms": result["step_ms"],
         }
@@ -223,11 +235,6 @@ def summarize(name: str, params: int, args: argparse.Namespace, results: dict[st
             "baseline_seconds_mean": base_seconds, "baseline_median_step_ms": base_step_ms, "cases": rows}
 
 
-def _median(values: list[float]) -> float | None:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2] if ordered else None
-
-
 def ring_cost(device: torch.device, batch: int, vocab: int, steps: int) -> dict[str, Any]:
     """Host microseconds per step of a greedy step's four puts into a ring whose drain keeps nothing
     (threaded on CUDA, as in the recorder), measured until the last put returns, then after the flush."""
@@ -238,21 +245,23 @@ def ring_cost(device: torch.device, batch: int, vocab: int, steps: int) -> dict[
         "scores": torch.randn(batch, vocab, device=device),
         "tokens": torch.zeros(batch, dtype=torch.long, device=device),
     }
-    timings = []
-    for _ in range(2):  # the first round allocates the slots
+
+    def one_round(_: int = 0) -> tuple[float, float, int]:
         ring = HostRing(4, lambda step, drained: None, threaded=cuda)
         if cuda:
             torch.cuda.synchronize()
-        started = time.perf_counter()
-        for step in range(steps):
-            for name, tensor in tensors.items():
-                ring.put(step, name, tensor)
-        issued = time.perf_counter() - started
-        ring.flush()
-        if cuda:
-            torch.cuda.synchronize()
-        timings.append((issued, time.perf_counter() - started, ring.waits))
-    issued, total, waits = timings[-1]
+        with stopwatch() as clock:
+            for step in range(steps):
+                for name, tensor in tensors.items():
+                    ring.put(step, name, tensor)
+            issued = clock.elapsed()
+            ring.flush()
+            if cuda:
+                torch.cuda.synchronize()
+        return issued, clock.seconds, ring.waits
+
+    # One round after a warm-up round, which allocates the slots.
+    issued, total, waits = interleaved({"ring": one_round}, 1, warmup=one_round)["ring"][0]
     return {"batch": batch, "vocab": vocab, "steps": steps, "host_us_per_step": issued / steps * 1e6,
             "with_flush_us_per_step": total / steps * 1e6, "waits": waits,
             "bytes_per_step": sum(t.numel() * t.element_size() for t in tensors.values())}
@@ -309,7 +318,7 @@ def main() -> None:
                         help="run on CPU with tiny models (batch 4, 16 new tokens unless given): checks the "
                         "script end to end; its figures are not GPU figures")
     args = parser.parse_args()
-    started = time.perf_counter()
+    clock = Stopwatch()
     if args.dry_run:
         device = torch.device("cpu")
         torch.set_num_threads(1)  # tiny models: more threads only add scheduling noise to the timings
@@ -327,12 +336,12 @@ def main() -> None:
     record = {"machine": machine(), "dry_run": args.dry_run, "sdpa": args.sdpa, "sdpa_backends": sdpa_backends(),
               "warmup_tokens": args.warmup_tokens, "models": [], "ring": None}
     for name in args.models:
-        record["models"].append(bench_model(name, args, device, started + args.budget_s))
-        record["wall_seconds"] = time.perf_counter() - started
+        record["models"].append(bench_model(name, args, device, clock))
+        record["wall_seconds"] = clock.elapsed()
         write_json(args.out / f"{stem}.json", record)  # after each model: a later timeout keeps it
     vocab = 1024 if args.dry_run else SHAPES[args.models[-1]]["vocab_size"]
     record["ring"] = ring_cost(device, args.batch, vocab, steps=200)
-    record["wall_seconds"] = time.perf_counter() - started
+    record["wall_seconds"] = clock.elapsed()
     write_json(args.out / f"{stem}.json", record)
     models = record["models"]
     report(models, record["ring"])
@@ -349,7 +358,7 @@ def main() -> None:
         ylabel="step time seen by the host (ms)",
         title=f"time per decode step ({'CPU dry run' if args.dry_run else machine().get('gpu', '')})",
     )
-    print(f"total {time.perf_counter() - started:.1f} s")
+    print(f"total {clock.elapsed():.1f} s")
 
 
 if __name__ == "__main__":

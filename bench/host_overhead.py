@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -53,12 +52,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 import torch  # noqa: E402
+from _common import CHAT_PROMPTS as PROMPTS  # noqa: E402
+from _common import RESULTS, Stopwatch, interleaved, machine, median, plot_bars, print_table, stopwatch, summarize, write_json
+from _common import SAMPLING_SETTINGS as SETTINGS
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from _common import CHAT_PROMPTS as PROMPTS, RESULTS, SAMPLING_SETTINGS as SETTINGS, interleaved, machine, plot_bars, print_table, summarize, write_json  # noqa: E402
-from transformers_offload import Recorder, recorder as recorder_module  # noqa: E402
+from transformers_offload import Recorder  # noqa: E402
+from transformers_offload import recorder as recorder_module
 from transformers_offload.capture.capture import Capture  # noqa: E402
-from transformers_offload.store.shards import ShardStore  # noqa: E402
+from transformers_offload.store.shard_writer import ShardStore  # noqa: E402
 
 CASES = ("baseline", "Recorder, drained inline (CPU path)", "Recorder, drained by a thread (CUDA path)",
          "Recorder, scores sparse, inline", "Recorder, scores topk:20, inline")
@@ -87,7 +89,9 @@ TAPS = ("on_forward", "on_raw", "on_processed", "on_stopping")  # what generate(
 @contextmanager
 def cpu_counters() -> Iterator[dict[str, float]]:
     """CPU seconds spent in the capture's taps (generate()'s thread) and in the shard store's writer
-    thread, summed into the returned dict while the block runs (the classes' methods wrapped, then put back)."""
+    thread, summed into the returned dict while the block runs (the classes' methods wrapped, then put back).
+    A counter inside the measured code rather than a clock around a case: it reads the thread's CPU clock
+    alone (`time.thread_time()`), as cheaply as it can, since its own cost falls into what it counts."""
     counts = {"taps": 0.0, "writer": 0.0}
     originals = {name: getattr(Capture, name) for name in TAPS}
     write_jobs = ShardStore._write_jobs
@@ -136,13 +140,14 @@ def spill_part(args: argparse.Namespace) -> None:
         root = scratch / "run"
         shutil.rmtree(root, ignore_errors=True)
         torch.manual_seed(0)
-        started, cpu = time.perf_counter(), time.process_time()
+        clock = Stopwatch()  # the whole call, removing its recording included
         with cpu_counters() as counts, Recorder(model, spill_dir=root, encodings=SPILL_CASES[case]) as rec:
             model.generate(**batch, logits_processor=[rec], **options)
         assert rec.generation().num_steps == args.steps
         shutil.rmtree(root)
+        clock.stop()
         return {"taps_us": counts["taps"] / args.steps * 1e6, "writer_us": counts["writer"] / args.steps * 1e6,
-                "seconds": time.perf_counter() - started, "cpu_seconds": time.process_time() - cpu}
+                "seconds": clock.seconds, "cpu_seconds": clock.cpu_seconds}
 
     try:
         found = interleaved({case: (lambda _, case=case: run(case)) for case in SPILL_CASES}, args.repeats,
@@ -151,9 +156,9 @@ def spill_part(args: argparse.Namespace) -> None:
         shutil.rmtree(scratch, ignore_errors=True)
     rows = []
     for case, runs in found.items():
-        median = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-        rows.append({"case": case, "encodings": SPILL_CASES[case], **{f"median_{k}": v for k, v in median.items()},
-                     "host_us_per_step": median["taps_us"] + median["writer_us"], "runs": runs})
+        medians = {key: median(r[key] for r in runs) for key in runs[0]}
+        rows.append({"case": case, "encodings": SPILL_CASES[case], **{f"median_{k}": v for k, v in medians.items()},
+                     "host_us_per_step": medians["taps_us"] + medians["writer_us"], "runs": runs})
     load = os.getloadavg()
     print(f"host work per step, spilled: SmolLM2-135M, batch {args.batch}, {args.setting}, {args.steps} steps, "
           f"{args.threads} torch thread(s), median of {args.repeats}; load average {load[0]:.2f}")
@@ -191,29 +196,29 @@ def main() -> None:
     def run(case: str) -> tuple[float, float, float]:
         recorder_module._on_cuda = (lambda model: True) if case == CASES[2] else original
         try:
-            started, cpu, own = time.perf_counter(), time.process_time(), time.thread_time()
-            if case == CASES[0]:
-                model.generate(**call)
-            else:
-                with Recorder(model, encodings=ENCODINGS.get(case)) as rec:
-                    model.generate(**call, logits_processor=[rec])
-                assert rec.generation().num_steps == args.steps
-            return time.perf_counter() - started, time.process_time() - cpu, time.thread_time() - own
+            with stopwatch() as clock:
+                if case == CASES[0]:
+                    model.generate(**call)
+                else:
+                    with Recorder(model, encodings=ENCODINGS.get(case)) as rec:
+                        model.generate(**call, logits_processor=[rec])
+                    assert rec.generation().num_steps == args.steps
+            return clock.seconds, clock.cpu_seconds, clock.thread_seconds
         finally:
             recorder_module._on_cuda = original
 
     found = interleaved({case: (lambda _, case=case: run(case)) for case in CASES}, args.repeats,
                         warmup=lambda: [run(case) for case in CASES])  # every case warmed up once
     seconds, cpu_seconds, thread_seconds = ({case: [r[i] for r in found[case]] for case in CASES} for i in range(3))
-    median, cpu_median, thread_median = ({case: entry["median_exact"] for case, entry in summarize(values).items()}
+    wall_median, cpu_median, thread_median = ({case: entry["median_exact"] for case, entry in summarize(values).items()}
                                          for values in (seconds, cpu_seconds, thread_seconds))
     rows = []
     for case in CASES:
         rows.append({
             "case": case,
-            "median_seconds": median[case],
-            "us_per_step": median[case] / args.steps * 1e6,
-            "us_per_step_over_baseline": (median[case] - median[CASES[0]]) / args.steps * 1e6,
+            "median_seconds": wall_median[case],
+            "us_per_step": wall_median[case] / args.steps * 1e6,
+            "us_per_step_over_baseline": (wall_median[case] - wall_median[CASES[0]]) / args.steps * 1e6,
             # The process's CPU time (every thread): unlike the wall clock, not lengthened by what else
             # runs on the machine or by the hypervisor taking the CPU away.
             "cpu_us_per_step_over_baseline": (cpu_median[case] - cpu_median[CASES[0]]) / args.steps * 1e6,

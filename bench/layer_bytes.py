@@ -24,6 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from _common import RESULTS, machine, print_table, write_json  # noqa: E402
+
 from transformers_offload import Recorder, open_recording  # noqa: E402
 from transformers_offload.demo_model import load  # noqa: E402
 

@@ -29,7 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 CASES = {
     "stock generate": {"recorder": False},
     "generate, output_attentions=True": {"recorder": False, "output_attentions": True},
-    "Recorder: attentions, layers=[-1], newest_position_only": {"streams": ["attentions"], "layers": [-1], "newest_position_only": True},
+    "Recorder: attentions, layers=[-1], newest_position_only": {
+        "streams": ["attentions"], "layers": [-1], "newest_position_only": True,
+    },
     "Recorder: attentions, layers=[-1]": {"streams": ["attentions"], "layers": [-1]},
     "Recorder: attentions, layers=[-1], heads=[0]": {"streams": ["attentions"], "layers": [-1], "heads": [0]},
     "Recorder: hidden_states, layers=[-1]": {"streams": ["hidden_states"], "layers": [-1]},
@@ -41,8 +43,8 @@ def run_case(case: dict, prompt_tokens: int, new_tokens: int) -> dict:
     """One case in this process (call it in a fresh one)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
+    from _common import high_water_mib, reset_high_water
 
-    from peak_rss import peak_mib, reset_peak
     from transformers_offload import Recorder
     from transformers_offload.demo_model import load
 
@@ -55,8 +57,8 @@ def run_case(case: dict, prompt_tokens: int, new_tokens: int) -> dict:
                    max_length=20)  # warm-up, short
     options = {key: case[key] for key in ("streams", "layers", "heads", "newest_position_only") if key in case}
     recorder = Recorder(model, **options) if case.get("recorder", True) else None
-    reset_peak()
-    loaded = peak_mib()
+    reset_high_water()
+    loaded = high_water_mib()
     if recorder is None:
         extra = {"return_dict_in_generate": True, "output_attentions": True} if case.get("output_attentions") else {}
         out = model.generate(**common, **extra)
@@ -65,7 +67,7 @@ def run_case(case: dict, prompt_tokens: int, new_tokens: int) -> dict:
         model.generate(**common, logits_processor=[recorder])
         recorder.close()
     return {"case": case, "prompt_tokens": int(input_ids.shape[1]), "new_tokens": new_tokens,
-            "loaded_mib": round(loaded, 1), "growth_mib": round(peak_mib() - loaded, 1)}
+            "loaded_mib": round(loaded, 1), "growth_mib": round(high_water_mib() - loaded, 1)}
 
 
 def measure(case: dict, prompt_tokens: int, new_tokens: int, runs: int = 1) -> list[dict]:

@@ -8,10 +8,10 @@ Greedy decoding on SmolLM2-135M-Instruct (CPU, float32), forced to `--steps` new
 stock generate() without outputs (the baseline: its own growth is the KV cache), `memory` the
 in-memory Recorder, `spill` the Recorder writing shards. Peak RSS is the kernel's high-water mark
 (Linux `VmHWM`, started over once the model is loaded, whose own transient peak depends on timing;
-`getrusage` elsewhere), read when the decoding loop reaches `--checkpoint` and after generate()
-returns, so "growth" is how much the peak rose over the last `steps - checkpoint` steps. `--streams`
-is the Recorder's `streams` (with `attentions`, the model loads with eager attention, for every
-store). Prints one JSON object.
+`getrusage` elsewhere: `_common.reset_high_water`, `high_water_mib`), read when the decoding loop
+reaches `--checkpoint` and after generate() returns, so "growth" is how much the peak rose over the
+last `steps - checkpoint` steps. `--streams` is the Recorder's `streams` (with `attentions`, the
+model loads with eager attention, for every store). Prints one JSON object.
 Run each store in its own process: a peak never goes down.
 """
 
@@ -20,14 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from _common import high_water_mib, reset_high_water, stopwatch  # noqa: E402
 from transformers import LogitsProcessor  # noqa: E402
 
 from transformers_offload import Recorder  # noqa: E402
@@ -41,30 +39,6 @@ PROMPTS = [
 ]
 
 
-def peak_mib() -> float:
-    """The process's peak resident set since `reset_peak()` (Linux `VmHWM`), or since it started
-    (`ru_maxrss` elsewhere: KiB on Linux, bytes on macOS), in MiB."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    scale = 1 if sys.platform == "darwin" else 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**20
-
-
-def reset_peak() -> None:
-    """Start the peak over from the current resident set (Linux: `echo 5 > /proc/self/clear_refs`), so
-    that loading the model, whose transient peak depends on timing, does not hide what follows."""
-    try:
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")
-    except OSError:
-        pass
-
-
 class PeakAt(LogitsProcessor):
     """A pass-through processor that notes the peak RSS when the loop reaches `step`."""
 
@@ -73,7 +47,7 @@ class PeakAt(LogitsProcessor):
 
     def __call__(self, input_ids, scores):
         if self.calls == self.step:
-            self.peak_mib = peak_mib()
+            self.peak_mib = high_water_mib()
         self.calls += 1
         return scores
 
@@ -95,8 +69,8 @@ def main() -> None:
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
     common = dict(max_new_tokens=args.steps, min_new_tokens=args.steps, pad_token_id=tokenizer.pad_token_id)
     model.generate(**batch, max_new_tokens=2, pad_token_id=tokenizer.pad_token_id)  # warm-up
-    reset_peak()
-    loaded = peak_mib()
+    reset_high_water()
+    loaded = high_water_mib()
 
     checkpoint = PeakAt(args.checkpoint)
     processors = [checkpoint]
@@ -109,10 +83,9 @@ def main() -> None:
             recorder = Recorder(model, streams=streams, spill_dir=spill_dir, shard_bytes=int(args.shard_mib * 2**20))
         if recorder is not None:
             processors.append(recorder)
-        started = time.perf_counter()
-        model.generate(**batch, logits_processor=processors, **common)
-        wall = time.perf_counter() - started
-        end = peak_mib()
+        with stopwatch() as clock:
+            model.generate(**batch, logits_processor=processors, **common)
+        end = high_water_mib()
         result = {
             "store": args.store,
             "batch": args.batch,
@@ -124,10 +97,10 @@ def main() -> None:
             "peak_at_checkpoint_mib": round(checkpoint.peak_mib, 1),
             "peak_at_end_mib": round(end, 1),
             "growth_mib": round(end - checkpoint.peak_mib, 1),
-            "wall_s": round(wall, 2),
+            "wall_s": round(clock.seconds, 2),
         }
         if recorder is not None:
-            stats = recorder.generation().stats
+            stats = recorder.generation().transfer
             result["waits"] = stats.waits
             if args.store == "spill":
                 result["shard_mib"] = args.shard_mib

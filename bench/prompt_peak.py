@@ -10,7 +10,7 @@
 prompt_chunk=--chunk)`; `full_forward`: what a hand-written scorer does, `log_softmax(model(ids).logits)`
 gathered at the prompt's next tokens. The model is SmolLM2-135M-Instruct (float32, 49,152 tokens) or,
 with `--vocab`, a one-layer Llama of that vocabulary (hidden size 64) built from a config. Peak RSS is
-Linux `VmHWM` after loading the model and one warm-up call (`peak_rss.reset_peak`). With `prompt_logprobs`
+Linux `VmHWM` after loading the model and one warm-up call (`_common.reset_high_water`). With `prompt_logprobs`
 it also compares the recorded logprobs with the full forward's (`max_abs_difference`, `equal`), unless
 `--no-check` (the full forward holds the whole logits: 4.6 GiB at 8,192 x 152,064, 10 GiB at its peak).
 
@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -34,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from _common import Stopwatch, high_water_mib, reset_high_water  # noqa: E402
 
-from peak_rss import peak_mib, reset_peak  # noqa: E402
 from transformers_offload import Recorder  # noqa: E402
 
 
@@ -67,9 +66,9 @@ def measure(case: str, tokens: int, *, vocab: int | None = None, top: int = 0, c
     ids = torch.randint(3, size, (1, tokens), generator=generator)
     common = dict(max_new_tokens=1, do_sample=False, pad_token_id=0)
     model.generate(ids[:, :16], **common)  # warm-up
-    reset_peak()
-    loaded = peak_mib()
-    started = time.perf_counter()
+    reset_high_water()
+    loaded = high_water_mib()
+    clock = Stopwatch()
     result: dict = {"case": case, "tokens": tokens, "vocab": size, "top": top, "chunk": chunk}
     if case == "stock":
         model.generate(ids, **common)
@@ -78,20 +77,20 @@ def measure(case: str, tokens: int, *, vocab: int | None = None, top: int = 0, c
     else:
         with Recorder(model, streams=("scores",), prompt_logprobs=top or True, prompt_chunk=chunk) as rec:
             model.generate(ids, logits_processor=[rec], **common)
-        result["wall_s"] = round(time.perf_counter() - started, 3)  # the check below is not timed
+        result["wall_s"] = round(clock.elapsed(), 3)  # the check below is not timed
         recorded = rec.generation().prompt_tensors()["prompt_logprobs"][0]
-        result["peak_mib_before_check"] = peak_mib() - loaded
+        result["peak_mib_before_check"] = high_water_mib() - loaded
         if not check:
             return _finish(result, tokens, size, loaded)
         reference = full_forward(model, ids)
         result["max_abs_difference"] = float((recorded - reference).abs().max())
         result["equal"] = bool(torch.equal(recorded, reference))
-    result.setdefault("wall_s", round(time.perf_counter() - started, 3))
+    result.setdefault("wall_s", round(clock.elapsed(), 3))
     return _finish(result, tokens, size, loaded)
 
 
 def _finish(result: dict, tokens: int, size: int, loaded: float) -> dict:
-    result["growth_mib"] = round(result.pop("peak_mib_before_check", peak_mib() - loaded), 1)
+    result["growth_mib"] = round(result.pop("peak_mib_before_check", high_water_mib() - loaded), 1)
     result["full_logits_mib"] = round(tokens * size * 4 / 2**20, 1)
     return result
 

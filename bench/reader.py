@@ -21,18 +21,27 @@ import argparse
 import os
 import random
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 import torch  # noqa: E402
-
-from _common import RESULTS, interleaved, machine, plot_bars, print_table, timed, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    RESULTS,
+    interleaved,
+    machine,
+    median,
+    percentile,
+    plot_bars,
+    print_table,
+    stopwatch,
+    timed,
+    write_json,
+)
 from spill_throughput import add_recording_arguments, made_up_steps, spill  # noqa: E402
+
 from transformers_offload import open_recording  # noqa: E402
 
 
@@ -47,43 +56,46 @@ def drop_cache(root: Path) -> None:
 
 
 def latencies(root: Path, samples: int, *, cold: bool, seed: int) -> list[float]:
+    """Seconds of `samples` reads of one step of one row, at random, each its own round (no warm-up)."""
     recording = open_recording(root)
     generation = recording.generation(0)
     rng = random.Random(seed)
-    seconds = []
-    for _ in range(samples):
+
+    def one(_: int) -> float:
         step, row = rng.randrange(generation.num_steps), rng.randrange(generation.num_rows)
         if cold:
             drop_cache(root)
-        started = time.perf_counter()
-        value = generation.logits(steps=slice(step, step + 1), rows=[row])[0].clone()
-        seconds.append(time.perf_counter() - started)
-        del value
+        with stopwatch() as clock:
+            value = generation.logits(steps=slice(step, step + 1), rows=[row])[0].clone()
+        del value  # freed outside the clock
+        return clock.seconds
+
+    seconds = interleaved({"read": one}, samples)["read"]
     recording.close()
     return seconds
 
 
 def read_recording(root: Path, buffer: torch.Tensor) -> float:
     drop_cache(root)
-    started = time.perf_counter()
-    recording = open_recording(root)
-    generation = recording.generation(0)
-    for name in ("logits", "scores"):
-        for step in getattr(generation, name)():
-            buffer.copy_(step)
-    recording.close()
-    return time.perf_counter() - started
+    with stopwatch() as clock:
+        recording = open_recording(root)
+        generation = recording.generation(0)
+        for name in ("logits", "scores"):
+            for step in getattr(generation, name)():
+                buffer.copy_(step)
+        recording.close()
+    return clock.seconds
 
 
 def read_plain(root: Path, buffer: bytearray) -> float:
     drop_cache(root)
     view = memoryview(buffer)
-    started = time.perf_counter()
-    for path in sorted(root.glob("*-s*.safetensors")):
-        with open(path, "rb", buffering=0) as file:
-            while file.readinto(view):
-                pass
-    return time.perf_counter() - started
+    with stopwatch() as clock:
+        for path in sorted(root.glob("*-s*.safetensors")):
+            with open(path, "rb", buffering=0) as file:
+                while file.readinto(view):
+                    pass
+    return clock.seconds
 
 
 def main() -> None:
@@ -116,8 +128,8 @@ def main() -> None:
         else:
             shutil.rmtree(root, ignore_errors=True)
 
-    def ms(values: list[float], q: float) -> float:
-        return statistics.quantiles(values, n=100)[q - 1] * 1e3 if q < 100 else max(values) * 1e3
+    def ms(values: list[float], q: int) -> float:
+        return percentile(values, q) * 1e3
 
     print(f"{written['bytes'] / 1e6:.0f} MB in {written['shards']} shards; {args.steps} steps x {args.rows} rows x "
           f"{args.vocab}; one read = one row of one step ({args.vocab * 4} bytes)")
@@ -127,8 +139,8 @@ def main() -> None:
          ["warm", ms(warm, 50), ms(warm, 90), ms(warm, 99)],
          ["open_recording (once)", open_seconds * 1e3, "-", "-"]],
     )
-    reader_rate = stream_bytes / 1e6 / statistics.median(reader_s)
-    plain_rate = shard_bytes / 1e6 / statistics.median(plain_s)
+    reader_rate = stream_bytes / 1e6 / median(reader_s)
+    plain_rate = shard_bytes / 1e6 / median(plain_s)
     print()
     print_table(
         ["sequential, cold", "MB/s", "x plain read"],

@@ -9,7 +9,7 @@ Three cases, interleaved, `--repeats` times, each the wall time of the whole run
 
 - stock: a plain loop of generate() over the batches, no recorder;
 - loop + Recorder: the same loop with `Recorder(model, spill_dir=...)` (what `record` does per batch);
-- record: `transformers_offload.record.record(...)` on a JSON Lines file of the same prompts (reading
+- record: `transformers_offload.jobs.record.record(...)` on a JSON Lines file of the same prompts (reading
   the file, batching, tokenizing, `set_samples`, the progress bar off).
 
 Reports prompts/s and tokens/s of each and `record`'s time over each loop (target: <= 1.05x the loop
@@ -27,9 +27,9 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
-import subprocess
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -37,13 +37,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-
 from _common import RESULTS, interleaved, machine, print_table, summarize, timed, timing_columns, write_json  # noqa: E402
 from export import PROMPTS  # noqa: E402
+
 from transformers_offload import Recorder  # noqa: E402
 from transformers_offload.demo_model import load  # noqa: E402
+from transformers_offload.jobs.record import record  # noqa: E402
 from transformers_offload.parallel import share  # noqa: E402
-from transformers_offload.record import record  # noqa: E402
 
 SAMPLING = dict(do_sample=True, temperature=0.7, top_p=0.9)
 

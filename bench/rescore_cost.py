@@ -37,10 +37,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-
-from _common import (RESULTS, TIMING_HEADERS, fresh_runs, interleaved, machine,  # noqa: E402
-                     print_peaks, print_table, summarize, timed, timing_columns, write_json)
+from _common import (  # noqa: E402
+    RESULTS,
+    TIMING_HEADERS,
+    ResidentPeaks,
+    fresh_runs,
+    interleaved,
+    machine,
+    print_peaks,
+    print_table,
+    summarize,
+    timed,
+    timing_columns,
+    write_json,
+)
 from compact_cost import PROMPTS  # noqa: E402
+
 from transformers_offload import Recorder, compare, open_recording, rescore  # noqa: E402
 
 
@@ -125,40 +137,6 @@ def tiny_model(vocab: int, positions: int):
     return LlamaForCausalLM(config).eval()
 
 
-class AnonPeak:
-    """The peaks of this process's anonymous resident memory (`RssAnon` in `/proc/self/status`, Linux) and
-    of its whole resident set (`VmRSS`), sampled every 20 ms by a thread. The anonymous memory leaves out
-    the recordings' memory-mapped file pages, which the kernel can drop at any time (the page cache), and
-    counts what the process holds. The resident set is sampled rather than taken from `ru_maxrss`, which
-    a child started by fork and exec inherits from its parent (the parent's resident set at the fork)."""
-
-    def __init__(self) -> None:
-        import threading
-
-        self.peaks = self.read()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    @staticmethod
-    def read() -> tuple[int, int]:
-        """(anonymous, resident) bytes now."""
-        with open("/proc/self/status") as status:
-            found = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in status
-                     if line.startswith(("RssAnon:", "VmRSS:"))}
-        return found["RssAnon"], found["VmRSS"]
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.02):
-            self.peaks = tuple(map(max, self.peaks, self.read()))
-
-    def stop(self) -> tuple[int, int]:
-        """The peaks (anonymous, resident), in bytes."""
-        self._stop.set()
-        self._thread.join()
-        return tuple(map(max, self.peaks, self.read()))
-
-
 def stock_forward(model, reference, chunk_size: int = 512) -> None:
     """What a user's own forward scoring of the same sequence holds: `chunk_size` positions a forward (as
     `rescore`'s forward mode), the KV cache kept between chunks, each chunk's logits dropped."""
@@ -178,10 +156,11 @@ def stock_forward(model, reference, chunk_size: int = 512) -> None:
 
 
 def memory_child(args: argparse.Namespace) -> None:
-    """One measurement in this (fresh) process; prints its result as JSON on the last line. The first
+    """One measurement in this (fresh) process; prints its result as JSON on the last line: the peaks of
+    its anonymous memory and of its resident set, sampled every 20 ms (`_common.ResidentPeaks`). The first
     forward rescore writes `rescored` (compare's second recording); later ones write a directory removed
     after."""
-    anon = AnonPeak()
+    peaks = ResidentPeaks(interval=0.02)
     work = Path(args.work)
     model = tiny_model(args.vocab, args.tokens)
     reference = open_recording(work / "reference")
@@ -192,7 +171,7 @@ def memory_child(args: argparse.Namespace) -> None:
         rescore(reference, model, target, mode="forward", progress=False)
     elif args.child == "compare":
         compare(reference, open_recording(work / "rescored")).summary()
-    anon_peak, rss_peak = anon.stop()
+    anon_peak, rss_peak = peaks.stop()
     if target.name != "rescored":
         shutil.rmtree(target, ignore_errors=True)
     print(json.dumps({"anon_peak_mib": anon_peak / 2**20, "rss_peak_mib": rss_peak / 2**20}))
@@ -237,7 +216,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--cases", nargs="+", choices=MEMORY_CASES, default=list(MEMORY_CASES),
                         help="the memory part's cases (each run in a process of its own)")
-    parser.add_argument("--work-dir", default=None, help="where the memory part writes its recordings (2 x tokens x vocab x 4 bytes)")
+    parser.add_argument("--work-dir", default=None,
+                        help="where the memory part writes its recordings (2 x tokens x vocab x 4 bytes)")
     parser.add_argument("--work"), parser.add_argument("--child")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()

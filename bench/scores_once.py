@@ -24,9 +24,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-from _common import (RESULTS, TIMING_HEADERS, interleaved, machine, print_table, stopwatch,  # noqa: E402
-                     summarize, timed, timing_columns, write_json)
+from _common import (  # noqa: E402
+    RESULTS,
+    TIMING_HEADERS,
+    interleaved,
+    machine,
+    print_table,
+    stopwatch,
+    summarize,
+    timed,
+    timing_columns,
+    write_json,
+)
 from compact_cost import PROMPTS  # noqa: E402
+
 from transformers_offload import Recorder, open_recording  # noqa: E402
 from transformers_offload.demo_model import load  # noqa: E402
 
@@ -66,7 +77,8 @@ def main() -> None:
 
     try:
         times = interleaved({name: case(number, name, encodings) for number, (name, encodings) in enumerate(CASES.items())},
-                            args.repeats, warmup=lambda: model.generate(**batch, max_new_tokens=2, pad_token_id=tokenizer.pad_token_id))
+                            args.repeats,
+                            warmup=lambda: model.generate(**batch, max_new_tokens=2, pad_token_id=tokenizer.pad_token_id))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     summary = summarize(times, "stock generate")

@@ -85,7 +85,7 @@ def main() -> None:
         path, rows, vocab = arguments.child
         child(path, int(rows), int(vocab))
         return
-    from transformers_offload.store.shards import DEFAULT_SHARD_BYTES
+    from transformers_offload.store.spill import DEFAULT_SHARD_BYTES
 
     step_bytes = arguments.rows * (arguments.vocab * 4 * 2 + 8 + 1)
     steps_per_shard = DEFAULT_SHARD_BYTES // step_bytes

@@ -23,17 +23,18 @@ import os
 import shutil
 import sys
 import tempfile
-import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 import torch  # noqa: E402
+from _common import RESULTS, interleaved, machine, median, plot_bars, print_table, stopwatch, write_json  # noqa: E402
 
-from _common import RESULTS, interleaved, machine, plot_bars, print_table, summarize, write_json  # noqa: E402
 from transformers_offload.store import files as _files  # noqa: E402
-from transformers_offload.store.shards import Spill  # noqa: E402
+from transformers_offload.store.header import GenerationHeader  # noqa: E402
+from transformers_offload.store.spill import Spill  # noqa: E402
 
 
 def add_recording_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,21 +61,20 @@ def made_up_steps(rows: int, vocab: int, steps: int) -> list[dict[str, torch.Ten
 
 
 def spill(root: Path, steps: list[dict[str, torch.Tensor]], shard_bytes: int) -> dict[str, float]:
+    header = GenerationHeader(index=0, mode="sample", prompt_length=1, num_beams=1, eos_token_id=(),
+                              generation_config={}, pad_token_id=0)
     store = Spill(root, shard_bytes=shard_bytes, model_info={}, created_by={}).open_store(
-        ["logits", "scores", "tokens", "finished"],
-        {"index": 0, "mode": "sample", "prompt_length": 1, "prompt_lengths": None, "num_beams": 1,
-         "pad_token_id": 0, "eos_token_id": (), "generation_config": {}},
-    )
+        ["logits", "scores", "tokens", "finished"], header)
     # The call's sequences (a one-token prompt, then the steps' tokens): a complete recording names them.
     rows = steps[0]["tokens"].shape[0]
     sequences = torch.cat([torch.zeros(rows, 1, dtype=torch.long), torch.stack([s["tokens"] for s in steps], dim=1)], dim=1)
-    started = time.perf_counter()
-    for step, tensors in enumerate(steps):
-        store.drain(step, tensors)
-    generation = store.finish(len(steps), {"num_rows": rows}, sequences, None, ring_waits=0)
-    seconds = time.perf_counter() - started
-    stats = generation.fields["stats"]  # a StoredGeneration (store/stored.py) holds the Generation's fields
-    return {"bytes": stats.bytes_written, "seconds": seconds, "writer_seconds": stats.write_seconds,
+    with stopwatch() as clock:
+        for step, tensors in enumerate(steps):
+            store.drain(step, tensors)
+        generation = store.finish(len(steps), replace(header, num_rows=rows), sequences, None, ring_waits=0)
+    seconds = clock.seconds
+    transfer = generation.transfer  # a StoredGeneration (store/stored.py)
+    return {"bytes": transfer.bytes_written, "seconds": seconds, "writer_seconds": transfer.write_seconds,
             "shards": len(list(root.glob("*-s*.safetensors")))}
 
 
@@ -89,12 +89,13 @@ def spill_without_checksums(root: Path, steps: list[dict[str, torch.Tensor]], sh
 
 def checksum_only(root: Path) -> dict[str, float]:
     """The checksum of every shard under `root`, from the page cache (just written)."""
-    total, started = 0, time.perf_counter()
-    for path in sorted(root.glob("*-s*.safetensors")):
-        with open(path, "rb") as file:
-            _files.file_checksum(file)
-        total += path.stat().st_size
-    return {"bytes": total, "seconds": time.perf_counter() - started}
+    total = 0
+    with stopwatch() as clock:
+        for path in sorted(root.glob("*-s*.safetensors")):
+            with open(path, "rb") as file:
+                _files.file_checksum(file)
+            total += path.stat().st_size
+    return {"bytes": total, "seconds": clock.seconds}
 
 
 def plain_write(root: Path, total_bytes: int, files: int) -> dict[str, float]:
@@ -102,13 +103,13 @@ def plain_write(root: Path, total_bytes: int, files: int) -> dict[str, float]:
     size = total_bytes // files
     payload = os.urandom(min(size, 2**20)) * (size // min(size, 2**20) + 1)
     payload = memoryview(payload)[:size]
-    started = time.perf_counter()
-    for index in range(files):
-        with open(root / f"plain-{index:05d}.bin", "wb") as file:
-            file.write(payload)
-            file.flush()
-            os.fsync(file.fileno())
-    return {"bytes": size * files, "seconds": time.perf_counter() - started}
+    with stopwatch() as clock:
+        for index in range(files):
+            with open(root / f"plain-{index:05d}.bin", "wb") as file:
+                file.write(payload)
+                file.flush()
+                os.fsync(file.fileno())
+    return {"bytes": size * files, "seconds": clock.seconds}
 
 
 def main() -> None:
@@ -149,7 +150,7 @@ def main() -> None:
     runs["checksum"] = [run.pop("checksum") for run in runs["spill"]]
 
     def rate(results: list[dict[str, float]], key: str = "seconds") -> float:
-        return summarize({"": [r["bytes"] / 1e6 / r[key] for r in results]})[""]["median_exact"]
+        return median([r["bytes"] / 1e6 / r[key] for r in results])
 
     table = {
         "plain write + fsync (baseline)": rate(runs["plain"]),

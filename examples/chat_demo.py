@@ -31,8 +31,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from transformers_offload import DeviceAccumulationWarning, Recording, Recorder, open_recording  # noqa: E402
-from transformers_offload.cli import format_summary  # noqa: E402
+from transformers_offload import DeviceAccumulationWarning, Recorder, Recording, open_recording  # noqa: E402
+from transformers_offload.cli.summary import format_summary  # noqa: E402
 from transformers_offload.demo_model import load  # noqa: E402
 
 PROMPTS = [
@@ -146,7 +146,8 @@ class _Outputs:
 
 def print_token_table(rec: Recording, tokenizer, row: int) -> None:
     """Per generated token of one row: logprob under the raw logits and the processed scores, entropy."""
-    print(f"\nfirst answer, token by token (nats)\n{'step':>4}  {'token':<18}{'logprob raw':>12}{'logprob processed':>19}{'entropy raw':>13}")
+    print(f"\nfirst answer, token by token (nats)\n{'step':>4}  {'token':<18}"
+          f"{'logprob raw':>12}{'logprob processed':>19}{'entropy raw':>13}")
     for step, (logits, scores, tokens, finished) in enumerate(
         zip(rec.logits(), rec.scores(), rec.tokens(), rec.finished())
     ):

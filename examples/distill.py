@@ -33,7 +33,12 @@ from datasets import Dataset, concatenate_datasets  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from transformers_offload import (  # noqa: E402
-    KDCollator, Recorder, group_sequences, kd_loss, open_recording, write_kd_parquet,
+    KDCollator,
+    Recorder,
+    group_sequences,
+    kd_loss,
+    open_recording,
+    write_kd_parquet,
 )
 from transformers_offload.demo_model import load  # noqa: E402
 

@@ -168,7 +168,8 @@ PYTEST_STATUS = {2: "interrupted", 3: "an internal error", 4: "a usage error", 5
 
 def _refusals(out: Path, status: int, files: list[str], calls: list[dict] | None) -> list[str]:
     """Why a run cannot be trusted: pytest did not finish, a file did not collect, no test ran, or (with
-    `calls`) a file recorded no call; a pytest-xdist worker crashed. Empty when every file ran and, where asked, each recorded calls."""
+    `calls`) a file recorded no call; a pytest-xdist worker crashed. Empty when every file ran and, where
+    asked, each recorded calls."""
     problems = []
     log = out / "pytest.log"
     if status in PYTEST_STATUS:
@@ -301,7 +302,8 @@ def main() -> int:
             what = (f"transformers {release}, Hugging Face's tests ({summary['tests']} tests of {len(files)} families; "
                     f"the harness's shims: {'; '.join(summary['shims']) or 'none'})")
         else:
-            command, what = "python scripts/conformance.py --corpus standin", f"transformers {release}, standin corpus, {summary['tests']} tests"
+            command, what = ("python scripts/conformance.py --corpus standin",
+                             f"transformers {release}, standin corpus, {summary['tests']} tests")
         _update_docs(markdown + f"\n\n{what}, {round(seconds)} s with {args.workers} workers (`{command}`).", args.corpus)
     bad = summary["totals"].get("different", 0) + summary["totals"].get("crashed", 0)
     return 1 if bad or summary["tests_failing_only_with_the_plugin"] else 0

@@ -53,7 +53,7 @@ def main() -> int:
     import transformers
 
     from transformers_offload import compare, demo_model
-    from transformers_offload.record import record
+    from transformers_offload.jobs.record import record
 
     torch.set_num_threads(1)
     releases = args.releases or _installed()

@@ -34,7 +34,7 @@ if [ ! -f "$stamp" ] || ! .venv/bin/python -c "import transformers_offload, pyte
     rm -f .venv/.transformers-offload-installed-*
     touch "$stamp"
 fi
-# Chromium and its driver, for the viewer's browser tests (tests/test_viewer.py): Debian's packages.
+# Chromium and its driver, for the viewer's browser tests (tests/answers/test_viewer.py): Debian's packages.
 if [ "${TRANSFORMERS_OFFLOAD_SKIP_SYSTEM_PACKAGES:-0}" = 1 ]; then
     :
 elif ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then

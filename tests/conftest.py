@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -19,77 +20,10 @@ from hypothesis import settings  # noqa: E402
 # `TRANSFORMERS_OFFLOAD_FUZZ=large` runs ten times as many, from a random seed, on demand.
 settings.register_profile("ci", database=None, derandomize=True, deadline=None, print_blob=True)
 settings.register_profile("large", database=None, deadline=None, print_blob=True)
-FUZZ_SCALE = 10 if os.environ.get("TRANSFORMERS_OFFLOAD_FUZZ") == "large" else 1
+
+from .helpers import FUZZ_SCALE, TINY_MODELS, make_tiny  # noqa: E402
+
 settings.load_profile("large" if FUZZ_SCALE > 1 else "ci")
-
-from transformers import (  # noqa: E402
-    BartConfig,
-    BartForConditionalGeneration,
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    T5Config,
-    T5ForConditionalGeneration,
-)
-
-VOCAB = 128
-PAD = 0
-EOS = 1
-
-
-def _tiny_gpt2() -> torch.nn.Module:
-    config = GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=128,
-        bos_token_id=2, eos_token_id=EOS, pad_token_id=PAD,
-    )
-    return GPT2LMHeadModel(config)
-
-
-def _tiny_llama() -> torch.nn.Module:
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        bos_token_id=2, eos_token_id=EOS, pad_token_id=PAD,
-    )
-    return LlamaForCausalLM(config)
-
-
-def _tiny_t5() -> torch.nn.Module:
-    config = T5Config(
-        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-        decoder_start_token_id=PAD, pad_token_id=PAD, eos_token_id=EOS,
-    )
-    return T5ForConditionalGeneration(config)
-
-
-def _tiny_bart() -> torch.nn.Module:
-    config = BartConfig(
-        vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
-        pad_token_id=PAD, eos_token_id=EOS, bos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None,
-    )
-    return BartForConditionalGeneration(config)
-
-
-TINY_MODELS = {"gpt2": _tiny_gpt2, "llama": _tiny_llama}
-ENCODER_DECODERS = {"t5": _tiny_t5, "bart": _tiny_bart}
-
-
-def make_tiny(name: str, seed: int = 0, attn_implementation: str | None = None) -> torch.nn.Module:
-    """A tiny model from `TINY_MODELS` or `ENCODER_DECODERS`, seeded; `attn_implementation` as in
-    `from_pretrained` (default: the release's own default)."""
-    build = {**TINY_MODELS, **ENCODER_DECODERS}[name]
-    torch.manual_seed(seed)
-    model = build()
-    if attn_implementation is not None:
-        torch.manual_seed(seed)
-        model = type(model)._from_config(model.config, attn_implementation=attn_implementation)
-    model = model.eval()
-    # Random weights give near-uniform logits; sharpen them so greedy and beam choices are not ties.
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(8.0)
-    return model
 
 
 @pytest.fixture(params=sorted(TINY_MODELS))
@@ -100,18 +34,6 @@ def tiny_model(request: pytest.FixtureRequest) -> torch.nn.Module:
 @pytest.fixture
 def gpt2() -> torch.nn.Module:
     return make_tiny("gpt2")
-
-
-def left_padded_batch(lengths: tuple[int, ...] = (3, 6, 8), seed: int = 7) -> dict[str, torch.Tensor]:
-    """Prompts of different lengths, left-padded with PAD, with their attention mask."""
-    generator = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    input_ids = torch.full((len(lengths), width), PAD, dtype=torch.long)
-    attention_mask = torch.zeros((len(lengths), width), dtype=torch.long)
-    for row, length in enumerate(lengths):
-        input_ids[row, width - length :] = torch.randint(3, VOCAB, (length,), generator=generator)
-        attention_mask[row, width - length :] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
 @pytest.fixture(scope="session")
@@ -165,3 +87,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+REQUIRE_BROWSER = os.environ.get("TRANSFORMERS_OFFLOAD_REQUIRE_BROWSER") == "1"
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Headless Chromium through its driver (Debian's `chromium` and `chromium-driver`, which
+    scripts/setup.sh installs)."""
+    webdriver = pytest.importorskip("selenium.webdriver", exc_type=ImportError)
+    binary = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver_path = shutil.which("chromedriver")
+    if not (binary and driver_path):
+        if REQUIRE_BROWSER:
+            pytest.fail("Chromium or chromedriver is missing: run scripts/setup.sh (apt-get install chromium chromium-driver)")
+        pytest.skip("needs Chromium and chromedriver (apt-get install chromium chromium-driver; scripts/setup.sh "
+                    "installs them unless TRANSFORMERS_OFFLOAD_SKIP_SYSTEM_PACKAGES=1)")
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                     "--window-size=1200,900", "--no-first-run"):
+        options.add_argument(argument)
+    options.binary_location = binary
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(driver_path), options=options)
+    yield driver
+    driver.quit()

@@ -1,15 +1,47 @@
-"""Comparisons used across tests: exact, never with a tolerance."""
+"""What tests share: tiny models and prompts, the cases and runners several test modules use, and the
+comparisons (exact, never with a tolerance). Fixtures live in `conftest.py`; test modules import from
+here, never from one another."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass, replace
+from pathlib import Path
 
+import pytest
 import torch
 import transformers
-from transformers import GenerationConfig, LogitsProcessor
+from transformers import (
+    BartConfig,
+    BartForConditionalGeneration,
+    GenerationConfig,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LogitsProcessor,
+    PreTrainedTokenizerFast,
+    RepetitionPenaltyLogitsProcessor,
+    StoppingCriteria,
+    T5Config,
+    T5ForConditionalGeneration,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+)
 
-from transformers_offload import _compat
+from transformers_offload import (
+    Recorder,
+    UnsupportedModeError,
+    _compat,
+    open_recording,
+)
+from transformers_offload.store.header import GenerationHeader
 
+TESTS = Path(__file__).resolve().parent  # this directory
+ROOT = TESTS.parent  # the checkout
+GOLDEN = TESTS / "golden"  # the byte-exact recordings
 TRANSFORMERS = transformers.__version__  # for messages; release facts live in _compat
 # `output_logits` exists from 4.38, but Hugging Face's own raw logits are exact only from 4.40 (see
 # `_compat.HF_RAW_LOGITS_EXACT`); before that the reference is a clean capture of the forward output.
@@ -163,7 +195,7 @@ def made_up_sparse_scores(step: int, rows: int, vocab: int) -> torch.Tensor:
 
 def made_up_sparse_record(step: int, rows: int, vocab: int) -> torch.Tensor:
     """`made_up_sparse_scores` as the `"sparse"` encoding stores it (one flat int32 record)."""
-    from transformers_offload.capture.encodings import Sparse
+    from transformers_offload.codecs.sparse import Sparse
 
     scores = made_up_sparse_scores(step, rows, vocab)
     encoder = Sparse()
@@ -181,22 +213,23 @@ def write_made_up_recording(root, *, steps: int, rows: int, vocab: int, shard_by
     (seed 0); with
     `sparse`, a `made_up_sparse_record` (`"sparse"`); with `native`, the logits are `made_up_native_logits`
     recorded `"native"` for a bfloat16 model and the scores stored as them (`"same_as_logits"`)."""
-    from transformers_offload.store.shards import Spill
+    from transformers_offload.store.spill import Spill
 
     spill = Spill(root, shard_bytes=shard_bytes, model_info=FIXED_MODEL, created_by=FIXED_CREATED_BY)
-    header = {
-        "index": 0, "mode": "sample", "prompt_length": 2, "prompt_lengths": tuple([2] * rows), "num_beams": 1,
-        "pad_token_id": 0, "eos_token_id": (1,), "generation_config": {"do_sample": True},
-    }
-    names = ["logits", *(["scores"] * (not native)), "tokens", "finished"] + ["stats"] * stats
+    encodings = {}
     if native:
-        header["encodings"] = {"logits": "native", "scores": "same_as_logits"}
+        encodings = {"logits": "native", "scores": "same_as_logits"}
     if topk:
-        header["encodings"] = {"logits": "topk:2", "scores": "topk:2:q4"}
+        encodings = {"logits": "topk:2", "scores": "topk:2:q4"}
     if sampled:
-        header["encodings"] = {"scores": "sample:3@0.5"}
+        encodings = {"scores": "sample:3@0.5"}
     if sparse:
-        header["encodings"] = {"scores": "sparse"}
+        encodings = {"scores": "sparse"}
+    header = GenerationHeader(
+        index=0, mode="sample", prompt_length=2, prompt_lengths=tuple([2] * rows), num_beams=1, pad_token_id=0,
+        eos_token_id=(1,), generation_config={"do_sample": True}, encodings=encodings,
+    )
+    names = ["logits", *(["scores"] * (not native)), "tokens", "finished"] + ["stats"] * stats
     store = spill.open_store(names, header, max_steps=steps)
     generators: dict = {}  # the `sampled` draws', one CPU generator seeded 0
     if layers:
@@ -206,7 +239,7 @@ def write_made_up_recording(root, *, steps: int, rows: int, vocab: int, shard_by
         if stats:
             tensors["stats"] = made_up_stats(step, rows, vocab)
         if topk or sampled:
-            from transformers_offload.capture.packed_encodings import QuantisedTopK, Sampled, TopK
+            from transformers_offload.codecs.packed import QuantisedTopK, Sampled, TopK
 
             if topk:
                 tensors["logits"] = TopK("topk:2", torch.bfloat16).on_cpu(made_up_native_logits(step, rows, vocab))
@@ -216,14 +249,14 @@ def write_made_up_recording(root, *, steps: int, rows: int, vocab: int, shard_by
         if sparse:
             tensors["scores"] = made_up_sparse_record(step, rows, vocab)
         if native:
-            from transformers_offload.capture.encodings import Native
+            from transformers_offload.codecs.native import Native
 
             del tensors["scores"]
             tensors["logits"] = Native(torch.bfloat16).on_cpu(made_up_native_logits(step, rows, vocab))
         store.drain(step, tensors)
     sequences = torch.arange(rows * (2 + steps)).reshape(rows, 2 + steps) % vocab if complete else None
     error = None if complete else KeyboardInterrupt()
-    return store.finish(steps, {**header, "num_rows": rows}, sequences, error, ring_waits=0)
+    return store.finish(steps, replace(header, num_rows=rows), sequences, error, ring_waits=0)
 
 
 @dataclass
@@ -273,3 +306,391 @@ def hf_reference(model, **kwargs) -> Reference:
         assert (beam_indices[:, generated:] == -1).all()
         beam_indices = beam_indices[:, :generated]
     return Reference(out.sequences, out.scores, logits, beam_indices)
+
+
+# -- tiny models built from configs (no network), and their prompts --------------------------------------
+FUZZ_SCALE = 10 if os.environ.get("TRANSFORMERS_OFFLOAD_FUZZ") == "large" else 1
+
+
+VOCAB = 128
+
+
+PAD = 0
+
+
+EOS = 1
+
+
+def _tiny_gpt2() -> torch.nn.Module:
+    config = GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=128,
+        bos_token_id=2, eos_token_id=EOS, pad_token_id=PAD,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def _tiny_llama() -> torch.nn.Module:
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        bos_token_id=2, eos_token_id=EOS, pad_token_id=PAD,
+    )
+    return LlamaForCausalLM(config)
+
+
+def _tiny_t5() -> torch.nn.Module:
+    config = T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        decoder_start_token_id=PAD, pad_token_id=PAD, eos_token_id=EOS,
+    )
+    return T5ForConditionalGeneration(config)
+
+
+def _tiny_bart() -> torch.nn.Module:
+    config = BartConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+        pad_token_id=PAD, eos_token_id=EOS, bos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None,
+    )
+    return BartForConditionalGeneration(config)
+
+
+TINY_MODELS = {"gpt2": _tiny_gpt2, "llama": _tiny_llama}
+
+
+ENCODER_DECODERS = {"t5": _tiny_t5, "bart": _tiny_bart}
+
+
+def make_tiny(name: str, seed: int = 0, attn_implementation: str | None = None) -> torch.nn.Module:
+    """A tiny model from `TINY_MODELS` or `ENCODER_DECODERS`, seeded; `attn_implementation` as in
+    `from_pretrained` (default: the release's own default)."""
+    build = {**TINY_MODELS, **ENCODER_DECODERS}[name]
+    torch.manual_seed(seed)
+    model = build()
+    if attn_implementation is not None:
+        torch.manual_seed(seed)
+        model = type(model)._from_config(model.config, attn_implementation=attn_implementation)
+    model = model.eval()
+    # Random weights give near-uniform logits; sharpen them so greedy and beam choices are not ties.
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    return model
+
+
+def left_padded_batch(lengths: tuple[int, ...] = (3, 6, 8), seed: int = 7) -> dict[str, torch.Tensor]:
+    """Prompts of different lengths, left-padded with PAD, with their attention mask."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    input_ids = torch.full((len(lengths), width), PAD, dtype=torch.long)
+    attention_mask = torch.zeros((len(lengths), width), dtype=torch.long)
+    for row, length in enumerate(lengths):
+        input_ids[row, width - length :] = torch.randint(3, VOCAB, (length,), generator=generator)
+        attention_mask[row, width - length :] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+# -- shared from test_exactness --------------------------------------------------------------------------
+CASES = {
+    "greedy": {},
+    "greedy_penalties": dict(repetition_penalty=1.5, no_repeat_ngram_size=2, min_new_tokens=5, bad_words_ids=[[7], [8, 9]]),
+    "sample_temperature": dict(do_sample=True, temperature=0.7),
+    "sample_top_k_top_p": dict(do_sample=True, top_k=20, top_p=0.9),
+    "sample_min_p": dict(do_sample=True, min_p=0.1),
+    "sample_typical_p": dict(do_sample=True, typical_p=0.8),
+    "sample_repetition_ngram": dict(do_sample=True, repetition_penalty=1.3, no_repeat_ngram_size=3),
+    "sample_min_new_tokens_bad_words": dict(do_sample=True, min_new_tokens=6, bad_words_ids=[[5], [10, 11]]),
+    "sample_renormalize": dict(do_sample=True, temperature=1.3, top_k=40, renormalize_logits=True),
+    "sample_everything": dict(
+        do_sample=True, temperature=0.8, top_k=30, top_p=0.95, min_p=0.02, typical_p=0.95,
+        repetition_penalty=1.3, no_repeat_ngram_size=3, min_new_tokens=4, bad_words_ids=[[7]],
+        renormalize_logits=True,
+    ),
+    "num_return_sequences": dict(do_sample=True, num_return_sequences=3, top_k=50),
+    "greedy_rows_finish_early": dict(eos="early"),
+    "sample_rows_finish_early": dict(do_sample=True, eos="many"),
+    "beam_search": dict(num_beams=3),
+    "beam_return_sequences": dict(num_beams=4, num_return_sequences=2, length_penalty=0.5),
+    "beam_penalties_renormalize": dict(num_beams=3, repetition_penalty=1.2, no_repeat_ngram_size=2, renormalize_logits=True),
+    "beam_rows_finish_early": dict(num_beams=3, num_return_sequences=3, eos="early"),
+    "beam_sample": dict(num_beams=3, do_sample=True, temperature=0.9, top_k=30),
+}
+
+
+NEW_TOKENS = 12
+
+
+# Where the recording is read from: the in-memory recorder, a spilling recorder (shards of about five
+# steps, so that shard boundaries fall inside every case), and `open_recording` on that directory.
+READERS = ("memory", "spill", "open_recording")
+
+
+SEED = 1234
+
+
+SMALL_SHARD_BYTES = 16_000
+
+
+def resolve_eos(model, batch, kwargs):
+    """Pick EOS ids that make some rows finish early, from a plain run of the same call."""
+    kwargs = dict(kwargs)
+    eos = kwargs.pop("eos", None)
+    if eos is None:
+        return kwargs, [EOS]
+    if eos == "many":
+        ids = list(range(3, 40))
+        return {**kwargs, "eos_token_id": ids, "pad_token_id": PAD}, ids
+    torch.manual_seed(SEED)
+    plain = model.generate(**batch, max_new_tokens=NEW_TOKENS, **kwargs)
+    prompt = batch["input_ids"].shape[1]
+    chosen = int(plain[0, prompt + 2])
+    return {**kwargs, "eos_token_id": chosen, "pad_token_id": PAD}, [chosen]
+
+
+# -- shared from test_assisted ---------------------------------------------------------------------------
+# Batch 1 (assisted decoding's limit), with repeated n-grams for prompt lookup to find.
+ASSISTED_PROMPT = {"input_ids": torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]]),
+                   "attention_mask": torch.ones(1, 12, dtype=torch.long)}
+
+
+# Options, and the processors (and warpers) generate() builds for them, in the order it applies them.
+ASSISTED_CONFIGS = {
+    "greedy": ({}, []),
+    "repetition_penalty": ({"repetition_penalty": 1.3}, [RepetitionPenaltyLogitsProcessor(1.3)]),
+    "sampling": ({"do_sample": True, "temperature": 0.7, "top_k": 20}, [TemperatureLogitsWarper(0.7), TopKLogitsWarper(20)]),
+}
+
+
+ASSISTED_SOURCES = ("assistant_model", "prompt_lookup")
+
+
+def assisted_source(name: str) -> dict:
+    if name == "prompt_lookup":
+        return {"prompt_lookup_num_tokens": 4}
+    assistant = make_tiny("llama", seed=3)
+    # Always draft 4 tokens: a random assistant is never confident enough to draft by default (4.42+).
+    assistant.generation_config.num_assistant_tokens = 4
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    if hasattr(assistant.generation_config, "assistant_confidence_threshold"):
+        assistant.generation_config.assistant_confidence_threshold = 0.0
+    return {"assistant_model": assistant}
+
+
+# -- shared from test_modes ------------------------------------------------------------------------------
+MODE_CASES = {
+    "greedy": {},
+    "sample": {"do_sample": True, "top_k": 20},
+    "beam_search": {"num_beams": 3, "num_return_sequences": 2},
+}
+
+
+# Contrastive search and DoLa run inside the library up to 4.56 (DoLa from 4.43); 4.57 moved them to
+# the Hub, where the recorder refuses them.
+IN_LIBRARY = {
+    "contrastive_search": {"penalty_alpha": 0.6, "top_k": 4},
+    "contrastive_search_penalty": {"penalty_alpha": 0.6, "top_k": 4, "repetition_penalty": 1.3},
+    "dola_generation": {"dola_layers": "low", "repetition_penalty": 1.2},
+}
+
+
+GROUP_BEAM = {
+    "group_beam_search": {"num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 1.0},
+    "group_beam_return_penalty": {"num_beams": 6, "num_beam_groups": 3, "diversity_penalty": 0.5,
+                                  "num_return_sequences": 2, "repetition_penalty": 1.3},
+}
+
+
+# -- shared from test_stats ------------------------------------------------------------------------------
+STATS_KEYS = ("token", "logprob_raw", "logprob_processed", "rank_raw", "rank_processed", "entropy_raw",
+        "entropy_processed", "logsumexp_raw", "support_processed")
+
+
+# Every other mode: the stats equal the expressions on the recording's own logits and scores, which
+# the mode's own tests show equal to Hugging Face's.
+def _other_modes() -> dict:
+    cases = {}
+    for source in ASSISTED_SOURCES:
+        for config in ("greedy", "sampling"):
+            cases[f"assisted_{source}_{config}"] = ("llama", ASSISTED_PROMPT,
+                                                    dict(ASSISTED_CONFIGS[config][0], max_new_tokens=16), source)
+    for name, kwargs in {**IN_LIBRARY, **GROUP_BEAM}.items():
+        cases[name] = ("llama", None, dict(kwargs, max_new_tokens=8), None)
+    for model in ("t5", "bart"):
+        for mode, kwargs in MODE_CASES.items():
+            cases[f"{model}_{mode}"] = (model, None, dict(kwargs, max_new_tokens=8), None)
+    cases["low_memory_beam_search"] = ("gpt2", None, dict(num_beams=3, low_memory=True, max_new_tokens=6), None)
+    cases["static_cache_sample"] = ("llama", None,
+                                    dict(do_sample=True, top_k=20, cache_implementation="static", max_new_tokens=8), None)
+    return cases
+
+
+OTHER_MODES = _other_modes()
+
+
+def other_mode(case: str, dtype: torch.dtype | None = None) -> tuple:
+    """OTHER_MODES[`case`]'s model (cast to `dtype`, if given), batch and generate() options; skips
+    where the release lacks them."""
+    name, prompt, kwargs, source = OTHER_MODES[case]
+    if missing_options(kwargs):
+        pytest.skip(f"transformers {TRANSFORMERS} has no {missing_options(kwargs)}")
+    model = make_tiny(name)
+    if dtype is not None:
+        model = model.to(dtype)
+    if source is not None:
+        extra = assisted_source(source)
+        if missing_options(extra):
+            pytest.skip(f"transformers {TRANSFORMERS} has no {missing_options(extra)}")
+        kwargs = dict(kwargs, **extra)
+    return model, prompt if prompt is not None else left_padded_batch(), kwargs
+
+
+def record_other_mode(case: str, tmp_path, variants: list[dict], dtype: torch.dtype | None = None) -> list:
+    """Run OTHER_MODES[`case`] (its model cast to `dtype`, if given) once per Recorder options in
+    `variants` (each spilled, small shards) and return the generations read back with `open_recording`;
+    skips where the release lacks the mode."""
+
+    model, batch, kwargs = other_mode(case, dtype)
+    generations = []
+    for index, options in enumerate(variants):
+        with Recorder(model, spill_dir=tmp_path / str(index), shard_bytes=3_000, **options) as rec:
+            torch.manual_seed(0)
+            try:
+                model.generate(**batch, logits_processor=[rec], **kwargs)
+            except UnsupportedModeError:
+                pytest.skip(f"transformers {TRANSFORMERS} does not run {case} in the library")
+        generations.append(open_recording(tmp_path / str(index)).generation())
+    return generations
+
+
+def run_case(model, case, streams, spill_dir=None):
+    batch = left_padded_batch()
+    kwargs, _ = resolve_eos(model, batch, CASES[case])
+    if missing_options(kwargs):
+        pytest.skip(f"transformers {TRANSFORMERS} has no {missing_options(kwargs)}")
+    torch.manual_seed(SEED)
+    reference = hf_reference(model, **batch, max_new_tokens=NEW_TOKENS, **kwargs)
+    options = {} if spill_dir is None else {"spill_dir": spill_dir, "shard_bytes": SMALL_SHARD_BYTES}
+    with Recorder(model, streams=streams, **options) as rec:
+        torch.manual_seed(SEED)
+        sequences = model.generate(**batch, logits_processor=[rec], max_new_tokens=NEW_TOKENS, **kwargs)
+    assert torch.equal(sequences, reference.sequences), "the recorder changed the generated tokens"
+    return batch, kwargs, reference, rec
+
+
+def expected_stats(x: torch.Tensor, s: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor | None) -> dict:
+    """docs/recording.md's expressions, on one step's raw logits `x` and processed scores `s`."""
+    tokens = tokens.to(x.device)
+    rows = torch.arange(tokens.shape[0], device=x.device)
+    continues = tokens >= 0
+    if parents is not None:
+        parents = parents.to(x.device)
+        continues = continues & (parents >= 0)
+        rows = torch.where(parents >= 0, parents, rows)
+    y = torch.where(continues, tokens, 0)
+    values = {
+        "token": torch.where(continues, tokens, -1),
+        "logprob_raw": torch.log_softmax(x, -1)[rows, y].float(),
+        "logprob_processed": torch.log_softmax(s, -1)[rows, y].float(),
+        "rank_raw": (x[rows] > x[rows, y][:, None]).sum(-1),
+        "rank_processed": (s[rows] > s[rows, y][:, None]).sum(-1),
+        "entropy_raw": torch.special.entr(torch.softmax(x, -1)).sum(-1)[rows].float(),
+        "entropy_processed": torch.special.entr(torch.softmax(s, -1)).sum(-1)[rows].float(),
+        "logsumexp_raw": torch.logsumexp(x, -1)[rows].float(),
+        "support_processed": torch.isfinite(s).sum(-1)[rows],
+    }
+    for name in ("logprob_raw", "logprob_processed"):
+        values[name] = torch.where(continues, values[name], float("nan"))
+    for name in ("rank_raw", "rank_processed"):
+        values[name] = torch.where(continues, values[name], -1)
+    return values
+
+
+def assert_stats_equal(recorded: tuple, reference, tokens: tuple, parents: tuple | None) -> None:
+    assert len(recorded) == len(reference.scores) > 0
+    for t, step in enumerate(recorded):
+        assert tuple(step) == STATS_KEYS
+        expected = expected_stats(reference.logits[t], reference.scores[t], tokens[t], None if parents is None else parents[t])
+        for name in STATS_KEYS:
+            mine, theirs = step[name], expected[name].cpu()
+            assert mine.dtype == theirs.dtype and mine.shape == theirs.shape, (t, name, mine.dtype, theirs.dtype)
+            assert torch.equal(mine.isnan(), theirs.isnan()), (t, name)
+            assert torch.equal(mine.nan_to_num(0.0), theirs.nan_to_num(0.0)), f"step {t}: {name} differs"
+
+
+# -- shared from test_encodings --------------------------------------------------------------------------
+TOPK_KEYS = ("values", "indices", "logsumexp", "mass_outside", "logprobs")
+
+
+def expected_topk(x: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
+    """The documented expressions, on one step's `(rows, vocab)` tensor."""
+    values, indices = torch.topk(x, k, dim=-1)
+    logsumexp = torch.logsumexp(x, -1)
+    mass_outside = torch.exp(torch.logsumexp(x.scatter(-1, indices, float("-inf")), -1) - logsumexp)
+    return {
+        "values": values.float(), "indices": indices, "logsumexp": logsumexp.float(),
+        "mass_outside": mass_outside.float(), "logprobs": values.float() - logsumexp.float()[:, None],
+    }
+
+
+def assert_topk_equal(recorded: tuple, reference: tuple, k: int) -> None:
+    assert len(recorded) == len(reference) > 0
+    for t, (step, dense) in enumerate(zip(recorded, reference)):
+        assert tuple(step) == TOPK_KEYS
+        expected = expected_topk(dense, k)
+        for name in TOPK_KEYS:
+            mine, theirs = step[name], expected[name].cpu()
+            assert mine.dtype == theirs.dtype and mine.shape == theirs.shape, (t, name)
+            assert torch.equal(mine.isnan(), theirs.isnan()), (t, name)
+            assert torch.equal(mine.nan_to_num(0.0, posinf=1e30, neginf=-1e30),
+                               theirs.nan_to_num(0.0, posinf=1e30, neginf=-1e30)), \
+                f"step {t}: {name} differs"
+
+
+# -- shared from test_record -----------------------------------------------------------------------------
+def complete_samples(out: Path) -> Counter:
+    with open_recording(out) as run:
+        return Counter(str(s) for g in run.generations if g.complete for s in g.sample_ids)
+
+
+def record_model():
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=256,
+                                      bos_token_id=2, eos_token_id=1, pad_token_id=0)).eval()
+
+
+def write_prompts(path: Path, count: int, *, ids: bool = True) -> Path:
+    lines = [{**({"id": f"s{i:03d}"} if ids else {}), "text": " ".join(f"w{3 + (i * 7 + k) % 120}" for k in range(2 + i % 5))}
+             for i in range(count)]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def record_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[PAD]": 0, "[EOS]": 1, "[BOS]": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    inner = Tokenizer(models.WordLevel(vocab, unk_token="[PAD]"))
+    inner.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=inner, pad_token="[PAD]", eos_token="[EOS]", bos_token="[BOS]",
+                                   clean_up_tokenization_spaces=False)  # 4.44 warns when it is not set
+
+
+# -- shared from test_sparse -----------------------------------------------------------------------------
+def assert_dense_equal(recorded: tuple, reference: tuple) -> None:
+    assert len(recorded) == len(reference) > 0
+    for t, (mine, theirs) in enumerate(zip(recorded, reference)):
+        theirs = theirs.cpu()
+        assert mine.dtype == theirs.dtype and mine.shape == theirs.shape, t
+        assert torch.equal(mine.isnan(), theirs.isnan()), t
+        assert torch.equal(mine.nan_to_num(0.0), theirs.nan_to_num(0.0)), f"step {t} differs"
+
+
+# -- shared from test_logprobs ---------------------------------------------------------------------------
+class FailAtStepCriteria(StoppingCriteria):
+    def __init__(self, step):
+        self.step, self.calls = step, 0
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.calls += 1
+        if self.calls > self.step:
+            raise RuntimeError("stopped on purpose")
+        return False  # transformers 4.36 wants a bool; later releases broadcast it over the rows

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from .helpers import ROOT
 
 CALLS = textwrap.dedent('''
     import pytest
@@ -172,7 +172,8 @@ def test_a_run_where_a_file_did_not_collect_or_recorded_no_call_is_refused(tmp_p
     assert problems[1].startswith("test_broken.py failed to collect: E   ModuleNotFoundError: No module named "
                                   "'test_module_that_is_not_there'")
     assert problems[2:] == [f"no test ran (see {out / 'pytest.log'})",
-                            "test_broken.py: no generate() call was recorded (its tests ran none, or the plugin did not see them)",
+                            "test_broken.py: no generate() call was recorded (its tests ran none, or the plugin did "
+                            "not see them)",
                             "test_quiet.py: no generate() call was recorded (its tests ran none, or the plugin did not see them)"]
     assert script._refusals(tmp_path / "nothing", 5, [], None) == [
         f"pytest ended with status 5 (no test collected); see {tmp_path / 'nothing' / 'pytest.log'}",

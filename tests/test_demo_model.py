@@ -17,7 +17,8 @@ import pytest
 
 from transformers_offload import demo_model
 
-ROOT = Path(__file__).resolve().parent.parent
+from .helpers import ROOT
+
 SCRIPT = ROOT / "tests" / "scripts" / "fetch_demo_model.py"
 # A hang detector, not a time limit: a conversion of the tiny model takes about 15 s on a busy 2-core machine.
 HANG_SECONDS = 300

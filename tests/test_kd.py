@@ -18,9 +18,7 @@ from transformers_offload import KDCollator, Recorder, group_sequences, kd_loss,
 from transformers_offload.answers.kd_table import kd_arrow
 from transformers_offload.cli import main
 
-from .conftest import PAD, VOCAB, left_padded_batch, make_tiny
-
-ROOT = Path(__file__).resolve().parent.parent
+from .helpers import PAD, ROOT, VOCAB, left_padded_batch, make_tiny
 
 
 def _record(tmp_path: Path, *, encodings: dict | None = None, prompt_logprobs: int | bool | None = None,
@@ -281,7 +279,7 @@ def test_the_gradient_is_the_gradient_of_the_expression(temperature):
     targets["target_mask"] = torch.ones((3, 4), dtype=torch.bool)
     targets["target_mask"][2, 2:] = False
     for kind in ("forward", "reverse", "jsd"):
-        assert torch.autograd.gradcheck(lambda z: kd_loss(z, targets, temperature, kind), (student,))
+        assert torch.autograd.gradcheck(lambda z, kind=kind: kd_loss(z, targets, temperature, kind), (student,))
 
 
 def _tail(logprobs: list[float]) -> float:
@@ -407,7 +405,8 @@ def test_the_example_distils_the_real_models_targets_and_the_loss_falls(real_mod
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "datasets-cache"),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "distill.py"), "--prompts", "2", "--new-tokens", "12", "--steps", "15", "--held-out", "0",
+        [sys.executable, str(ROOT / "examples" / "distill.py"), "--prompts", "2", "--new-tokens", "12", "--steps", "15",
+         "--held-out", "0",
          "--json", str(tmp_path / "curve.json")],
         capture_output=True, text=True, timeout=600, env=env,
     )

@@ -1,9 +1,9 @@
-"""The package's layout: imports between its folders run one way, along the data's path.
+"""The package's layout: imports run one way, along the data's path, and no module imports itself round.
 
-`capture/` (inside `generate()`) and `read/` (reading a recording) both use `store/`; `store/` uses
-neither, nor the recorder; `_compat` and `_interrupts` use nothing of the package. Inside `read/` the
-modules import one another one way too, with no circle. Checked from the source's import statements,
-including those inside functions and under `TYPE_CHECKING`.
+The leaves (`errors`, `codecs/`, `_compat`...) use nothing above them; `store/` uses the leaves; `capture/`
+(inside `generate()`) and `read/` (reading a recording) use `store/` and never each other; `answers/` only
+read; the recorder joins capture, store and read; `jobs/`, `rescoring/` and `cli/` sit on top. Checked from
+the source's import statements, including those inside functions and under `TYPE_CHECKING`.
 """
 
 from __future__ import annotations
@@ -14,21 +14,28 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "transformers_offload"
+from .helpers import ROOT
 
-# Folder (or top-level module) -> what it must never import.
-FORBIDDEN = {
-    "capture": ("read", "answers", "recorder", "record", "parallel", "claims", "cli"),
-    "store": ("capture", "read", "answers", "recorder", "record", "parallel", "claims", "cli"),
-    "read": ("capture", "answers", "recorder", "record", "parallel", "claims", "cli"),
-    "answers": ("capture", "recorder", "record", "parallel", "claims", "cli"),
-    "parallel": ("capture", "store", "read", "answers", "recorder", "record", "claims", "cli"),
-    "claims": ("capture", "read", "answers", "recorder", "record", "parallel", "cli"),  # store.format only
-    "_compat": ("capture", "store", "read", "answers", "recorder", "record", "parallel", "claims", "cli",
-                "_interrupts"),
-    "_interrupts": ("capture", "store", "read", "answers", "recorder", "record", "parallel", "claims", "cli",
-                    "_compat"),
+PACKAGE = ROOT / "transformers_offload"
+
+# Each folder or top-level module -> the folders and modules of the package it may import: the data's path,
+# from the leaves (errors, codecs, the compatibility layer) through the stores to capture and reading, then the
+# answers, the recorder, the second pipelines and the command line. Whatever is not listed is refused.
+LEAVES = ("errors", "_compat", "_interrupts", "_lazy", "_version", "demo_model", "distill")
+ALLOWED = {
+    **{leaf: set() for leaf in LEAVES},
+    "codecs": {"_lazy"},
+    "store": {"errors", "codecs", "_compat", "_interrupts", "_lazy"},
+    "capture": {"errors", "codecs", "store", "_compat", "_interrupts", "_lazy", "_version"},
+    "read": {"errors", "codecs", "store", "_lazy"},
+    "answers": {"errors", "codecs", "store", "read", "demo_model", "_lazy"},
+    "recorder": {"errors", "codecs", "store", "capture", "read", "_compat", "_version"},
+    "jobs": {"errors", "store", "read", "recorder"},
+    "rescoring": {"errors", "store", "read", "recorder", "jobs", "_compat"},
+    "cli": {"errors", "store", "read", "answers", "jobs", "rescoring", "demo_model"},
+    "__main__": {"cli"},
 }
+TOP_LEVEL = {"__init__", "__main__", "recorder", *LEAVES}  # the top level holds only these modules
 
 
 def _modules() -> list[Path]:
@@ -62,16 +69,26 @@ def _owner(path: Path) -> str:
 
 @pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_imports_run_one_way(path: Path) -> None:
-    rules = FORBIDDEN.get(_owner(path), ())
-    wrong = sorted(name for name in _imported(path) if name.split(".")[0] in rules)
+    owner = _owner(path)
+    if owner == "__init__":  # the package's face re-exports the public names of every folder
+        return
+    allowed = ALLOWED[owner] | {owner}
+    wrong = sorted(name for name in _imported(path) if name.split(".")[0] not in allowed)
     assert not wrong, f"{path.relative_to(PACKAGE)} imports {wrong}, against the layout's direction"
+
+
+def test_every_folder_and_top_level_module_has_a_place() -> None:
+    owners = {_owner(path) for path in _modules()}
+    folders = {path.name for path in PACKAGE.iterdir() if path.is_dir() and (path / "__init__.py").exists()}
+    assert owners - {"__init__"} <= set(ALLOWED), f"not placed in the layout: {sorted(owners - set(ALLOWED) - {'__init__'})}"
+    assert owners - folders <= TOP_LEVEL, f"top-level modules beside the entry point: {sorted(owners - folders - TOP_LEVEL)}"
 
 
 def test_the_checker_sees_relative_imports() -> None:
     # The checker itself, on real modules: the recorder uses all three folders; a reader module
-    # reaches `store` with `..`, a capture module its sibling with `.` and `_compat` with `..`.
+    # reaches `errors` with `..`, a capture module its sibling with `.` and `_compat` with `..`.
     assert {"capture.hooks", "store.memory.MemoryStore", "read.generation.Generation"} <= _imported(PACKAGE / "recorder.py")
-    assert "store.format.RecordingError" in _imported(PACKAGE / "read" / "reader.py")
+    assert "errors.RecordingError" in _imported(PACKAGE / "read" / "reader.py")
     assert {"capture.layers", "_compat"} <= _imported(PACKAGE / "capture" / "capture.py")
 
 
@@ -91,6 +108,31 @@ def test_read_imports_have_no_circle() -> None:
     assert {"generation", "layer_reading", "reader", "ranks", "readable"} <= set(order)
 
 
+def _package_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Each module of the package (dotted, `cli.main`; a folder's `__init__` as the folder) -> the package's
+    modules it imports, each import resolved to the longest dotted prefix that is a module."""
+    def dotted(path: Path) -> str:
+        parts = path.relative_to(package).with_suffix("").parts
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    modules = {dotted(path): path for path in package.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for imported in _imported(path, package):
+            parts = imported.split(".")
+            prefix = next((".".join(parts[:n]) for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in modules), None)
+            if prefix is not None and prefix != name:
+                targets.add(prefix)
+        graph[name] = targets
+    return graph
+
+
+def test_the_package_has_no_import_circle() -> None:
+    order = list(graphlib.TopologicalSorter(_package_graph()).static_order())
+    assert {"errors", "recorder", "cli.main", "store.manifest", "capture.hooks"} <= set(order)
+
+
 def test_the_circle_check_sees_type_checking_and_function_imports(tmp_path: Path) -> None:
     # A circle made only of an import under `if TYPE_CHECKING:` and one inside a function is found.
     (tmp_path / "read").mkdir()
@@ -102,3 +144,23 @@ def test_the_circle_check_sees_type_checking_and_function_imports(tmp_path: Path
     assert _read_graph(tmp_path) == {"low": {"high"}, "high": {"low"}, "side": set()}
     with pytest.raises(graphlib.CycleError):
         list(graphlib.TopologicalSorter(_read_graph(tmp_path)).static_order())
+
+
+TESTS = PACKAGE.parent / "tests"
+
+
+def test_the_tests_mirror_the_package_and_import_no_test_module():
+    # tests/<folder>/ for each folder of the package they test; a test module imports the shared `helpers`
+    # (and its fixtures come from `conftest`), never another test module.
+    folders = {path.name for path in TESTS.iterdir() if (path / "__init__.py").exists()
+               and path.name not in ("conformance", "golden", "scripts")}
+    package = {path.name for path in PACKAGE.iterdir() if (path / "__init__.py").exists()}
+    assert folders and folders <= package, f"test folders the package does not have: {sorted(folders - package)}"
+    wrong = []
+    for path in sorted(TESTS.rglob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                names = [node.module or "", *(alias.name for alias in node.names)]
+                if any(name.split(".")[-1].startswith(("test_", "conftest")) for name in names):
+                    wrong.append(f"{path.relative_to(TESTS)}:{node.lineno}")
+    assert not wrong, f"test modules importing test modules or conftest: {wrong}"

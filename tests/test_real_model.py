@@ -6,14 +6,13 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from transformers_offload import Recorder, open_recording
 
-from .helpers import assert_steps_equal, finished_from_sequences, hf_reference
+from .helpers import ROOT, assert_steps_equal, finished_from_sequences, hf_reference
 
 pytestmark = pytest.mark.slow
 
@@ -108,7 +107,6 @@ def test_real_model_answers_the_capital_question(real_model, chat_batch):
     assert int(rec.logits()[step][0].argmax()) == paris
 
 
-ROOT = Path(__file__).resolve().parent.parent
 STEPS, CHECKPOINT, BATCH, SHARD_MIB = 256, 64, 4, 8
 STEP_MIB = BATCH * 49152 * 4 * 2 / 2**20  # raw logits and processed scores, float32
 
@@ -164,9 +162,8 @@ def test_spilling_every_layers_attentions_keeps_peak_memory_flat(real_model):
                  for _ in range(times)]
         return min(found, key=lambda run: run["growth_mib"])
 
-    # One run each failed once on a clean clone: spill +50.1 MiB against stock's +34.9 (bound +12); the
-    # least of 2 failed twice on 2026-12-04 (+43.3 against +30.0). Six fresh processes each that day:
-    # stock +28.6 to +42.3 MiB, spill +27.8 to +53.3 (the C library's heaps, as below): the least of 3.
+    # A single run of each spreads by more than the bound (the C library's heaps, as below): the least
+    # of 3 fresh processes each.
     runs = {"none": least("none", 3), "spill": least("spill", 3), "memory": least("memory", 1)}
     print(json.dumps(runs, indent=1))
     stock, spill, memory = runs["none"], runs["spill"], runs["memory"]
@@ -185,9 +182,9 @@ GLIBC_HEAP_MIB = 64  # the size of one glibc heap of a non-main arena (HEAP_MAX_
 def _layer_peak(case: dict, prompt_tokens: int = 1000) -> float:
     """Peak RSS growth of one generate() call over a `prompt_tokens` prompt, the least of
     `LAYER_PEAK_RUNS` fresh processes with the C library's default allocator settings
-    (bench/layer_peak.py). The least, not one run: there stock generate() itself spreads by 67 MiB
-    (122.6 to 190.0 MiB over 3 runs, 2026-12-03: glibc's reuse of the blocks the eager attention frees
-    layer by layer), more than the hidden state's bound below; the least is what the call needs."""
+    (bench/layer_peak.py). The least, not one run: stock generate() itself spreads by more than the
+    hidden state's bound below between runs (glibc's reuse of the blocks the eager attention frees
+    layer by layer; bench/README.md has the figures); the least is what the call needs."""
     return min(run["growth_mib"] for run in _bench("layer_peak").measure(case, prompt_tokens, 4, LAYER_PEAK_RUNS))
 
 
@@ -203,15 +200,12 @@ def stock_peak(real_model) -> float:
 ], ids=["attentions", "attentions-newest", "hidden_states"])
 def test_one_selected_layer_over_a_long_prompt_costs_at_most_twice_its_own_bytes(real_model, stock_peak, selection):
     """SmolLM2 (eager), a 1,000-token prompt, the last layer: peak growth over stock generate() within
-    2 x that layer's prefill bytes + 32 MiB, plus one glibc heap (asking the forward for every layer,
-    as before module hooks, cost about 1 GiB). Attention weights: 9 heads x 1,000 x 1,000 x 4 bytes.
+    2 x that layer's prefill bytes + 32 MiB, plus one glibc heap. Attention weights: 9 heads x 1,000 x
+    1,000 x 4 bytes.
 
-    The peak of this call is bimodal, stock's and the recorder's alike: 4 fresh processes each,
-    2026-12-03, stock 201.7, 127.0, 188.2, 193.6 MiB; hidden states 173.3, 200.6, 126.4, 184.3 MiB
-    (`bench/layer_peak.py --runs 4`). The upper mode sits 55 to 75 MiB higher, about one 64 MiB heap
-    of the C library's allocator (not traced further). Comparing the least of 3 runs failed once on a
-    clean clone (121.3 against 182.7: every recorded run in the upper mode), so the bound allows that
-    heap."""
+    The peak of this call is bimodal, stock's and the recorder's alike (`bench/layer_peak.py --runs 4`):
+    the upper mode sits about one 64 MiB heap of the C library's allocator higher, and every one of
+    3 runs may fall in it, so the bound allows that heap."""
     stock = stock_peak
     recorded = _layer_peak(selection)
     layer_mib = (9 * 1000 * 1000 * 4 if selection["streams"] == ["attentions"] else 1000 * 576 * 4) / 2**20

@@ -5,36 +5,36 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 # Each public name and the module that defines it, imported when the name is first used (PEP 562), so
 # that reading a recording (`open_recording`, the `inspect` and `verify` commands) imports neither torch
 # nor transformers; `Recorder` and `rescore` import them.
 _EXPORTS = {
-    "CompareError": ".answers.compare",
+    "CompareError": ".errors",
     "Comparison": ".answers.compare",
     "compare": ".answers.compare",
     "to_arrow": ".answers.table",
     "to_pandas": ".answers.table",
     "write_parquet": ".answers.table",
     "write_html": ".answers.viewer",
-    "UnsupportedModeError": ".capture.modes",
+    "UnsupportedModeError": ".errors",
     "Generation": ".read.generation",
-    "StreamNotRecorded": ".read.indexing",
+    "StreamNotRecorded": ".errors",
     "Recording": ".read.reader",
     "open_recording": ".read.reader",
-    "DeviceAccumulationWarning": ".recorder",
+    "DeviceAccumulationWarning": ".errors",
     "Recorder": ".recorder",
-    "RecordingMismatchWarning": ".recorder",
-    "UnrecordedCallWarning": ".recorder",
-    "RescoreError": ".rescoring",
-    "rescore": ".rescoring",
+    "RecordingMismatchWarning": ".errors",
+    "UnrecordedCallWarning": ".errors",
+    "RescoreError": ".errors",
+    "rescore": ".rescoring.decode",
     "KDCollator": ".distill",
     "group_sequences": ".distill",
     "kd_loss": ".distill",
     "write_kd_parquet": ".answers.kd_table",
-    "RecordingError": ".store.format",
-    "SpillError": ".store.shards",
+    "RecordingError": ".errors",
+    "SpillError": ".errors",
     "TransferStats": ".store.stored",
 }
 
@@ -57,17 +57,24 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what the names are, for type checkers and editors
-    from .answers.compare import CompareError, Comparison, compare
+    from .answers.compare import Comparison, compare
+    from .answers.kd_table import write_kd_parquet
     from .answers.table import to_arrow, to_pandas, write_parquet
     from .answers.viewer import write_html
-    from .capture.modes import UnsupportedModeError
-    from .read.generation import Generation
-    from .read.indexing import StreamNotRecorded
-    from .read.reader import Recording, open_recording
-    from .recorder import DeviceAccumulationWarning, Recorder, RecordingMismatchWarning, UnrecordedCallWarning
-    from .rescoring import RescoreError, rescore
     from .distill import KDCollator, group_sequences, kd_loss
-    from .answers.kd_table import write_kd_parquet
-    from .store.format import RecordingError
-    from .store.shards import SpillError
+    from .errors import (
+        CompareError,
+        DeviceAccumulationWarning,
+        RecordingError,
+        RecordingMismatchWarning,
+        RescoreError,
+        SpillError,
+        StreamNotRecorded,
+        UnrecordedCallWarning,
+        UnsupportedModeError,
+    )
+    from .read.generation import Generation
+    from .read.reader import Recording, open_recording
+    from .recorder import Recorder
+    from .rescoring.decode import rescore
     from .store.stored import TransferStats

@@ -17,7 +17,6 @@ import transformers
 from packaging.version import Version
 from transformers import GenerationMixin
 
-
 # Where the list classes live, re-exported so that no other module imports transformers' internals.
 from transformers.generation import LogitsProcessorList, StoppingCriteriaList  # noqa: F401
 

@@ -10,7 +10,8 @@ from typing import Any
 
 class LazyModule:
     """A stand-in for module `name`: reading any attribute imports the module (once) and returns the
-    module's attribute. `name` stays out of `sys.modules` until then.
+    module's attribute. `name` stays out of `sys.modules` until then. Attributes the module sets after
+    the first read are still found (through the module); one it replaces afterwards is not seen.
 
     Example:
         >>> torch = LazyModule("torch")
@@ -22,7 +23,11 @@ class LazyModule:
         self._name = name
 
     def __getattr__(self, attribute: str) -> Any:
+        # Called only for names not yet in this object's own dict: once the module is imported, its
+        # attributes are copied in, so later reads (per-step code in `codecs`) cost a plain lookup.
         module = sys.modules.get(self._name) or importlib.import_module(self._name)
+        self.__dict__.update((name, value) for name, value in vars(module).items()
+                             if not name.startswith("__") and name != "_name")
         return getattr(module, attribute)
 
     def __repr__(self) -> str:

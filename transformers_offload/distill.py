@@ -25,7 +25,8 @@ bucket never raises a KL divergence or a JSD (the data-processing inequality), s
 a lower bound of the same loss over the whole vocabulary; they are equal when K is the vocabulary (the
 tail is empty). At `T = 1` the gap is exactly what the two distributions disagree on inside the tail
 (the chain rule of KL): `p_tail * KL(p_rest || q_rest)` for `forward` (the teacher's tail mass times the
-KL of the two tails, each normalised), `q_tail * KL(q_rest || p_rest)` for `reverse`. docs/distill.md gives the gap measured on SmolLM2.
+KL of the two tails, each normalised), `q_tail * KL(q_rest || p_rest)` for `reverse`. docs/distill.md gives the gap measured
+on SmolLM2.
 
 At `T = 1` the teacher's buckets are the recorded probabilities. At another temperature the kept ids
 are exact (`p_i^(1/T)` renormalised) but the tail is scaled as if it were one token (`p_tail^(1/T)`),
@@ -86,7 +87,8 @@ def kd_loss(student_logits: torch.Tensor, targets: Mapping[str, Any], temperatur
 
     Example:
         >>> batch = KDCollator()(rows)  # doctest: +SKIP
-        >>> loss = kd_loss(student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits, batch)  # doctest: +SKIP
+        >>> loss = kd_loss(student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits, batch)  #
+        doctest: +SKIP
     """
     if kind not in KINDS:
         raise ValueError(f"`kind` must be one of {KINDS}, got {kind!r}.")

@@ -4,169 +4,86 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import threading
 import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
-import safetensors
 import torch
-import transformers
-from transformers import GenerationMixin
-from transformers.generation import LogitsProcessor, StoppingCriteria
+from transformers.generation import LogitsProcessor
 
-from . import _compat
-from .capture import encodings as _encodings
 from .capture import hooks as _hooks
 from .capture import layers as _layers
 from .capture import prompt_logprobs as _prompt_logprobs
 from .capture.capture import Capture
-from .capture.hooks import CallRecorder
-from .capture.modes import UnsupportedModeError
-from .capture.verify import RecordingMismatch
+from .capture.loop_check import RecordingMismatch
+from .capture.options import DEFAULT_STREAMS, RecorderOptions, created_by, device_type, model_info
+from .errors import DeviceAccumulationWarning, RecordingMismatchWarning, UnrecordedCallWarning, UnsupportedModeError
 from .read.generation import Generation, generation_of
-from .read.readable import MemoryRecording, reads_through
-from .store import manifest as _manifest
-from .store.format import NATIVE
+from .read.readable import Readable
+from .store.header import GenerationHeader, check_sample_ids
 from .store.memory import MemoryStore
-from .store.shards import DEFAULT_SHARD_BYTES, Spill
-
-DEFAULT_STREAMS = ("logits", "scores")
-STREAMS = (*DEFAULT_STREAMS, *_layers.STREAMS, "stats")
+from .store.spill import DEFAULT_SHARD_BYTES, Spill
 
 
-class RecordingMismatchWarning(UserWarning):
-    """What a `generate()` call recorded disagrees with what the call computed or returned (its decoding
-    loop ran more than once, a step's processors never ran, the returned sequences are not the recorded
-    tokens): the generation is marked incomplete (`complete=False`) with the disagreement as its `error`."""
-
-
-class DeviceAccumulationWarning(UserWarning):
-    """`generate()` was also asked to return per-step outputs (scores, logits, attentions, hidden
-    states), which it keeps on the device until it returns."""
-
-
-class UnrecordedCallWarning(UserWarning):
-    """A Recorder closed having recorded nothing, while its model's `generate()` ran without it in
-    `logits_processor`: a recorder only records the calls it is handed (`logits_processor=[rec]`)."""
-
-
-@reads_through("_recording")  # logits(), scores(), topk()...: those of the `MemoryRecording` it owns
-class Recorder(CallRecorder, LogitsProcessor, StoppingCriteria):
+class Recorder(Readable, LogitsProcessor):
     """Records every step of `model.generate()` and moves it off the device within the step.
 
     Hand it to a stock call, anywhere in the list: `model.generate(**enc, logits_processor=[rec])`.
     For each generated step it records the raw logits (what `out.logits` holds with
     `output_logits=True`), the processed scores (what `out.scores` holds with `output_scores=True`),
     the token chosen per row and which rows had already finished; in beam search also each running
-    beam's parent. Generation itself keeps `output_scores` and `output_logits` off, so nothing of past
-    steps stays on the device: each step's tensors are copied into a ring of `ring_slots` host slots
-    (pinned memory and non-blocking copies on CUDA), then kept in host memory, or, with `spill_dir`,
-    written to safetensors shards there by a background thread (read them back with
-    `transformers_offload.open_recording(spill_dir)`; the recorder's own accessors read the same files).
+    beam's parent. Each step's tensors leave the device within the step (a ring of `ring_slots` host
+    slots), into host memory or, with `spill_dir`, safetensors shards (`open_recording(spill_dir)`).
 
-    With `"attentions"` or `"hidden_states"` in `streams` it also records, per step, what
-    `output_attentions=True` / `output_hidden_states=True` would add to `generate()`'s output
-    (`out.attentions`, `out.hidden_states`; for encoder-decoder models `out.encoder_attentions`,
-    `out.decoder_attentions`, `out.cross_attentions`, `out.encoder_hidden_states`,
-    `out.decoder_hidden_states`): the recorder asks the model's forward for them itself, so the call
-    needs neither those options nor `return_dict_in_generate`. `layers`, `heads` and
-    `newest_position_only` keep a part of them (docs/recording.md gives the bytes per step of each choice).
-    They are recorded in greedy search, sampling, beam search and beam sampling.
+    With `"attentions"` or `"hidden_states"` in `streams` it also records what `output_attentions=True` /
+    `output_hidden_states=True` would add to `generate()`'s output, asking the model's forward for them
+    itself. Each `generate()` call that carries the recorder is one `Generation` in `generations`;
+    `logits()`, `scores()`... read the latest unless `generation=` picks another. Calls without it are
+    neither recorded nor affected.
 
-    Each `generate()` call that carries the recorder is one `Generation`, appended to `generations`;
-    `logits()`, `scores()`... read the latest one unless `generation=` picks another. Calls of the same
-    model without the recorder in `logits_processor` are not recorded and not affected.
-
-    Supported decoding modes: greedy, multinomial sampling (with any processors and warpers), beam
-    search and beam sampling (`low_memory=True` included, where transformers runs it), assisted
-    decoding with an `assistant_model` and prompt lookup (`prompt_lookup_num_tokens`: one step per
-    accepted token, as `out.scores`; rejected candidates and the assistant's drafts are not
-    recorded), and, where transformers runs them itself (up to 4.56), contrastive search, DoLa and
-    group beam search; for decoder-only and encoder-decoder models. A call in another mode
-    (constrained beam search, those three from 4.57, early-exit assistance, continuous batching)
-    raises `UnsupportedModeError` before its decoding loop starts.
-
-    A model whose `generate()` runs transformers' loop several times in one call (Whisper: per
-    30-second segment and per fallback temperature) gives one generation per loop (`Generation.loop`
-    names its segment, attempt and the prompts the call kept); one whose `generate()` calls an inner
-    model's (BLIP-2's language model) is recorded through that inner call. When each loop ends, the
-    recording is checked against what the loop returned (its sequences, its steps): a disagreement
-    marks the generation incomplete (`complete=False`, `error` naming it) and warns
+    Greedy search, sampling, beam search and beam sampling, assisted decoding and prompt lookup, and
+    (up to 4.56) contrastive search, DoLa and group beam search are recorded, for decoder-only and
+    encoder-decoder models; another mode raises `UnsupportedModeError` before its loop starts
+    (docs/support.md lists each mode and model family). When a loop ends, the recording is checked
+    against what it returned: a disagreement marks the generation incomplete and warns
     `RecordingMismatchWarning`; it is never `complete=True` with content that differs from the call.
 
     Args:
         model (`transformers.GenerationMixin`): the model whose `generate()` calls are recorded. The
             recorder wraps a few of this instance's generation methods (never the class) until
             `close()`.
-        streams (`tuple[str, ...]`, *optional*, defaults to `("logits", "scores")`): what to record
-            besides the tokens and the finished mask (always recorded): `"logits"`, `"scores"` (both
-            `(rows, vocab_size)` per step), `"attentions"` (needs a model loaded with
-            `attn_implementation="eager"`), `"hidden_states"`, and `"stats"`: per row and step the chosen
-            token, its logprob and rank under the raw logits and the processed scores, both
-            distributions' entropy, the raw logsumexp and the processed support, computed on the device
-            from the full tensors (36 bytes per row and step; read with `stats()`).
-        layers (`Sequence[int]`, *optional*): with attentions or hidden states, the layers to keep, as
-            indices into each output's tuple of layers (negative from the end; hidden states count the
-            embeddings as entry 0, so `[-1]` is the last layer of both); default all. Kept in layer
-            order, each once.
-        heads (`Sequence[int]`, *optional*): with attentions, the heads to keep (negative from the
-            end); default all. Kept in head order, each once (`Generation.layers["heads"]` lists them).
-        newest_position_only (`bool`, *optional*, defaults to False): with attentions or hidden states,
-            keep only the newest position of each step: the prefill's attentions shrink from
-            `(rows, heads, prompt, prompt)` to `(rows, heads, 1, prompt)` and its hidden states to
-            `(rows, 1, hidden_size)`; decode steps have one position anyway. Encoder outputs are kept whole.
-        ring_slots (`int`, *optional*, defaults to 4): host slots in the transfer ring, i.e. steps in
-            flight between the device and the store (at least 2 in beam search); on CUDA each slot
-            holds `rows x vocab_size x 4` bytes per stream of pinned host memory and as much device
-            memory (its staging buffer): the recorder's whole device footprint.
+        streams (`tuple[str, ...]`, *optional*, defaults to `("logits", "scores")`): what to record besides
+            the tokens and the finished mask: `"logits"`, `"scores"` (`(rows, vocab_size)` per step),
+            `"attentions"` (an eager-attention model), `"hidden_states"`, `"stats"` (per-token statistics,
+            36 bytes a row and step). docs/recording.md describes each.
+        layers (`Sequence[int]`, *optional*), heads (`Sequence[int]`, *optional*): with attentions or
+            hidden states, the layers (hidden states count the embeddings as entry 0) and heads to keep,
+            negative from the end; default all.
+        newest_position_only (`bool`, *optional*, defaults to False): keep only the newest position of
+            each step's attentions or hidden states (the prefill's shrinks to one row).
+        ring_slots (`int`, *optional*, defaults to 4): steps in flight between the device and the store
+            (at least 2 in beam search); on CUDA each slot holds `rows x vocab_size x 4` bytes a stream of
+            pinned host memory and as much device memory (docs/how-it-works.md).
         spill_dir (`str | os.PathLike`, *optional*): a new or empty directory to write the recording to
-            (a manifest and safetensors shards; one generation per `generate()` call). Without it the
-            recording stays in host memory.
-        shard_bytes (`int`, *optional*, defaults to 64 MiB): with `spill_dir`, the target size of one
-            shard in bytes; a shard holds at least one step. Host memory for shards is bounded by three
-            shard buffers: `generate()` waits only when all three are taken (counted in
-            `Generation.stats.waits`).
-        encodings (`dict[str, str]`, *optional*): how to store `"logits"` and `"scores"`, applied on the
-            device inside the step, before the copy: `"dense"` (the whole `(rows, vocab_size)`
-            tensor), `"sparse"` (lossless: per row only the entries that are not -inf, 4
-            bytes a row plus 8 a kept entry, never more than dense plus `12 + 4 x rows` bytes a step;
-            `logits()`/`scores()` return the dense tensors, `sparse()` the entries), `"native"` (lossless:
-            a bfloat16/float16 model's float32 logits stored in the model's dtype, 2 bytes a value, for
-            each step whose every value converts back bit for bit; other steps as they are), `"topk:K"`
-            (lossy, by your choice: per row the K largest values bit for bit and their token ids, the
-            logsumexp over the whole vocabulary and the probability mass outside the K, `(value bytes +
-            id bytes) x K + 8` bytes per row and step, ids in 1 to 3 bytes as the vocabulary needs; read
-            with `topk()`, which `logits()` and `scores()` then point to), `"topk:K:qB"` (the same, lossier:
-            ids Elias-Fano coded, log-probabilities in B bits, 2 to 8; 291 bytes at K = 128, B = 5 on a
-            152k vocabulary) or `"sample:N@T"` (N tokens drawn from `softmax(x / T)`, T default 1, with
-            their counts and values and the logsumexp: unbiased distillation targets; read with
-            `sampled_targets()`). E.g.
-            `{"scores": "sparse"}`. A stream named nowhere here is stored dense, except by default:
-            a bfloat16/float16 model's logits are recorded `"native"` from 4.45 (name `{"logits":
-            "dense"}` for dense float32); on CPU, a call that samples through a warper that masks
-            entries to -inf (top_k below the vocabulary size, top_p, min_p above 0, typical_p,
-            epsilon_cutoff, eta_cutoff, top_h; `do_sample=True` alone brings top_k=50) records its
-            scores `"sparse"` (on CUDA dense, until that path has run on a GPU); a call with no
-            processor (greedy search, or sampling without any processor or warper) stores `scores`
-            once with the logits, whose very tensor they are (`"same_as_logits"` in the manifest). The
-            readers return the same tensors either way; naming any encoding for `"scores"`
-            (`{"scores": "dense"}`...) stores them so.
-        sample_seed (`int`, *optional*, defaults to 0): the seed of the recorder's own generator (one
-            per device) that draws the `"sample:N@T"` tokens; generate()'s random stream is left alone.
-        append (`bool`, *optional*, defaults to False): with `spill_dir` holding a recording of the same
-            model, add this recorder's generations after those already there (never touching them; a
-            generation a stopped process left `"recording"` is marked `"failed"`). `generations` then
-            lists this recorder's own, whose `index` counts on from the directory's.
-        prompt_logprobs (`bool | int`, *optional*, defaults to False): score each call's prompt too: per
-            prompt and position, the logprob and rank of the prompt's own next token (an int `k` adds
-            the top-k alternatives), computed on the device from the prefill forward's final hidden
-            states, `prompt_chunk` positions at a time (`capture.prompt_logprobs` gives the
-            expressions); read with `prompt_logprobs()`. Decoder-only models.
-        prompt_chunk (`int`, *optional*): with `prompt_logprobs`, prompt positions scored at once (the
-            extra device memory is about `9 x prompts x prompt_chunk x vocab_size` bytes); default: as
-            many as keep one chunk's logits within 2**24 values (64 MiB).
+            (a manifest and safetensors shards); without it the recording stays in host memory.
+        shard_bytes (`int`, *optional*, defaults to 64 MiB): with `spill_dir`, the target size of a shard
+            in bytes. `generate()` waits when three shard buffers are being filled or written (counted in
+            `Generation.transfer.waits`).
+        encodings (`dict[str, str]`, *optional*): how to store `"logits"` and `"scores"`: `"dense"`,
+            `"sparse"`, `"native"` (lossless), `"topk:K"`, `"topk:K:qB"`, `"sample:N@T"` (lossy, by your
+            choice), e.g. `{"scores": "sparse"}`; unnamed streams get a lossless default. docs/recording.md
+            describes each encoding, its size, its reader and the defaults.
+        encoding_seed (`int`, *optional*, defaults to 0): the seed of the recorder's own generators of the
+            `"sample:N@T"` draws; generate()'s random stream is left alone.
+        append (`bool`, *optional*, defaults to False): add this recorder's generations after those of
+            the recording of the same model in `spill_dir` (never touching them).
+        prompt_logprobs (`bool | int`, *optional*, defaults to False): also score each call's prompt: per
+            position the logprob and rank of the prompt's next token (an int `k` adds the top-k), read
+            with `prompt_logprobs()`. Decoder-only models.
+        prompt_chunk (`int`, *optional*): with `prompt_logprobs`, prompt positions scored at once (about
+            `9 x prompts x prompt_chunk x vocab_size` bytes of device memory); default: one chunk's
+            logits within 2**24 values.
 
     Raises:
         TypeError: `model` has no `generate()` from transformers' `GenerationMixin`, or an option has
@@ -208,69 +125,29 @@ class Recorder(CallRecorder, LogitsProcessor, StoppingCriteria):
         append: bool = False,
         prompt_logprobs: bool | int = False,
         prompt_chunk: int | None = None,
-        sample_seed: int = 0,
+        encoding_seed: int = 0,
     ) -> None:
-        if not isinstance(model, GenerationMixin) or not callable(getattr(model, "generate", None)):
-            raise TypeError(
-                f"`model` must be a transformers model with `generate()` (a `GenerationMixin`, such as "
-                f"`AutoModelForCausalLM.from_pretrained(...)`), got {type(model).__name__}."
-            )
-        if isinstance(streams, str) or not isinstance(streams, (tuple, list)):
-            raise TypeError(f"`streams` must be a tuple of names from {STREAMS}, got {streams!r}.")
-        unknown = [s for s in streams if s not in STREAMS]
-        if unknown:
-            raise ValueError(f"`streams` holds unknown names {unknown}; choose from {STREAMS}.")
-        if isinstance(ring_slots, bool) or not isinstance(ring_slots, int):
-            raise TypeError(f"`ring_slots` must be an int (host slots), got {ring_slots!r}.")
-        if ring_slots < 1:
-            raise ValueError(f"`ring_slots` must be at least 1, got {ring_slots}.")
-        if spill_dir is not None and not isinstance(spill_dir, (str, os.PathLike)):
-            raise TypeError(f"`spill_dir` must be a path (str or os.PathLike), got {spill_dir!r}.")
-        if append and spill_dir is None:
-            raise ValueError("`append` adds generations to the recording in `spill_dir`; pass `spill_dir` too.")
-        if shard_bytes is not None:
-            if spill_dir is None:
-                raise ValueError("`shard_bytes` sizes the shards written to `spill_dir`; pass `spill_dir` too.")
-            if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int):
-                raise TypeError(f"`shard_bytes` must be an int (bytes), got {shard_bytes!r}.")
-            if shard_bytes < 1:
-                raise ValueError(f"`shard_bytes` must be at least 1 (byte), got {shard_bytes}.")
-        if isinstance(sample_seed, bool) or not isinstance(sample_seed, int):
-            raise TypeError(f"`sample_seed` must be an int (the seed of the `sample:N` draws), got {sample_seed!r}.")
-        self._sample_seed = sample_seed
-        self._sample_generators: dict[torch.device, torch.Generator] = {}  # per device, made on first use
-        self._selection = _layers.selection(model, tuple(streams), layers, heads, newest_position_only)
-        self._encodings = _encodings.check(encodings, tuple(streams), _model_info(model)["vocab_size"])
-        if ("logits" in streams and not (isinstance(encodings, dict) and "logits" in encodings)
-                and _compat.UPCASTS_LOGITS and getattr(model, "dtype", None) in (torch.bfloat16, torch.float16)):
-            # A 16-bit model's logits, upcast to float32 by transformers: stored in the model's dtype where
-            # they convert back exactly (lossless; half the bytes, and less time than dense: bench/native_cost.py).
-            self._encodings["logits"] = NATIVE
-        self._prompt_scoring = _prompt_logprobs.scoring_for(model, prompt_logprobs, prompt_chunk)
-        # Scores equal to the logits (no processor) are stored once, unless asked for dense by name.
-        self._scores_once = not (isinstance(encodings, dict) and encodings.get("scores") == "dense")
-        # Scores with no encoding named: "sparse" in calls that sample through a masking warper.
-        self._sparse_scores = not (isinstance(encodings, dict) and "scores" in encodings)
-        if "attentions" in streams:
-            _layers.require_eager(model)
+        options = RecorderOptions.check(
+            model, streams=streams, layers=layers, heads=heads, newest_position_only=newest_position_only,
+            ring_slots=ring_slots, spill_dir=spill_dir, shard_bytes=shard_bytes, encodings=encodings, append=append,
+            prompt_logprobs=prompt_logprobs, prompt_chunk=prompt_chunk, encoding_seed=encoding_seed,
+        )
+        self._options = options
+        self._encoding_generators: dict[torch.device, torch.Generator] = {}  # per device, made on first use
         self._spill: Spill | None = None
-        if spill_dir is not None:
+        if options.spill_dir is not None:
             self._spill = Spill(
-                Path(spill_dir),
-                shard_bytes=shard_bytes or DEFAULT_SHARD_BYTES,
-                model_info=_model_info(model),
-                created_by=_created_by(),
-                append=append,
+                options.spill_dir,
+                shard_bytes=options.shard_bytes or DEFAULT_SHARD_BYTES,
+                model_info=model_info(model),
+                created_by=created_by(),
+                append=options.append,
             )
         self._model = model
         name_or_path = getattr(model, "name_or_path", "")
-        self._model_name = type(model).__name__ + (f" {name_or_path!r}" if name_or_path else "")
-        self._streams = tuple(dict.fromkeys(streams))
-        self._ring_slots = ring_slots
-        self._recording = MemoryRecording(
-            empty="this Recorder has recorded no generation yet: pass it to "
-            "`model.generate(..., logits_processor=[rec])` first."
-        )
+        self.model_name = type(model).__name__ + (f" {name_or_path!r}" if name_or_path else "")
+        self.streams = options.streams
+        self._generations: list[Generation] = []  # oldest first
         self._lock = threading.Lock()
         self._active: Capture | None = None
         self._warned_accumulation = False
@@ -294,7 +171,9 @@ class Recorder(CallRecorder, LogitsProcessor, StoppingCriteria):
                     f"ran {self._ran_without} time(s) without it: a Recorder records only the calls it is handed; "
                     "pass it as `model.generate(..., logits_processor=[rec])`."), stacklevel=2)
 
-    def _ran_without_it(self) -> None:
+    # -- what the hooks call (`capture.call_recorder.CallRecorder`); not for user code -----------------------------
+    def unrecorded_call(self) -> None:
+        """The model's `generate()` ran without this recorder in its `logits_processor`."""
         self._ran_without += 1
 
     def __enter__(self) -> Recorder:
@@ -311,18 +190,13 @@ class Recorder(CallRecorder, LogitsProcessor, StoppingCriteria):
         return self._closed
 
     # -- reading ---------------------------------------------------------------------------------------
-    @property
-    def generations(self) -> tuple[Generation, ...]:
-        """Every recorded `generate()` call, oldest first (incomplete ones included)."""
-        return self._recording.generations
+    def __bool__(self) -> bool:
+        # Truthy however many generations it holds (`len()` counts them): code that tests a processor
+        # with `logits_processor or default`, transformers' included, must keep it.
+        return True
 
-    def generation(self, index: int = -1) -> Generation:
-        """One recorded generation, by index into `generations` (default: the latest).
-
-        Raises:
-            LookupError: nothing was recorded yet, or `index` is out of range.
-        """
-        return self._recording.generation(index)
+    def _none_recorded(self) -> str:
+        return "this Recorder has recorded no generation yet: pass it to `model.generate(..., logits_processor=[rec])` first."
 
     @property
     def spill_dir(self) -> Path | None:
@@ -343,7 +217,7 @@ class Recorder(CallRecorder, LogitsProcessor, StoppingCriteria):
                 "disk. Delete that directory to remove them."
             )
         with self._lock:
-            self._recording.clear()
+            self._generations.clear()
 
     def set_samples(self, ids: Sequence[str | int], *, metadata: Sequence[dict[str, Any]] | None = None) -> None:
         """Name the prompts of the next recorded `generate()` call: your ids (dataset row ids, say) and,
@@ -371,7 +245,7 @@ class Recorder(CallRecorder, LogitsProcessor, StoppingCriteria):
         """
         ids = list(ids) if isinstance(ids, (list, tuple)) else ids
         metadata = list(metadata) if isinstance(metadata, (list, tuple)) else metadata
-        problem = _manifest.check_sample_ids(ids, metadata)
+        problem = check_sample_ids(ids, metadata)
         if problem is not None:
             kind = ValueError if "distinct" in problem or "one per id" in problem else TypeError
             raise kind(f"`set_samples`: {problem}.")
@@ -388,9 +262,9 @@ class Recorder(CallRecorder, LogitsProcessor, StoppingCriteria):
             self._pending_samples = {"sample_ids": tuple(ids), "sample_metadata": None if metadata is None else tuple(metadata)}
 
     # -- called by the hooks ---------------------------------------------------------------------------
-    def _check_generation(self, *, custom_generate: Any, attention_mask: Any, inputs: Any = None,
-                          past_key_values: Any = None) -> None:
-        """What `_begin_generation` refuses, checked without starting anything (before a call whose capture
+    def check_call(self, *, custom_generate: Any, attention_mask: Any, inputs: Any = None,
+                   past_key_values: Any = None) -> None:
+        """What `begin_call` refuses, checked without starting anything (before a call whose capture
         begins later, with its loop)."""
         samples = self._pending_samples
         if samples is not None:
@@ -402,7 +276,7 @@ class Recorder(CallRecorder, LogitsProcessor, StoppingCriteria):
                     f"`set_samples` named {len(samples['sample_ids'])} prompt(s), but this generate() call has a "
                     f"batch of {batch}; nothing was run. Call `set_samples` again with one id per prompt."
                 )
-        cached = _prompt_logprobs.cache_length(past_key_values) if self._prompt_scoring is not None else 0
+        cached = _prompt_logprobs.cache_length(past_key_values) if self._options.prompt_scoring is not None else 0
         if cached:
             raise ValueError(
                 f"`prompt_logprobs` scores the prompt from the call's own prefill, but this call was given a "
@@ -421,17 +295,18 @@ class Recorder(CallRecorder, LogitsProcessor, StoppingCriteria):
                 "concurrent call its own Recorder."
             )
 
-    def _begin_generation(self, *, assistant_model: Any, custom_generate: Any, attention_mask: Any,
-                          inputs: Any = None, past_key_values: Any = None) -> Capture:
-        self._check_generation(custom_generate=custom_generate, attention_mask=attention_mask, inputs=inputs,
-                               past_key_values=past_key_values)
+    def begin_call(self, *, assistant_model: Any, custom_generate: Any, attention_mask: Any,
+                   inputs: Any = None, past_key_values: Any = None) -> Capture:
+        """Start recording one `generate()` call, before its decoding loop; returns its capture."""
+        self.check_call(custom_generate=custom_generate, attention_mask=attention_mask, inputs=inputs,
+                        past_key_values=past_key_values)
         with self._lock:
             self._began += 1
             samples, self._pending_samples = self._pending_samples, None
-        if "attentions" in self._streams:
+        if "attentions" in self.streams:
             _layers.require_eager(self._model)
         is_encoder_decoder = bool(getattr(self._model.config, "is_encoder_decoder", False))
-        kinds = _layers.kinds(self._streams, is_encoder_decoder)
+        kinds = _layers.kinds(self.streams, is_encoder_decoder)
         with self._lock:
             if self._active is not None:
                 raise RuntimeError(
@@ -440,29 +315,23 @@ class Recorder(CallRecorder, LogitsProcessor, StoppingCriteria):
                     "concurrent call its own Recorder."
                 )
             self._active = Capture(
-                streams=self._streams,
-                ring_slots=self._ring_slots,
-                assistant_model=assistant_model,
+                self._options,
+                index=self._spill.next_index if self._spill is not None else len(self._generations),
                 open_store=self._open_store,
-                index=self._spill.next_index if self._spill is not None else len(self._recording),
+                assistant_model=assistant_model,
                 attention_mask=attention_mask,
-                threaded=_on_cuda(self._model),
-                layer_tap=_layers.LayerTap(kinds, self._selection, self._streams, self._model) if kinds else None,
-                encodings=self._encodings,
+                layer_tap=_layers.LayerTap(kinds, self._options.selection, self.streams, self._model) if kinds else None,
                 samples=samples,
-                prompt_scoring=self._prompt_scoring,
-                scores_once=self._scores_once,
-                # Sparse scores by default where measured no slower than dense (bench/encodings_cost.py):
-                # on CPU. On CUDA their two-part path has yet to run on a GPU (scripts/device_checks.sh).
-                sparse_scores=self._sparse_scores and _on_cpu(self._model),
-                vocab_size=_model_info(self._model)["vocab_size"],
+                threaded=_on_cuda(self._model),
+                on_cpu=device_type(self._model) == "cpu",
+                vocab_size=model_info(self._model)["vocab_size"],
                 model_dtype=getattr(self._model, "dtype", torch.float32),
-                sample_generators=self._sample_generators,
-                sample_seed=self._sample_seed,
+                encoding_generators=self._encoding_generators,
             )
             return self._active
 
-    def _end_generation(self, capture: Capture, output: Any, error: BaseException | None) -> None:
+    def end_call(self, capture: Capture, output: Any, error: BaseException | None) -> None:
+        """End a call's recording: `output` is what it returned (None when `error` ended it)."""
         try:
             if capture.started:
                 if capture.kept_on_device and not self._warned_accumulation:
@@ -480,7 +349,7 @@ class Recorder(CallRecorder, LogitsProcessor, StoppingCriteria):
                     )
                 generation = generation_of(capture.finish(output, error))
                 with self._lock:
-                    self._recording.append(generation)
+                    self._generations.append(generation)
                 mismatch = capture.mismatch or (str(error) if isinstance(error, RecordingMismatch) else None)
                 if mismatch is not None:
                     warnings.warn(
@@ -503,7 +372,7 @@ class Recorder(CallRecorder, LogitsProcessor, StoppingCriteria):
             with self._lock:
                 self._active = None
 
-    def _open_store(self, names: list[str], header: dict[str, Any], max_steps: int) -> Any:
+    def _open_store(self, names: list[str], header: GenerationHeader, max_steps: int) -> Any:
         if self._spill is None:
             return MemoryStore(names)
         return self._spill.open_store(names, header, max_steps)
@@ -512,10 +381,9 @@ class Recorder(CallRecorder, LogitsProcessor, StoppingCriteria):
     def __call__(self, input_ids: torch.LongTensor, scores: Any) -> Any:  # type: ignore[override]
         """Never records: the hooks take the recorder out of the lists they build.
 
-        Inside a recorded call it passes `scores` through unchanged: 4.38-4.56 hand the call's
-        `logits_processor` (this recorder included) to the assistant model's own `generate()`, whose
-        drafts are not recorded. Anywhere else it is reached only when `generate()` did not go
-        through the model the recorder is attached to.
+        Inside a recorded call it passes `scores` through unchanged (4.38-4.56 hand it to the assistant
+        model's `generate()`, whose drafts are not recorded); elsewhere `generate()` did not go through
+        the model it is attached to.
 
         Raises:
             RuntimeError: called outside a recorded call, saying how to pass the recorder instead.
@@ -524,7 +392,7 @@ class Recorder(CallRecorder, LogitsProcessor, StoppingCriteria):
             return scores  # an assistant model drafting inside the recorded call
         raise RuntimeError(
             f"this Recorder was called as an ordinary processor, so the call did not go through the "
-            f"generate() of the model it records ({self._model_name}): a different model, "
+            f"generate() of the model it records ({self.model_name}): a different model, "
             "`GenerationMixin.generate(model, ...)` called on the class, or a closed recorder. "
             "Create `Recorder(model)` for the model you call, keep it open, and call "
             "`model.generate(..., logits_processor=[rec])`."
@@ -533,40 +401,11 @@ class Recorder(CallRecorder, LogitsProcessor, StoppingCriteria):
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return (
-            f"Recorder({self._model_name}, streams={self._streams}, ring_slots={self._ring_slots}, "
-            f"{len(self._recording)} generation(s), {state})"
+            f"Recorder({self.model_name}, streams={self.streams}, ring_slots={self._options.ring_slots}, "
+            f"{len(self._generations)} generation(s), {state})"
         )
 
 
 def _on_cuda(model: Any) -> bool:
     """Whether `model` computes on CUDA: then the ring drains in its own thread."""
-    device = getattr(model, "device", None)
-    return isinstance(device, torch.device) and device.type == "cuda"
-
-
-def _on_cpu(model: Any) -> bool:
-    device = getattr(model, "device", None)
-    return isinstance(device, torch.device) and device.type == "cpu"
-
-
-def _model_info(model: Any) -> dict[str, Any]:
-    config = getattr(model, "config", None)
-    text_config = _compat.text_config(config)
-    return {
-        "class": type(model).__name__,
-        "name_or_path": str(getattr(model, "name_or_path", "") or ""),
-        "config_class": type(config).__name__,
-        "vocab_size": getattr(text_config, "vocab_size", None),
-    }
-
-
-def _created_by() -> dict[str, str]:
-    from . import __version__
-
-    return {
-        "transformers_offload": __version__,
-        "transformers": transformers.__version__,
-        "torch": torch.__version__,
-        "safetensors": safetensors.__version__,
-        "python": platform.python_version(),
-    }
+    return device_type(model) == "cuda"

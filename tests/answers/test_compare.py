@@ -13,12 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from transformers_offload import (CompareError, Comparison, Generation, Recorder, compare, open_recording, rescore,
-                                  write_html)
+from transformers_offload import CompareError, Comparison, Generation, Recorder, compare, open_recording, rescore, write_html
 from transformers_offload.cli import main
 
-from .conftest import EOS, PAD, left_padded_batch, make_tiny
-from .test_viewer import browser  # noqa: F401  (the headless Chromium fixture; skips without it)
+from ..helpers import EOS, PAD, ROOT, left_padded_batch, make_tiny
 
 MODES = {
     "greedy": {"do_sample": False},
@@ -423,9 +421,8 @@ def _memory_peak(case: str, tokens: int, vocab: int, work) -> float:
     anonymous peak in MiB, measured in a fresh process with the C library's default allocator settings."""
     import argparse
     import sys
-    from pathlib import Path
 
-    bench = Path(__file__).resolve().parent.parent / "bench"
+    bench = ROOT / "bench"
     sys.path.insert(0, str(bench))
     try:
         memory_part = __import__("rescore_cost").memory_part

@@ -11,7 +11,7 @@ from transformers_offload import Recorder, open_recording
 from transformers_offload.answers import plots
 from transformers_offload.cli import main
 
-from .conftest import PAD, left_padded_batch, make_tiny
+from ..helpers import PAD, left_padded_batch, make_tiny
 
 pytest.importorskip("matplotlib", exc_type=ImportError)
 PNG = b"\x89PNG\r\n\x1a\n"

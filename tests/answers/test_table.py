@@ -13,8 +13,7 @@ from transformers_offload import Generation, Recorder, open_recording
 from transformers_offload.answers import table as _table
 from transformers_offload.cli import main
 
-from .conftest import PAD, left_padded_batch, make_tiny
-from .test_stats import _run
+from ..helpers import PAD, left_padded_batch, make_tiny, run_case
 
 pa = pytest.importorskip("pyarrow", exc_type=ImportError)
 pq = pytest.importorskip("pyarrow.parquet", exc_type=ImportError)
@@ -95,7 +94,7 @@ def _rows(table):
 
 @pytest.mark.parametrize("case", MODES)
 def test_the_table_holds_logprobs_values_of_each_returned_sequence(gpt2, case, tmp_path):
-    batch, kwargs, reference, rec = _run(gpt2, case, ("logits", "scores", "stats"), tmp_path / "run")
+    batch, kwargs, reference, rec = run_case(gpt2, case, ("logits", "scores", "stats"), tmp_path / "run")
     run = open_recording(tmp_path / "run")
     rows = _rows(_table.to_arrow(run, top=3, chunk_steps=5))
     for kind in ("raw", "processed"):
@@ -104,7 +103,8 @@ def test_the_table_holds_logprobs_values_of_each_returned_sequence(gpt2, case, t
         for row in rows:
             got[row["sequence"]].append({
                 "step": row["step"], "token": row["token"], "logprob": row[f"logprob_{kind}"], "rank": row[f"rank_{kind}"],
-                "top_logprobs": [{"token": t, "logprob": v} for t, v in zip(row[f"top_tokens_{kind}"], row[f"top_logprobs_{kind}"])],
+                "top_logprobs": [{"token": t, "logprob": v}
+                                 for t, v in zip(row[f"top_tokens_{kind}"], row[f"top_logprobs_{kind}"])],
             })
         for entries in got:
             entries.sort(key=lambda entry: entry["step"])
@@ -117,7 +117,7 @@ def test_the_table_holds_logprobs_values_of_each_returned_sequence(gpt2, case, t
 
 
 def test_entropy_and_logprobs_come_from_the_stats_where_recorded(gpt2):
-    batch, kwargs, reference, rec = _run(gpt2, "sample_rows_finish_early", ("stats",))
+    batch, kwargs, reference, rec = run_case(gpt2, "sample_rows_finish_early", ("stats",))
     rows = _rows(_table.to_arrow(rec))
     stats = rec.stats()
     assert rows, "the table is empty"
@@ -130,7 +130,7 @@ def test_entropy_and_logprobs_come_from_the_stats_where_recorded(gpt2):
 
 
 def test_entropy_from_the_full_tensors_is_the_stats_expression(gpt2):
-    batch, kwargs, reference, rec = _run(gpt2, "beam_return_sequences", ("logits", "scores"))
+    batch, kwargs, reference, rec = run_case(gpt2, "beam_return_sequences", ("logits", "scores"))
     rows = _rows(_table.to_arrow(rec))
     indices = rec.beam_indices()
     for row in rows[:20]:
@@ -140,7 +140,7 @@ def test_entropy_from_the_full_tensors_is_the_stats_expression(gpt2):
 
 
 def test_top_alternatives_come_from_a_topk_stream(gpt2):
-    batch, kwargs, reference, rec = _run(gpt2, "sample_top_k_top_p", ("logits", "scores", "stats"))
+    batch, kwargs, reference, rec = run_case(gpt2, "sample_top_k_top_p", ("logits", "scores", "stats"))
     with Recorder(gpt2, streams=("logits", "scores", "stats"), encodings={"logits": "topk:4", "scores": "topk:4"}) as topk:
         torch.manual_seed(1234)
         gpt2.generate(**batch, logits_processor=[topk], max_new_tokens=12, **kwargs)
@@ -253,14 +253,15 @@ def test_set_samples_refuses_ids_a_table_cannot_hold(gpt2, ids, match):
 
 
 def test_an_interrupted_call_gives_the_rows_of_its_recorded_steps(gpt2, tmp_path):
-    from .test_logprobs import _FailAtStep
     from transformers import StoppingCriteriaList
+
+    from ..helpers import FailAtStepCriteria
 
     with Recorder(gpt2, spill_dir=tmp_path / "run") as rec:
         rec.set_samples(["a", "b", "c"])
         with pytest.raises(RuntimeError):
             gpt2.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=8, do_sample=True,
-                          pad_token_id=PAD, stopping_criteria=StoppingCriteriaList([_FailAtStep(2)]))
+                          pad_token_id=PAD, stopping_criteria=StoppingCriteriaList([FailAtStepCriteria(2)]))
     rows = _rows(_table.to_arrow(open_recording(tmp_path / "run")))
     assert sorted((r["sample"], r["step"]) for r in rows) == [(s, t) for s in "abc" for t in range(3)]
     assert not any(r["complete"] for r in rows)

@@ -4,9 +4,7 @@ reading only what it shows; loaded in a real headless Chromium, where a click sh
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 
 import pytest
 import torch
@@ -17,9 +15,7 @@ from transformers_offload.answers import table as _table
 from transformers_offload.answers import viewer
 from transformers_offload.cli import main
 
-from .conftest import PAD, left_padded_batch
-
-REQUIRE_BROWSER = os.environ.get("TRANSFORMERS_OFFLOAD_REQUIRE_BROWSER") == "1"
+from ..helpers import PAD, left_padded_batch
 
 
 def _record(model, spill_dir, *, steps=6):
@@ -117,31 +113,6 @@ def test_view_on_the_command_line(gpt2, tmp_path, capsys):
     assert main(["view", str(tmp_path / "run"), "-o", str(tmp_path / "bad.html"), "--max-steps", "0"]) == 1
     assert "`max_steps` must be an int of at least 1" in capsys.readouterr().err
     assert not (tmp_path / "bad.html").exists()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    """Headless Chromium through its driver (Debian's `chromium` and `chromium-driver`, which
-    scripts/setup.sh installs)."""
-    webdriver = pytest.importorskip("selenium.webdriver", exc_type=ImportError)
-    binary = shutil.which("chromium") or shutil.which("chromium-browser")
-    driver_path = shutil.which("chromedriver")
-    if not (binary and driver_path):
-        if REQUIRE_BROWSER:
-            pytest.fail("Chromium or chromedriver is missing: run scripts/setup.sh (apt-get install chromium chromium-driver)")
-        pytest.skip("needs Chromium and chromedriver (apt-get install chromium chromium-driver; scripts/setup.sh "
-                    "installs them unless TRANSFORMERS_OFFLOAD_SKIP_SYSTEM_PACKAGES=1)")
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                     "--window-size=1200,900", "--no-first-run"):
-        options.add_argument(argument)
-    options.binary_location = binary
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(service=Service(driver_path), options=options)
-    yield driver
-    driver.quit()
 
 
 def test_in_chromium_the_page_loads_cleanly_and_a_click_shows_the_alternatives(browser, gpt2, tmp_path):

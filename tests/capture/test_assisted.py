@@ -9,38 +9,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper
 
 from transformers_offload import Recorder, UnsupportedModeError, open_recording
 from transformers_offload.capture import capture as _capture
 
-from .conftest import make_tiny
-from .helpers import HAS_OUTPUT_LOGITS, TRANSFORMERS, assert_steps_equal, missing_options
+from ..helpers import (
+    ASSISTED_CONFIGS,
+    ASSISTED_PROMPT,
+    ASSISTED_SOURCES,
+    HAS_OUTPUT_LOGITS,
+    TRANSFORMERS,
+    assert_steps_equal,
+    assisted_source,
+    make_tiny,
+    missing_options,
+)
 
 SEED = 11
 NEW_TOKENS = 24
-# Batch 1 (assisted decoding's limit), with repeated n-grams for prompt lookup to find.
-PROMPT = {"input_ids": torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]]), "attention_mask": torch.ones(1, 12, dtype=torch.long)}
-
-# Options, and the processors (and warpers) generate() builds for them, in the order it applies them.
-CONFIGS = {
-    "greedy": ({}, []),
-    "repetition_penalty": ({"repetition_penalty": 1.3}, [RepetitionPenaltyLogitsProcessor(1.3)]),
-    "sampling": ({"do_sample": True, "temperature": 0.7, "top_k": 20}, [TemperatureLogitsWarper(0.7), TopKLogitsWarper(20)]),
-}
-SOURCES = ("assistant_model", "prompt_lookup")
-
-
-def _source(name: str) -> dict:
-    if name == "prompt_lookup":
-        return {"prompt_lookup_num_tokens": 4}
-    assistant = make_tiny("llama", seed=3)
-    # Always draft 4 tokens: a random assistant is never confident enough to draft by default (4.42+).
-    assistant.generation_config.num_assistant_tokens = 4
-    assistant.generation_config.num_assistant_tokens_schedule = "constant"
-    if hasattr(assistant.generation_config, "assistant_confidence_threshold"):
-        assistant.generation_config.assistant_confidence_threshold = 0.0
-    return {"assistant_model": assistant}
 
 
 class CountRawCalls:
@@ -58,28 +44,28 @@ class CountRawCalls:
 
 
 @pytest.mark.parametrize("store", ["memory", "spill"])
-@pytest.mark.parametrize("config", sorted(CONFIGS))
-@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("config", sorted(ASSISTED_CONFIGS))
+@pytest.mark.parametrize("source", ASSISTED_SOURCES)
 def test_assisted_recording_equals_hugging_face(source, config, store, tmp_path, monkeypatch):
     model = make_tiny("llama")  # untied embeddings: a random GPT-2 drafts exactly what its target picks
-    kwargs, processors = CONFIGS[config]
-    extra = _source(source)
+    kwargs, processors = ASSISTED_CONFIGS[config]
+    extra = assisted_source(source)
     if source == "prompt_lookup" and missing_options(extra):
         pytest.skip(f"transformers {TRANSFORMERS} has no {missing_options(extra)}")
     common = dict(max_new_tokens=NEW_TOKENS, **kwargs, **extra)
     torch.manual_seed(SEED)
     output_logits = {"output_logits": True} if HAS_OUTPUT_LOGITS else {}
-    reference = model.generate(**PROMPT, **common, return_dict_in_generate=True, output_scores=True, **output_logits)
+    reference = model.generate(**ASSISTED_PROMPT, **common, return_dict_in_generate=True, output_scores=True, **output_logits)
 
     calls = CountRawCalls(monkeypatch)
     options = {"spill_dir": tmp_path / "run", "shard_bytes": 1_500} if store == "spill" else {}
     with Recorder(model, **options) as rec:
         torch.manual_seed(SEED)
-        sequences = model.generate(**PROMPT, logits_processor=[rec], **common)
+        sequences = model.generate(**ASSISTED_PROMPT, logits_processor=[rec], **common)
     if store == "spill":
         rec = open_recording(tmp_path / "run")
 
-    prompt = PROMPT["input_ids"].shape[1]
+    prompt = ASSISTED_PROMPT["input_ids"].shape[1]
     assert torch.equal(sequences, reference.sequences)
     generation = rec.generation()
     assert generation.mode == "assisted_generation" and generation.complete
@@ -102,5 +88,5 @@ def test_early_exit_assistance_is_refused_before_generation(gpt2):
         pytest.skip(f"transformers {TRANSFORMERS} has no `assistant_early_exit`")
     with Recorder(gpt2) as rec:
         with pytest.raises(UnsupportedModeError, match="assistant_early_exit"):
-            gpt2.generate(**PROMPT, logits_processor=[rec], max_new_tokens=4, assistant_early_exit=1)
+            gpt2.generate(**ASSISTED_PROMPT, logits_processor=[rec], max_new_tokens=4, assistant_early_exit=1)
     assert rec.generations == ()

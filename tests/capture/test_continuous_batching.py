@@ -9,7 +9,7 @@ import torch
 
 from transformers_offload import Recorder, UnsupportedModeError, _compat
 
-from .conftest import make_tiny
+from ..helpers import make_tiny
 
 pytestmark = pytest.mark.skipif(
     not _compat.CONTINUOUS_BATCHING_ENTRIES, reason=f"transformers {_compat.TRANSFORMERS_VERSION} has no continuous batching"

@@ -11,8 +11,7 @@ from transformers_offload.capture import capture as _capture
 from transformers_offload.capture import transfer as _transfer
 from transformers_offload.capture.transfer import HostRing
 
-from .conftest import left_padded_batch, make_tiny
-from .helpers import assert_steps_equal
+from ..helpers import assert_steps_equal, left_padded_batch, make_tiny
 
 pytestmark = pytest.mark.cuda
 
@@ -270,7 +269,8 @@ def test_one_selected_layer_over_a_long_prompt_costs_the_device_at_most_twice_it
     stock = peak([])
     with Recorder(model, streams=("attentions",), **selection) as rec:
         recorded = peak([rec])
-    assert rec.generation().attentions()[0][0].shape[-2:] == ((1, 1000) if selection.get("newest_position_only") else (1000, 1000))
+    assert rec.generation().attentions()[0][0].shape[-2:] == (
+        (1, 1000) if selection.get("newest_position_only") else (1000, 1000))
     assert recorded - stock <= 2 * layer_bytes + 32 * 2**20, (stock, recorded)
 
 
@@ -278,7 +278,7 @@ def test_one_selected_layer_over_a_long_prompt_costs_the_device_at_most_twice_it
 @pytest.mark.parametrize("store", ["memory", "spill"])
 @pytest.mark.parametrize("kwargs", [dict(), dict(do_sample=True, top_k=20), dict(num_beams=3)])
 def test_stats_on_cuda_equal_their_expressions_on_the_device(kwargs, store, dtype, tmp_path):
-    from .test_stats import assert_stats_equal
+    from ..helpers import assert_stats_equal
 
     model = make_tiny("llama").to("cuda", dtype)
     batch = {k: v.to("cuda") for k, v in left_padded_batch().items()}
@@ -323,7 +323,7 @@ def test_recording_stats_makes_no_synchronising_call_in_the_step_path(kwargs, st
 @pytest.mark.parametrize("store", ["memory", "spill"])
 @pytest.mark.parametrize("kwargs", [dict(), dict(do_sample=True, top_k=20), dict(num_beams=3)])
 def test_topk_on_cuda_equals_its_expressions_on_the_device(kwargs, store, dtype, tmp_path):
-    from .test_encodings import assert_topk_equal
+    from ..helpers import assert_topk_equal
 
     model = make_tiny("llama").to("cuda", dtype)
     batch = {k: v.to("cuda") for k, v in left_padded_batch().items()}
@@ -351,7 +351,7 @@ def test_topk_on_cuda_equals_its_expressions_on_the_device(kwargs, store, dtype,
 def test_sparse_on_cuda_equals_hugging_face(kwargs, store, dtype, capacity, tmp_path, monkeypatch):
     """The device part on the side stream, the host part in the drainer; with room for 3 entries per
     row, rows over it are fetched whole from the staging copy."""
-    from transformers_offload.capture import encodings as _encodings
+    from transformers_offload.codecs import sparse as _encodings
 
     monkeypatch.setattr(_encodings, "SPARSE_CAPACITY", capacity)
     model = make_tiny("llama").to("cuda", dtype)

@@ -16,7 +16,7 @@ from transformers import (
 from transformers_offload import Recorder, open_recording
 from transformers_offload.capture.hooks import is_hooked
 
-from .helpers import HF_LOGITS_EXACT, assert_steps_equal
+from ..helpers import HF_LOGITS_EXACT, assert_steps_equal
 
 IMAGE_TOKEN = 98
 
@@ -65,7 +65,7 @@ def test_blip2_is_recorded_as_its_language_models_call(tmp_path, spill, options)
     assert torch.equal(generation.sequences, out[:, out.shape[1] - generation.sequences.shape[1]:])
     assert generation.sequences.shape[1] >= out.shape[1] - 1
     assert_steps_equal(generation.scores(), reference.scores, "scores")
-    if HF_LOGITS_EXACT:  # 4.40+ (before, tests/test_exactness.py checks the logits against the forward's)
+    if HF_LOGITS_EXACT:  # 4.40+ (before, tests/capture/test_exactness.py checks the logits against the forward's)
         assert_steps_equal(generation.logits(), reference.logits, "logits")
 
 

@@ -8,8 +8,7 @@ from transformers import LogitsProcessor
 
 from transformers_offload import Recorder, UnsupportedModeError, _compat
 
-from .conftest import left_padded_batch, make_tiny
-from .helpers import TRANSFORMERS, Boom, FailAtStep, hf_reference, missing_options
+from ..helpers import TRANSFORMERS, Boom, FailAtStep, hf_reference, left_padded_batch, make_tiny, missing_options
 
 
 class CountForwards:

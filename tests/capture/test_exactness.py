@@ -18,48 +18,23 @@ from transformers.generation import (
 
 from transformers_offload import DeviceAccumulationWarning, Recorder, open_recording
 
-from .conftest import EOS, PAD, left_padded_batch, make_tiny
-from .helpers import (
+from ..helpers import (
+    CASES,
     HF_LOGITS_EXACT,
+    NEW_TOKENS,
+    READERS,
+    SEED,
+    SMALL_SHARD_BYTES,
     TRANSFORMERS,
     assert_same_beam_rows,
     assert_steps_equal,
     finished_from_sequences,
     hf_reference,
+    left_padded_batch,
+    make_tiny,
     missing_options,
+    resolve_eos,
 )
-
-NEW_TOKENS = 12
-SEED = 1234
-# Where the recording is read from: the in-memory recorder, a spilling recorder (shards of about five
-# steps, so that shard boundaries fall inside every case), and `open_recording` on that directory.
-READERS = ("memory", "spill", "open_recording")
-SMALL_SHARD_BYTES = 16_000
-
-CASES = {
-    "greedy": {},
-    "greedy_penalties": dict(repetition_penalty=1.5, no_repeat_ngram_size=2, min_new_tokens=5, bad_words_ids=[[7], [8, 9]]),
-    "sample_temperature": dict(do_sample=True, temperature=0.7),
-    "sample_top_k_top_p": dict(do_sample=True, top_k=20, top_p=0.9),
-    "sample_min_p": dict(do_sample=True, min_p=0.1),
-    "sample_typical_p": dict(do_sample=True, typical_p=0.8),
-    "sample_repetition_ngram": dict(do_sample=True, repetition_penalty=1.3, no_repeat_ngram_size=3),
-    "sample_min_new_tokens_bad_words": dict(do_sample=True, min_new_tokens=6, bad_words_ids=[[5], [10, 11]]),
-    "sample_renormalize": dict(do_sample=True, temperature=1.3, top_k=40, renormalize_logits=True),
-    "sample_everything": dict(
-        do_sample=True, temperature=0.8, top_k=30, top_p=0.95, min_p=0.02, typical_p=0.95,
-        repetition_penalty=1.3, no_repeat_ngram_size=3, min_new_tokens=4, bad_words_ids=[[7]],
-        renormalize_logits=True,
-    ),
-    "num_return_sequences": dict(do_sample=True, num_return_sequences=3, top_k=50),
-    "greedy_rows_finish_early": dict(eos="early"),
-    "sample_rows_finish_early": dict(do_sample=True, eos="many"),
-    "beam_search": dict(num_beams=3),
-    "beam_return_sequences": dict(num_beams=4, num_return_sequences=2, length_penalty=0.5),
-    "beam_penalties_renormalize": dict(num_beams=3, repetition_penalty=1.2, no_repeat_ngram_size=2, renormalize_logits=True),
-    "beam_rows_finish_early": dict(num_beams=3, num_return_sequences=3, eos="early"),
-    "beam_sample": dict(num_beams=3, do_sample=True, temperature=0.9, top_k=30),
-}
 
 
 class ShiftTokenOutOfPlace(LogitsProcessor):
@@ -82,25 +57,9 @@ class ShiftTokenInPlace(ShiftTokenOutOfPlace):
         return scores
 
 
-def _resolve_eos(model, batch, kwargs):
-    """Pick EOS ids that make some rows finish early, from a plain run of the same call."""
-    kwargs = dict(kwargs)
-    eos = kwargs.pop("eos", None)
-    if eos is None:
-        return kwargs, [EOS]
-    if eos == "many":
-        ids = list(range(3, 40))
-        return {**kwargs, "eos_token_id": ids, "pad_token_id": PAD}, ids
-    torch.manual_seed(SEED)
-    plain = model.generate(**batch, max_new_tokens=NEW_TOKENS, **kwargs)
-    prompt = batch["input_ids"].shape[1]
-    chosen = int(plain[0, prompt + 2])
-    return {**kwargs, "eos_token_id": chosen, "pad_token_id": PAD}, [chosen]
-
-
 def _run_pair(model, case, user_processors, placement, spill_dir=None):
     batch = left_padded_batch()
-    kwargs, eos_ids = _resolve_eos(model, batch, CASES[case])
+    kwargs, eos_ids = resolve_eos(model, batch, CASES[case])
     missing = missing_options(kwargs)
     if missing:
         pytest.skip(f"transformers {TRANSFORMERS} has no {missing}")

@@ -13,8 +13,7 @@ from transformers import GenerationMixin, LogitsProcessor, StoppingCriteria, Sto
 from transformers_offload import Recorder, UnrecordedCallWarning, _compat
 from transformers_offload.capture.hooks import is_hooked
 
-from .conftest import left_padded_batch, make_tiny
-from .helpers import hf_reference
+from ..helpers import hf_reference, left_padded_batch, make_tiny
 
 HOOKED = ("generate", "_get_logits_processor", "_get_stopping_criteria")
 

@@ -10,8 +10,7 @@ import torch
 
 from transformers_offload import Recorder, UnsupportedModeError, _compat, open_recording
 
-from .conftest import ENCODER_DECODERS, TINY_MODELS, left_padded_batch, make_tiny
-from .helpers import Boom, FailAtStep, TRANSFORMERS, missing_options
+from ..helpers import ENCODER_DECODERS, TINY_MODELS, TRANSFORMERS, Boom, FailAtStep, left_padded_batch, make_tiny, missing_options
 
 NEW_TOKENS = 7
 LAYER_STREAMS = ("logits", "scores", "attentions", "hidden_states")
@@ -110,12 +109,14 @@ def test_selected_layers_come_from_their_modules_where_the_model_declares_them(n
     asked = []
     with Recorder(model, streams=("attentions", "hidden_states"), layers=[-1], spill_dir=tmp_path / "run") as rec:
         spy = model.register_forward_pre_hook(  # after the recorder's own pre-hook: sees what it asks
-            lambda module, args, kwargs: asked.append({k for k in ("output_attentions", "output_hidden_states") if kwargs.get(k)}),
+            lambda module, args, kwargs: asked.append(
+                {k for k in ("output_attentions", "output_hidden_states") if kwargs.get(k)}),
             with_kwargs=True,
         )
         model.generate(**batch, logits_processor=[rec], max_new_tokens=3)
         spy.remove()
-    assert len(asked) == 3 and all(flags == (set() if hooked else {"output_attentions", "output_hidden_states"}) for flags in asked)
+    assert len(asked) == 3 and all(flags == (set() if hooked else {"output_attentions", "output_hidden_states"})
+                                   for flags in asked)
     _assert_nested_equal(rec.attentions(), tuple(step[-1:] for step in reference.attentions), "attentions")
     _assert_nested_equal(rec.hidden_states(), tuple(step[-1:] for step in reference.hidden_states), "hidden_states")
     record_property("outcome", "module hooks" if hooked else "whole forward")
@@ -169,7 +170,8 @@ def test_selection_keeps_the_chosen_layers_heads_and_positions(selection, mode, 
     options = SELECTIONS[selection]
     _, rec = _record(model, batch, reader, tmp_path, options=options, **kwargs)
     _assert_nested_equal(rec.attentions(), _selected(reference.attentions, options, count=2, attention=True), "attentions")
-    _assert_nested_equal(rec.hidden_states(), _selected(reference.hidden_states, options, count=3, attention=False), "hidden_states")
+    _assert_nested_equal(rec.hidden_states(), _selected(reference.hidden_states, options, count=3, attention=False),
+                         "hidden_states")
     assert rec.generation().layers["newest_position_only"] is options.get("newest_position_only", False)
 
 
@@ -181,7 +183,8 @@ def test_selection_on_an_encoder_decoder_model(selection, tmp_path):
     options = SELECTIONS[selection]
     _, rec = _record(model, batch, "open_recording", tmp_path, options=options, max_new_tokens=NEW_TOKENS)
     for kind in ENCODER_DECODER:
-        expected = _selected(getattr(reference, kind), options, count=3 if "hidden" in kind else 2, attention="hidden" not in kind)
+        expected = _selected(getattr(reference, kind), options, count=3 if "hidden" in kind else 2,
+                             attention="hidden" not in kind)
         _assert_nested_equal(getattr(rec, kind)(), expected, kind)
     for kind in ENCODER:
         expected = _selected(getattr(reference, kind), options, count=3 if "hidden" in kind else 2,
@@ -213,7 +216,7 @@ def test_layer_arrays_hold_every_position_with_its_length(kind, reader, tmp_path
     prompt = batch["input_ids"].shape[1]
     assert array.steps.tolist() == [0] * prompt + list(range(1, NEW_TOKENS))
     at = 0
-    for step, (tensor,) in enumerate(nested):
+    for (tensor,) in nested:
         count, width = tensor.shape[-2], tensor.shape[-1]
         assert (array.lengths[at : at + count] == width).all()
         assert torch.equal(array.values[..., at : at + count, :width], tensor)
@@ -257,7 +260,8 @@ def test_stored_without_padding(tmp_path):
 
     for shard in (tmp_path / "run").glob("g0000-s*.safetensors"):
         with safe_open(str(shard), framework="pt") as file:
-            shard_values += sum(file.get_slice(k).get_shape()[0] for k in file.keys() if k.startswith("attentions.") and not k.endswith(".shapes"))
+            shard_values += sum(file.get_slice(k).get_shape()[0] for k in file.keys()
+                                if k.startswith("attentions.") and not k.endswith(".shapes"))
     assert shard_values == sum(a.numel() for step in reference.attentions for a in step)
     assert described["num_shards"] > 1  # the steps are spread over shards of about `shard_bytes`
 

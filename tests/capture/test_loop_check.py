@@ -8,10 +8,9 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from transformers_offload import Recorder, RecordingMismatchWarning, open_recording
-from transformers_offload.capture.verify import StepLog, check_beams, check_loop
+from transformers_offload.capture.loop_check import StepLog, check_beams, check_loop
 
-from .conftest import left_padded_batch, make_tiny
-from .helpers import assert_steps_equal, hf_reference
+from ..helpers import assert_steps_equal, hf_reference, left_padded_batch, make_tiny
 
 
 class TwiceThenSecond(GPT2LMHeadModel):

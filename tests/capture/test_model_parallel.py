@@ -10,8 +10,7 @@ import torch
 
 from transformers_offload import Recorder, open_recording
 
-from .conftest import make_tiny, left_padded_batch
-from .helpers import HF_LOGITS_EXACT, assert_steps_equal
+from ..helpers import HF_LOGITS_EXACT, assert_steps_equal, left_padded_batch, make_tiny
 
 STREAMS = ("logits", "scores", "attentions", "hidden_states")
 

@@ -8,23 +8,23 @@ import torch
 
 from transformers_offload import Recorder, UnsupportedModeError, _compat, open_recording
 
-from .conftest import ENCODER_DECODERS, EOS, PAD, left_padded_batch, make_tiny
-from .helpers import (
+from ..helpers import (
+    ENCODER_DECODERS,
+    GROUP_BEAM,
     HAS_OUTPUT_LOGITS,
     HF_LOGITS_EXACT,
+    IN_LIBRARY,
+    MODE_CASES,
+    PAD,
     TRANSFORMERS,
     assert_same_beam_rows,
     assert_steps_equal,
     beam_hypotheses,
     hf_reference,
+    left_padded_batch,
+    make_tiny,
     missing_options,
 )
-
-MODES = {
-    "greedy": {},
-    "sample": {"do_sample": True, "top_k": 20},
-    "beam_search": {"num_beams": 3, "num_return_sequences": 2},
-}
 
 
 def _check(model, batch, **kwargs):
@@ -44,25 +44,23 @@ def _check(model, batch, **kwargs):
     return rec
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("mode", sorted(MODE_CASES))
 def test_one_new_token(tiny_model, mode):
-    rec = _check(tiny_model, left_padded_batch(), max_new_tokens=1, **MODES[mode])
+    rec = _check(tiny_model, left_padded_batch(), max_new_tokens=1, **MODE_CASES[mode])
     assert rec.generation().num_steps == 1
 
 
 @pytest.mark.parametrize("mode", ["greedy", "sample"])
 def test_static_cache(mode):
     model = make_tiny("llama")
-    _check(model, left_padded_batch(), max_new_tokens=8, cache_implementation="static", **MODES[mode])
+    _check(model, left_padded_batch(), max_new_tokens=8, cache_implementation="static", **MODE_CASES[mode])
 
 
-
-
-@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("mode", sorted(MODE_CASES))
 @pytest.mark.parametrize("name", sorted(ENCODER_DECODERS))
 def test_encoder_decoder_models_record_their_decoder_steps(name, mode):
     model = make_tiny(name)
-    rec = _check(model, left_padded_batch(), max_new_tokens=10, **MODES[mode])
+    rec = _check(model, left_padded_batch(), max_new_tokens=10, **MODE_CASES[mode])
     generation = rec.generation()
     assert generation.prompt_length == 1  # the decoder starts from its start token
 
@@ -72,7 +70,7 @@ def test_encoder_decoder_models_record_their_decoder_steps(name, mode):
 @pytest.mark.parametrize("mode", ["beam_search", "beam_sample"])
 def test_low_memory_beam_search(tiny_model, mode, record_property):
     """4.38-4.49 run each step's forward in sub-batches; 4.50+ refuse `low_memory=True` themselves."""
-    kwargs = {"beam_sample": {"num_beams": 3, "do_sample": True}, "beam_search": MODES["beam_search"]}[mode]
+    kwargs = {"beam_sample": {"num_beams": 3, "do_sample": True}, "beam_search": MODE_CASES["beam_search"]}[mode]
     if _compat.REFUSES_LOW_MEMORY_BEAM_SEARCH:
         record_property("outcome", "refused")  # for the support table (docs/support.md)
         with Recorder(tiny_model) as rec:
@@ -82,15 +80,6 @@ def test_low_memory_beam_search(tiny_model, mode, record_property):
         assert rec.generations == ()
         return
     _check(tiny_model, left_padded_batch(), max_new_tokens=6, low_memory=True, **kwargs)
-
-
-# Contrastive search and DoLa run inside the library up to 4.56 (DoLa from 4.43); 4.57 moved them to
-# the Hub, where the recorder refuses them.
-IN_LIBRARY = {
-    "contrastive_search": {"penalty_alpha": 0.6, "top_k": 4},
-    "contrastive_search_penalty": {"penalty_alpha": 0.6, "top_k": 4, "repetition_penalty": 1.3},
-    "dola_generation": {"dola_layers": "low", "repetition_penalty": 1.2},
-}
 
 
 @pytest.mark.parametrize("reader", ["memory", "spill"])
@@ -133,7 +122,7 @@ def _word_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from .conftest import VOCAB
+    from ..helpers import VOCAB
 
     words = {f"w{i}": i for i in range(VOCAB - 1)}
     words["abcdef"] = VOCAB - 1
@@ -153,7 +142,7 @@ def test_stop_strings_with_a_tiny_tokenizer(mode):
     model = make_tiny("llama")
     batch = left_padded_batch()
     tokenizer = _word_tokenizer()
-    kwargs = dict(MODES[mode], max_new_tokens=12, tokenizer=tokenizer, pad_token_id=PAD)
+    kwargs = dict(MODE_CASES[mode], max_new_tokens=12, tokenizer=tokenizer, pad_token_id=PAD)
     torch.manual_seed(0)
     plain = model.generate(**batch, **kwargs)
     prompt = batch["input_ids"].shape[1]
@@ -164,13 +153,6 @@ def test_stop_strings_with_a_tiny_tokenizer(mode):
     assert first <= 3
     if first + 1 < len(tokens):
         assert bool(rec.finished()[first + 1][0]), "the stop string did not end row 0"
-
-
-GROUP_BEAM = {
-    "group_beam_search": {"num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 1.0},
-    "group_beam_return_penalty": {"num_beams": 6, "num_beam_groups": 3, "diversity_penalty": 0.5,
-                                  "num_return_sequences": 2, "repetition_penalty": 1.3},
-}
 
 
 def _assert_rows_hold_the_sequences(indices, sequences, prompt, tokens, parents):
@@ -214,12 +196,12 @@ def test_group_beam_search(case, reader, tiny_model, tmp_path, record_property):
     _assert_rows_hold_the_sequences(rec.beam_indices(), sequences, prompt, rec.tokens(), rec.beam_parents())
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("mode", sorted(MODE_CASES))
 def test_a_processor_that_runs_the_model_does_not_shift_the_raw_logits(mode):
     """Classifier-free guidance's processor runs one more forward per step, inside the processor list:
     beam search's raw logits (taken from the forward) must come from the decoding loop's own."""
     model = make_tiny("llama")
-    kwargs = dict(MODES[mode], max_new_tokens=8, guidance_scale=1.5)
+    kwargs = dict(MODE_CASES[mode], max_new_tokens=8, guidance_scale=1.5)
     logits = {"output_logits": True} if HF_LOGITS_EXACT else {}
     torch.manual_seed(0)
     reference = model.generate(**left_padded_batch(), **kwargs, return_dict_in_generate=True, output_scores=True, **logits)

@@ -15,8 +15,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from transformers_offload import Recorder, UnsupportedModeError, open_recording
 
-from .conftest import EOS, PAD, VOCAB, left_padded_batch
-from .helpers import assert_steps_equal, hf_reference
+from ..helpers import EOS, PAD, VOCAB, assert_steps_equal, hf_reference, left_padded_batch
 
 NEW_TOKENS = 4
 

@@ -9,17 +9,15 @@ import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from transformers_offload import Recorder, open_recording
+from transformers_offload import Recorder, RecordingError, open_recording
 from transformers_offload.capture.prompt_logprobs import ChunkBuffers, PromptScoring
 
-from .conftest import make_tiny, left_padded_batch
+from ..helpers import ROOT, left_padded_batch, make_tiny
 
-ROOT = Path(__file__).resolve().parent.parent
 MODES = {
     "greedy": dict(do_sample=False),
     "sampling": dict(do_sample=True, top_k=5, num_return_sequences=2),
@@ -31,10 +29,9 @@ def _reference(model, batch):
     """Per prompt, from a plain forward of the same padded batch with the position ids generate() gives
     it (`cumsum(attention_mask) - 1`): its tokens after the first, their logprobs, ranks and every
     position's log-softmax. The recorder's head runs on a chunk of positions at a time, over generate()'s
-    expanded rows: a matrix product over other shapes may sum in another order, so the logprobs are
-    equal bits on the Intel machines this ran on before and differ by up to 4.8e-7 on the AMD EPYC
-    (AVX-512) of 2026-12-02. (Against a forward of each prompt without padding: on 4.36, GPT-2's
-    left-padded prompt differed by 4.8e-7: the padding changes the attention's sums.)"""
+    expanded rows: a matrix product over other shapes may sum in another order, so the logprobs may
+    differ from it by float rounding (up to 4.8e-7 measured, on AVX-512). A forward of each prompt
+    without padding is not the reference: the padding changes the attention's sums."""
     ids, mask = batch["input_ids"], batch["attention_mask"]
     positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
     with torch.no_grad():
@@ -105,6 +102,30 @@ def test_prompt_logprobs_without_top_k_and_with_a_tokenizer(tmp_path):
         model.generate(torch.tensor([[5, 6]]), logits_processor=[plain], max_new_tokens=1, pad_token_id=0)
     with pytest.raises(KeyError, match="prompt_logprobs=True"):
         plain.prompt_logprobs()
+
+
+def test_prompt_logprobs_sit_under_their_own_manifest_key_and_read_the_same_under_encoder(tmp_path):
+    # Written under `prompt`; a format-1 recording that holds them under `encoder` reads them the same.
+    model = make_tiny("gpt2")
+    with Recorder(model, prompt_logprobs=2, spill_dir=tmp_path / "run") as rec:
+        model.generate(torch.tensor([[5, 6, 7, 8]]), logits_processor=[rec], max_new_tokens=2, pad_token_id=0)
+    manifest_path = tmp_path / "run" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    entry = manifest["generations"][0]
+    assert "encoder" not in entry and entry["prompt"]["file"] == "g0000-prompt.safetensors"
+    with open_recording(tmp_path / "run") as run:
+        expected = run.generation().prompt_tensors()
+    entry["encoder"] = entry.pop("prompt")
+    manifest_path.write_text(json.dumps(manifest, indent=1))
+    with open_recording(tmp_path / "run", verify=True) as run:
+        found = run.generation().prompt_tensors()
+        assert sorted(found) == sorted(expected) == ["prompt_logprobs", "prompt_ranks", "prompt_tokens",
+                                                     "prompt_top_logprobs", "prompt_top_tokens"]
+        assert all(torch.equal(torch.as_tensor(found[name]), torch.as_tensor(expected[name])) for name in found)
+    entry["prompt"] = entry["encoder"]  # both: refused, naming them
+    manifest_path.write_text(json.dumps(manifest, indent=1))
+    with pytest.raises(RecordingError, match="both `encoder` and `prompt`"):
+        open_recording(tmp_path / "run")
 
 
 def test_prompt_logprobs_leave_the_recording_unchanged():
@@ -288,7 +309,7 @@ def test_more_bad_prompt_options(options, match):
 def test_numpy_and_torch_integers_are_taken():
     import numpy as np
 
-    assert Recorder(make_tiny("gpt2"), prompt_logprobs=np.int64(2), prompt_chunk=torch.tensor(3))._prompt_scoring.top == 2
+    assert Recorder(make_tiny("gpt2"), prompt_logprobs=np.int64(2), prompt_chunk=torch.tensor(3))._options.prompt_scoring.top == 2
 
 
 def test_the_prompt_table_has_one_row_per_scored_prompt_token(tmp_path, capsys):

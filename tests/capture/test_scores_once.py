@@ -9,13 +9,11 @@ import json
 import pytest
 import torch
 
-from transformers_offload import Recorder, open_recording
-from transformers_offload import _compat
-from transformers_offload.cli import format_summary
-from transformers_offload.store.format import RecordingError
+from transformers_offload import Recorder, _compat, open_recording
+from transformers_offload.cli.summary import format_summary
+from transformers_offload.errors import RecordingError
 
-from .conftest import left_padded_batch, make_tiny
-from .helpers import assert_steps_equal
+from ..helpers import assert_steps_equal, left_padded_batch, make_tiny
 
 CALLS = {  # generate() options: how the Recorder's defaults store the scores
     "greedy": (dict(do_sample=False), "same_as_logits"),

@@ -12,67 +12,17 @@ import torch
 
 from transformers_offload import Recorder, open_recording
 
-from .conftest import left_padded_batch
-from .helpers import TRANSFORMERS
-from .test_exactness import CASES, NEW_TOKENS, READERS, SEED, SMALL_SHARD_BYTES, _resolve_eos, hf_reference, missing_options
-
-KEYS = ("token", "logprob_raw", "logprob_processed", "rank_raw", "rank_processed", "entropy_raw",
-        "entropy_processed", "logsumexp_raw", "support_processed")
-
-
-def expected_stats(x: torch.Tensor, s: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor | None) -> dict:
-    """docs/recording.md's expressions, on one step's raw logits `x` and processed scores `s`."""
-    tokens = tokens.to(x.device)
-    rows = torch.arange(tokens.shape[0], device=x.device)
-    continues = tokens >= 0
-    if parents is not None:
-        parents = parents.to(x.device)
-        continues = continues & (parents >= 0)
-        rows = torch.where(parents >= 0, parents, rows)
-    y = torch.where(continues, tokens, 0)
-    values = {
-        "token": torch.where(continues, tokens, -1),
-        "logprob_raw": torch.log_softmax(x, -1)[rows, y].float(),
-        "logprob_processed": torch.log_softmax(s, -1)[rows, y].float(),
-        "rank_raw": (x[rows] > x[rows, y][:, None]).sum(-1),
-        "rank_processed": (s[rows] > s[rows, y][:, None]).sum(-1),
-        "entropy_raw": torch.special.entr(torch.softmax(x, -1)).sum(-1)[rows].float(),
-        "entropy_processed": torch.special.entr(torch.softmax(s, -1)).sum(-1)[rows].float(),
-        "logsumexp_raw": torch.logsumexp(x, -1)[rows].float(),
-        "support_processed": torch.isfinite(s).sum(-1)[rows],
-    }
-    for name in ("logprob_raw", "logprob_processed"):
-        values[name] = torch.where(continues, values[name], float("nan"))
-    for name in ("rank_raw", "rank_processed"):
-        values[name] = torch.where(continues, values[name], -1)
-    return values
-
-
-def assert_stats_equal(recorded: tuple, reference, tokens: tuple, parents: tuple | None) -> None:
-    assert len(recorded) == len(reference.scores) > 0
-    for t, step in enumerate(recorded):
-        assert tuple(step) == KEYS
-        expected = expected_stats(reference.logits[t], reference.scores[t], tokens[t], None if parents is None else parents[t])
-        for name in KEYS:
-            mine, theirs = step[name], expected[name].cpu()
-            assert mine.dtype == theirs.dtype and mine.shape == theirs.shape, (t, name, mine.dtype, theirs.dtype)
-            assert torch.equal(mine.isnan(), theirs.isnan()), (t, name)
-            assert torch.equal(mine.nan_to_num(0.0), theirs.nan_to_num(0.0)), f"step {t}: {name} differs"
-
-
-def _run(model, case, streams, spill_dir=None):
-    batch = left_padded_batch()
-    kwargs, _ = _resolve_eos(model, batch, CASES[case])
-    if missing_options(kwargs):
-        pytest.skip(f"transformers {TRANSFORMERS} has no {missing_options(kwargs)}")
-    torch.manual_seed(SEED)
-    reference = hf_reference(model, **batch, max_new_tokens=NEW_TOKENS, **kwargs)
-    options = {} if spill_dir is None else {"spill_dir": spill_dir, "shard_bytes": SMALL_SHARD_BYTES}
-    with Recorder(model, streams=streams, **options) as rec:
-        torch.manual_seed(SEED)
-        sequences = model.generate(**batch, logits_processor=[rec], max_new_tokens=NEW_TOKENS, **kwargs)
-    assert torch.equal(sequences, reference.sequences), "the recorder changed the generated tokens"
-    return batch, kwargs, reference, rec
+from ..helpers import (
+    CASES,
+    OTHER_MODES,
+    READERS,
+    STATS_KEYS,
+    TRANSFORMERS,
+    assert_stats_equal,
+    expected_stats,
+    other_mode,
+    run_case,
+)
 
 
 def _tokens_and_parents(rec, reference, batch, kwargs):
@@ -86,7 +36,7 @@ def _tokens_and_parents(rec, reference, batch, kwargs):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_stats_equal_their_expressions_on_hugging_face_outputs(gpt2, case, reader, tmp_path):
     spill_dir = None if reader == "memory" else tmp_path / "run"
-    batch, kwargs, reference, rec = _run(gpt2, case, ("logits", "scores", "stats"), spill_dir)
+    batch, kwargs, reference, rec = run_case(gpt2, case, ("logits", "scores", "stats"), spill_dir)
     if reader == "open_recording":
         rec = open_recording(spill_dir)
     tokens, parents = _tokens_and_parents(rec, reference, batch, kwargs)
@@ -95,7 +45,7 @@ def test_stats_equal_their_expressions_on_hugging_face_outputs(gpt2, case, reade
 
 @pytest.mark.parametrize("case", ["greedy", "sample_everything", "beam_return_sequences"])
 def test_stats_alone_on_every_tiny_model(tiny_model, case, tmp_path):
-    batch, kwargs, reference, rec = _run(tiny_model, case, ("stats",), tmp_path / "run")
+    batch, kwargs, reference, rec = run_case(tiny_model, case, ("stats",), tmp_path / "run")
     tokens, parents = _tokens_and_parents(rec, reference, batch, kwargs)
     assert_stats_equal(rec.stats(), reference, tokens, parents)
     generation = open_recording(tmp_path / "run").generation()
@@ -105,7 +55,7 @@ def test_stats_alone_on_every_tiny_model(tiny_model, case, tmp_path):
 
 
 def test_stats_alone_are_36_bytes_per_row_and_step(gpt2, tmp_path):
-    _, _, reference, rec = _run(gpt2, "sample_top_k_top_p", ("stats",), tmp_path / "run")
+    _, _, reference, rec = run_case(gpt2, "sample_top_k_top_p", ("stats",), tmp_path / "run")
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     stream = manifest["generations"][0]["streams"]["stats"]
     rows = reference.sequences.shape[0]
@@ -115,83 +65,21 @@ def test_stats_alone_are_36_bytes_per_row_and_step(gpt2, tmp_path):
 
 
 def test_stats_rows_steps_and_numpy(gpt2):
-    _, _, _, rec = _run(gpt2, "sample_temperature", ("stats",))
+    _, _, _, rec = run_case(gpt2, "sample_temperature", ("stats",))
     whole = rec.stats()
     part = rec.stats(steps=slice(2, 5), rows=[2, 0])
     assert len(part) == 3
     for mine, theirs in zip(part, whole[2:5]):
-        for name in KEYS:
+        for name in STATS_KEYS:
             assert torch.equal(mine[name], theirs[name][[2, 0]])
     arrays = rec.stats(framework="np", steps=range(1))[0]
     assert arrays["token"].dtype.name == "int64" and arrays["logprob_raw"].dtype.name == "float32"
 
 
 def test_no_stats_recorded_says_how_to_get_them(gpt2):
-    _, _, _, rec = _run(gpt2, "greedy", ("logits",))
+    _, _, _, rec = run_case(gpt2, "greedy", ("logits",))
     with pytest.raises(KeyError, match="stats"):
         rec.stats()
-
-
-# Every other mode: the stats equal the expressions on the recording's own logits and scores, which
-# the mode's own tests show equal to Hugging Face's.
-def _other_modes() -> dict:
-    from .test_assisted import CONFIGS, PROMPT, SOURCES
-    from .test_modes import GROUP_BEAM, IN_LIBRARY, MODES
-
-    cases = {}
-    for source in SOURCES:
-        for config in ("greedy", "sampling"):
-            cases[f"assisted_{source}_{config}"] = ("llama", PROMPT, dict(CONFIGS[config][0], max_new_tokens=16), source)
-    for name, kwargs in {**IN_LIBRARY, **GROUP_BEAM}.items():
-        cases[name] = ("llama", None, dict(kwargs, max_new_tokens=8), None)
-    for model in ("t5", "bart"):
-        for mode, kwargs in MODES.items():
-            cases[f"{model}_{mode}"] = (model, None, dict(kwargs, max_new_tokens=8), None)
-    cases["low_memory_beam_search"] = ("gpt2", None, dict(num_beams=3, low_memory=True, max_new_tokens=6), None)
-    cases["static_cache_sample"] = ("llama", None, dict(do_sample=True, top_k=20, cache_implementation="static", max_new_tokens=8), None)
-    return cases
-
-
-OTHER_MODES = _other_modes()
-
-
-def other_mode(case: str, dtype: torch.dtype | None = None) -> tuple:
-    """OTHER_MODES[`case`]'s model (cast to `dtype`, if given), batch and generate() options; skips
-    where the release lacks them."""
-    from .conftest import make_tiny
-    from .test_assisted import _source
-
-    name, prompt, kwargs, source = OTHER_MODES[case]
-    if missing_options(kwargs):
-        pytest.skip(f"transformers {TRANSFORMERS} has no {missing_options(kwargs)}")
-    model = make_tiny(name)
-    if dtype is not None:
-        model = model.to(dtype)
-    if source is not None:
-        extra = _source(source)
-        if missing_options(extra):
-            pytest.skip(f"transformers {TRANSFORMERS} has no {missing_options(extra)}")
-        kwargs = dict(kwargs, **extra)
-    return model, prompt if prompt is not None else left_padded_batch(), kwargs
-
-
-def record_other_mode(case: str, tmp_path, variants: list[dict], dtype: torch.dtype | None = None) -> list:
-    """Run OTHER_MODES[`case`] (its model cast to `dtype`, if given) once per Recorder options in
-    `variants` (each spilled, small shards) and return the generations read back with `open_recording`;
-    skips where the release lacks the mode."""
-    from transformers_offload import UnsupportedModeError
-
-    model, batch, kwargs = other_mode(case, dtype)
-    generations = []
-    for index, options in enumerate(variants):
-        with Recorder(model, spill_dir=tmp_path / str(index), shard_bytes=3_000, **options) as rec:
-            torch.manual_seed(0)
-            try:
-                model.generate(**batch, logits_processor=[rec], **kwargs)
-            except UnsupportedModeError:
-                pytest.skip(f"transformers {TRANSFORMERS} does not run {case} in the library")
-        generations.append(open_recording(tmp_path / str(index)).generation())
-    return generations
 
 
 @pytest.mark.filterwarnings("ignore:`num_hidden_layers` is deprecated:FutureWarning")
@@ -223,7 +111,7 @@ def test_a_vocabulary_past_float32s_integers_gets_a_float64_record(gpt2, tmp_pat
     from transformers_offload.capture import stats as stats_module
 
     monkeypatch.setattr(stats_module, "FLOAT32_INTEGERS", 8)
-    _, _, reference, rec = _run(gpt2, "sample_top_k_top_p", ("logits", "scores", "stats"), tmp_path / "run")
+    _, _, reference, rec = run_case(gpt2, "sample_top_k_top_p", ("logits", "scores", "stats"), tmp_path / "run")
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert manifest["generations"][0]["streams"]["stats"]["dtype"] == "float64"
     tokens = open_recording(tmp_path / "run").generation().tokens()
@@ -259,7 +147,7 @@ def test_stats_reuse_their_buffers_and_equal_the_expressions(dtype, beam):
         parents = torch.tensor([2, 0, -1, 0]) if beam else None
         record = stats.record(step, tokens, parents)
         expected = expected_stats(x, s, tokens, parents)
-        for column, name in enumerate(KEYS):
+        for column, name in enumerate(STATS_KEYS):
             mine, theirs = record[:, column], expected[name].to(record.dtype)
             assert torch.equal(mine.isnan(), theirs.isnan()), (step, name)
             assert torch.equal(mine.nan_to_num(0.0), theirs.nan_to_num(0.0)), f"step {step}: {name} differs"
@@ -271,7 +159,7 @@ def test_stats_reuse_their_buffers_and_equal_the_expressions(dtype, beam):
 def test_workspace_logsumexp_equals_torchs(dtype):
     """`workspace.logsumexp` follows ATen's own steps: equal to `torch.logsumexp`, infinities included
     (a torch whose logsumexp changed its steps fails here, before any recording differs)."""
-    from transformers_offload.capture.workspace import logsumexp
+    from transformers_offload.codecs.workspace import logsumexp
 
     x = (torch.randn(6, 3_001, generator=torch.Generator().manual_seed(0)) * 30).to(dtype)
     x[1, ::2] = float("-inf")
@@ -287,7 +175,7 @@ def test_workspace_logsumexp_of_masked_rows_equals_torchs(dtype):
     """Rows that are mostly -inf (a masked step's scores) or far below their maximum take the path that
     keeps exp off its slow path for them: still equal to `torch.logsumexp`, NaN, +inf and all -inf rows
     included, with and without a row whose maximum is +inf (which takes the plain path)."""
-    from transformers_offload.capture import workspace
+    from transformers_offload.codecs import workspace
 
     generator = torch.Generator().manual_seed(1)
     x = torch.full((7, 4_099), float("-inf"))

@@ -131,10 +131,10 @@ def test_a_failure_in_the_last_steps_is_raised_by_flush(threaded):
 @pytest.mark.parametrize("kwargs", [dict(), dict(do_sample=True, top_k=20), dict(num_beams=3)])
 def test_the_threaded_drain_records_what_generate_computed(kwargs, store, tmp_path, monkeypatch):
     # CUDA models drain in a thread; here that path runs on CPU, so it is tested without a GPU.
-    from transformers_offload import Recorder, open_recording, recorder as recorder_module
+    from transformers_offload import Recorder, open_recording
+    from transformers_offload import recorder as recorder_module
 
-    from .conftest import left_padded_batch, make_tiny
-    from .helpers import assert_steps_equal, hf_reference
+    from ..helpers import assert_steps_equal, hf_reference, left_padded_batch, make_tiny
 
     monkeypatch.setattr(recorder_module, "_on_cuda", lambda model: True)
     model = make_tiny("llama")

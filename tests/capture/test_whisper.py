@@ -13,7 +13,7 @@ from transformers import GenerationConfig, LogitsProcessor, WhisperConfig, Whisp
 
 from transformers_offload import Recorder, RecordingMismatchWarning, _compat, open_recording
 
-from .helpers import HF_LOGITS_EXACT, assert_steps_equal
+from ..helpers import HF_LOGITS_EXACT, assert_steps_equal
 
 HAS_TAPS = all(callable(getattr(WhisperForConditionalGeneration, name, None)) for name in _compat.LOOP_TAPS)
 # Short-form (up to 30 s) runs through the segment loop, with its fallback and reworked outputs, where
@@ -196,7 +196,8 @@ def test_long_form_records_a_loop_per_segment_equal_to_each_segments_result(tmp_
                                attention_mask=mask, return_timestamps=True, return_segments=True)
     loops = run.generations
     assert [g.complete for g in loops] == [True, True]
-    assert [(g.loop["segment"], g.loop["batch_rows"], g.loop["kept_rows"]) for g in loops] == [(0, [0, 1], [0, 1]), (1, [0, 1], [0, 1])]
+    assert ([(g.loop["segment"], g.loop["batch_rows"], g.loop["kept_rows"]) for g in loops]
+            == [(0, [0, 1], [0, 1]), (1, [0, 1], [0, 1])])
     for prompt, segments in enumerate(reference["segments"]):
         assert len(segments) == 2
         for generation, segment in zip(loops, segments):

@@ -11,15 +11,13 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 import transformers_offload
 from transformers_offload import cli, demo_model
 
-GOLDEN = Path(__file__).parent / "golden"
-ROOT = Path(__file__).parent.parent
+from ..helpers import GOLDEN, ROOT
 
 # What each reading command may import on the golden recordings: `inspect` and `verify` read manifests and
 # file headers only; `export`, `view` and `plot` compute these recordings' logprobs and entropies with torch
@@ -84,7 +82,7 @@ def tiny_runs(tmp_path_factory):
 
     from transformers_offload import Recorder
 
-    from .conftest import PAD, left_padded_batch, make_tiny
+    from ..helpers import PAD, left_padded_batch, make_tiny
 
     model = make_tiny("gpt2")
     root = tmp_path_factory.mktemp("tiny-runs")
@@ -191,7 +189,7 @@ def test_inspect_shows_the_settings_that_choose_tokens(tmp_path, capsys):
     assert cli.main(["inspect", str(run), "--verbose"]) == 0
     every = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("settings:")]
     shown = {part.split("=")[0] for line in short for part in line.split(": ", 1)[1].split(", ")}
-    assert shown and shown <= {"max_length", *cli.SETTINGS}
+    assert shown and shown <= {"max_length", *cli.summary.SETTINGS}
     assert len(every[0]) >= len(short[0]) and all(f"{key}=" in every[0] for key in shown)
 
 
@@ -204,13 +202,14 @@ def test_inspect_shows_the_settings_that_choose_tokens(tmp_path, capsys):
      "max_length=20, num_beams=4, repetition_penalty=1.3"),
 ])
 def test_the_short_settings(config, expected):
-    assert cli._settings(config) == expected
-    assert "use_cache" in cli._settings({**config, "use_cache": True}, verbose=True)
+    assert cli.summary.settings(config) == expected
+    assert "use_cache" in cli.summary.settings({**config, "use_cache": True}, verbose=True)
 
 
 def test_results_are_rounded_for_people():
-    assert cli._human({"wrote": "a.parquet", "rows": 16, "bytes": 3 * 2**20 + 5}) == "wrote a.parquet, rows 16, bytes 3.0 MiB"
-    assert cli._human({"recorded": 4, "seconds": 12.34567}) == "recorded 4, seconds 12.3 s"
+    assert (cli.options.human({"wrote": "a.parquet", "rows": 16, "bytes": 3 * 2**20 + 5})
+            == "wrote a.parquet, rows 16, bytes 3.0 MiB")
+    assert cli.options.human({"recorded": 4, "seconds": 12.34567}) == "recorded 4, seconds 12.3 s"
 
 
 @pytest.mark.parametrize("name", ["smollm2", "SmolLM2-135M-Instruct", "SMOLLM2"])
@@ -221,17 +220,17 @@ def test_model_takes_the_demo_model_by_name(tmp_path, monkeypatch, name):
     for file in ("model.safetensors", "tokenizer.json"):  # what `is_cached` looks for: nothing is fetched
         (cached / file).write_bytes(b"")
     monkeypatch.chdir(tmp_path)  # no directory of that name here
-    assert cli._model_directory(name) == str(cached)
+    assert cli.options.model_directory(name) == str(cached)
 
 
 def test_a_directory_comes_before_the_demo_models_name(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "smollm2").mkdir()
-    assert cli._model_directory("smollm2") == "smollm2"
+    assert cli.options.model_directory("smollm2") == "smollm2"
 
 
 def test_an_unknown_model_name_says_what_model_takes(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match=r"`--model` must be a local directory .* or the demo model's name \(smollm2"):
-        cli._model_directory("gpt5")
-    assert "smollm2" in cli._MODEL_HELP
+        cli.options.model_directory("gpt5")
+    assert "smollm2" in cli.options.MODEL_HELP

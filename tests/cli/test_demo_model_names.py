@@ -9,7 +9,8 @@ import pytest
 from transformers_offload import demo_model, open_recording, write_html
 from transformers_offload.cli import main
 
-from .helpers import write_made_up_recording
+from ..helpers import write_made_up_recording
+
 
 @pytest.fixture
 def cached_demo(tmp_path, monkeypatch):

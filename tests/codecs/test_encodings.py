@@ -11,44 +11,30 @@ import torch
 
 from transformers_offload import Recorder, open_recording
 
-from .conftest import left_padded_batch
-from .helpers import TRANSFORMERS
-from .test_exactness import CASES, NEW_TOKENS, READERS, SEED, SMALL_SHARD_BYTES, _resolve_eos, hf_reference, missing_options
-from .test_stats import OTHER_MODES, record_other_mode
+from ..helpers import (
+    CASES,
+    NEW_TOKENS,
+    OTHER_MODES,
+    READERS,
+    SEED,
+    SMALL_SHARD_BYTES,
+    TRANSFORMERS,
+    assert_topk_equal,
+    hf_reference,
+    left_padded_batch,
+    missing_options,
+    record_other_mode,
+    resolve_eos,
+)
 
 ENCODINGS = {"logits": "topk:5", "scores": "topk:7"}
-KEYS = ("values", "indices", "logsumexp", "mass_outside", "logprobs")
-
-
-def expected_topk(x: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
-    """The documented expressions, on one step's `(rows, vocab)` tensor."""
-    values, indices = torch.topk(x, k, dim=-1)
-    logsumexp = torch.logsumexp(x, -1)
-    mass_outside = torch.exp(torch.logsumexp(x.scatter(-1, indices, float("-inf")), -1) - logsumexp)
-    return {
-        "values": values.float(), "indices": indices, "logsumexp": logsumexp.float(),
-        "mass_outside": mass_outside.float(), "logprobs": values.float() - logsumexp.float()[:, None],
-    }
-
-
-def assert_topk_equal(recorded: tuple, reference: tuple, k: int) -> None:
-    assert len(recorded) == len(reference) > 0
-    for t, (step, dense) in enumerate(zip(recorded, reference)):
-        assert tuple(step) == KEYS
-        expected = expected_topk(dense, k)
-        for name in KEYS:
-            mine, theirs = step[name], expected[name].cpu()
-            assert mine.dtype == theirs.dtype and mine.shape == theirs.shape, (t, name)
-            assert torch.equal(mine.isnan(), theirs.isnan()), (t, name)
-            assert torch.equal(mine.nan_to_num(0.0, posinf=1e30, neginf=-1e30), theirs.nan_to_num(0.0, posinf=1e30, neginf=-1e30)), \
-                f"step {t}: {name} differs"
 
 
 @pytest.mark.parametrize("reader", READERS)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_topk_equals_its_expressions_on_hugging_face_outputs(gpt2, case, reader, tmp_path):
     batch = left_padded_batch()
-    kwargs, _ = _resolve_eos(gpt2, batch, CASES[case])
+    kwargs, _ = resolve_eos(gpt2, batch, CASES[case])
     if missing_options(kwargs):
         pytest.skip(f"transformers {TRANSFORMERS} has no {missing_options(kwargs)}")
     torch.manual_seed(SEED)
@@ -110,7 +96,8 @@ def test_full_accessors_point_to_topk(gpt2, tmp_path):
         ({"scores": 3}, TypeError, "must be a dict"),
         ({"tokens": "topk:3"}, ValueError, "only \\('logits', 'scores'\\) can be encoded"),
         ({"attentions": "topk:3"}, ValueError, "only"),
-        ({"scores": "fp8"}, ValueError, "the encodings are \"dense\", \"sparse\", \"native\", \"topk:K\", \"topk:K:qB\" and \"sample:N@T\""),
+        ({"scores": "fp8"}, ValueError,
+         "the encodings are \"dense\", \"sparse\", \"native\", \"topk:K\", \"topk:K:qB\" and \"sample:N@T\""),
         ({"scores": "topk:3:q9"}, ValueError, "B 2 to 8 bits"),
         ({"scores": "sample:0"}, ValueError, "N must be at least 1"),
         ({"scores": "sample:4@0"}, ValueError, "T above 0"),
@@ -144,7 +131,9 @@ def test_cpu_encodings_reuse_their_buffers_step_after_step(encoding):
     """On the host an encoding's `(rows, vocab)` work goes into buffers made at the first step (so a
     process's peak does not depend on how the C library reuses freed blocks), and every step's record
     equals the one a fresh encoder makes."""
-    from transformers_offload.capture import encodings, packed_encodings
+    from transformers_offload.codecs import native as native_codec
+    from transformers_offload.codecs import packed as packed_encodings
+    from transformers_offload.codecs import sparse as sparse_codec
 
     def made_up(step: int) -> torch.Tensor:
         x = torch.randn(3, 500, generator=torch.Generator().manual_seed(step)).bfloat16().float()
@@ -154,10 +143,10 @@ def test_cpu_encodings_reuse_their_buffers_step_after_step(encoding):
 
     def encoder():
         if encoding == "sparse":
-            sparse = encodings.Sparse()
+            sparse = sparse_codec.Sparse()
             return sparse.on_cpu, sparse.buffers
         if encoding == "native":
-            native = encodings.Native(torch.bfloat16)
+            native = native_codec.Native(torch.bfloat16)
             return native.on_cpu, native.buffers
         topk = packed_encodings.TopK(encoding)
         return topk.on_cpu, topk.buffers

@@ -11,12 +11,18 @@ import pytest
 import torch
 
 from transformers_offload import Recorder, open_recording
-from transformers_offload.store.format import native_dense
+from transformers_offload.codecs.native import native_dense
 
-from .conftest import VOCAB, left_padded_batch, make_tiny
-from .helpers import HF_LOGITS_EXACT, assert_steps_equal
-from .test_sparse import assert_dense_equal
-from .test_stats import OTHER_MODES, record_other_mode
+from ..helpers import (
+    HF_LOGITS_EXACT,
+    OTHER_MODES,
+    VOCAB,
+    assert_dense_equal,
+    assert_steps_equal,
+    left_padded_batch,
+    make_tiny,
+    record_other_mode,
+)
 
 CALLS = {"greedy": dict(do_sample=False), "top_k": dict(do_sample=True, top_k=20),
          "temperature": dict(do_sample=True, temperature=0.7), "beam_search": dict(num_beams=3)}
@@ -76,7 +82,7 @@ def test_a_bf16_models_logits_take_half_the_bytes_and_a_temperatures_scores_do_n
 
 def test_a_damaged_native_record_is_refused():
     x = torch.randn(2, 5).to(torch.bfloat16).float()
-    from transformers_offload.capture.encodings import Native
+    from transformers_offload.codecs.native import Native
 
     record = Native(torch.bfloat16).on_cpu(x)
     assert record[3] == 2 and torch.equal(native_dense(record), x)  # stored as bf16, read back exactly

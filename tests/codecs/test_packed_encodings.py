@@ -9,11 +9,10 @@ import pytest
 import torch
 
 from transformers_offload import Recorder, open_recording
-from transformers_offload.capture.packed_encodings import QuantisedTopK, Sampled, TopK
-from transformers_offload.store.packed import PackedRecord, elias_fano, elias_fano_ids, row_bytes
+from transformers_offload.codecs.bits import elias_fano, elias_fano_ids
+from transformers_offload.codecs.packed import PackedRecord, QuantisedTopK, Sampled, TopK, row_bytes
 
-from .conftest import left_padded_batch, make_tiny
-from .test_encodings import KEYS, assert_topk_equal
+from ..helpers import TOPK_KEYS, assert_topk_equal, left_padded_batch, make_tiny
 
 
 def _bytes_per_row(record: torch.Tensor, rows: int) -> float:
@@ -70,7 +69,7 @@ def test_quantised_topk_keeps_the_ids_and_bounds_the_error(encoding):
     assert torch.equal(columns["indices"][:, 0], torch.topk(x, 1).indices[:, 0])  # the top token first, exact
     assert torch.equal(columns["values"][:, 0], values[:, 0])
     assert torch.equal(columns["logsumexp"], torch.logsumexp(x, -1))
-    assert tuple(columns) == KEYS
+    assert tuple(columns) == TOPK_KEYS
     assert row_bytes("topk:128:q5", 152_064, torch.float32) <= 300
 
 
@@ -99,7 +98,7 @@ def test_packed_topk_and_samples_through_generate(gpt2, reader, tmp_path):
     assert torch.equal(sequences, reference), "the sampled targets changed generate()'s own draws"
     source = open_recording(tmp_path / "run") if reader == "open_recording" else rec
     assert source.generation().encodings == encodings
-    for step, (columns, scores) in enumerate(zip(source.sampled_targets("scores"), dense.scores())):
+    for columns, scores in zip(source.sampled_targets("scores"), dense.scores()):
         assert bool((columns["counts"].sum(-1) == 16).all())
         assert torch.equal(columns["values"], scores.gather(-1, columns["indices"]))
         assert torch.equal(columns["logsumexp"], torch.logsumexp(scores.float() / 0.7, -1))
@@ -117,12 +116,12 @@ def test_packed_topk_and_samples_through_generate(gpt2, reader, tmp_path):
 def test_the_recorder_draws_the_same_samples_for_the_same_seed(gpt2):
     runs = []
     for seed in (0, 0, 1):
-        with Recorder(gpt2, encodings={"logits": "sample:8"}, sample_seed=seed) as rec:
+        with Recorder(gpt2, encodings={"logits": "sample:8"}, encoding_seed=seed) as rec:
             gpt2.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=3)
         runs.append(torch.stack([step["indices"] for step in rec.sampled_targets("logits")]))
     assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
-    with pytest.raises(TypeError, match="`sample_seed` must be an int"):
-        Recorder(gpt2, sample_seed="1")
+    with pytest.raises(TypeError, match="`encoding_seed` must be an int"):
+        Recorder(gpt2, encoding_seed="1")
 
 
 def test_compact_topk_of_a_bfloat16_model_is_stored_in_bfloat16(tmp_path):

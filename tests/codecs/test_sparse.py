@@ -11,26 +11,29 @@ import pytest
 import torch
 
 from transformers_offload import Recorder, RecordingError, open_recording
-from transformers_offload.capture import encodings as _encodings
-from transformers_offload.cli import format_summary
-from transformers_offload.store.format import SparseRecord
+from transformers_offload.cli.summary import format_summary
+from transformers_offload.codecs import sparse as _encodings
+from transformers_offload.codecs.sparse import SparseRecord
 
-from .conftest import left_padded_batch, make_tiny
-from .helpers import TRANSFORMERS, missing_options
-from .test_exactness import CASES, NEW_TOKENS, READERS, SEED, SMALL_SHARD_BYTES, _resolve_eos, hf_reference
-from .test_stats import OTHER_MODES, record_other_mode
+from ..helpers import (
+    CASES,
+    NEW_TOKENS,
+    OTHER_MODES,
+    READERS,
+    SEED,
+    SMALL_SHARD_BYTES,
+    TRANSFORMERS,
+    assert_dense_equal,
+    hf_reference,
+    left_padded_batch,
+    make_tiny,
+    missing_options,
+    record_other_mode,
+    resolve_eos,
+)
 
 BOTH = {"logits": "sparse", "scores": "sparse"}
 NEG_INF = float("-inf")
-
-
-def assert_dense_equal(recorded: tuple, reference: tuple) -> None:
-    assert len(recorded) == len(reference) > 0
-    for t, (mine, theirs) in enumerate(zip(recorded, reference)):
-        theirs = theirs.cpu()
-        assert mine.dtype == theirs.dtype and mine.shape == theirs.shape, t
-        assert torch.equal(mine.isnan(), theirs.isnan()), t
-        assert torch.equal(mine.nan_to_num(0.0), theirs.nan_to_num(0.0)), f"step {t} differs"
 
 
 def assert_entries_equal(entries: tuple, reference: tuple) -> None:
@@ -52,7 +55,7 @@ def assert_entries_equal(entries: tuple, reference: tuple) -> None:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_sparse_equals_hugging_face(gpt2, case, reader, tmp_path):
     batch = left_padded_batch()
-    kwargs, _ = _resolve_eos(gpt2, batch, CASES[case])
+    kwargs, _ = resolve_eos(gpt2, batch, CASES[case])
     if missing_options(kwargs):
         pytest.skip(f"transformers {TRANSFORMERS} has no {missing_options(kwargs)}")
     torch.manual_seed(SEED)
@@ -319,7 +322,7 @@ def test_scores_named_dense_stay_dense_when_a_warper_masks(gpt2):
 
 def test_the_word_wise_nonzero_equals_nonzero():
     """`encodings._nonzero` (words of 8 mask bytes first) gives `nonzero()`'s rows and order."""
-    from transformers_offload.capture.encodings import _nonzero
+    from transformers_offload.codecs.sparse import _nonzero
 
     generator = torch.Generator().manual_seed(0)
     for shape in ((8, 4_096), (3, 4_099), (1, 8), (0, 16)):

@@ -129,7 +129,7 @@ WHISPER_NO_TIMESTAMPS = 200
 
 
 def _whisper() -> torch.nn.Module:
-    """As `tests/test_whisper.py` builds it: a released checkpoint's generation config, minus the languages."""
+    """As `tests/capture/test_whisper.py` builds it: a released checkpoint's generation config, minus the languages."""
     config = transformers.WhisperConfig(
         vocab_size=300, num_mel_bins=8, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
         decoder_attention_heads=2, d_model=16, encoder_ffn_dim=32, decoder_ffn_dim=32, max_source_positions=1500,

@@ -54,8 +54,7 @@ import torch
 from transformers import GenerationMixin, PreTrainedModel
 
 from transformers_offload import Recorder
-from transformers_offload.capture.modes import UnsupportedModeError
-from transformers_offload.recorder import DeviceAccumulationWarning, RecordingMismatchWarning
+from transformers_offload.errors import DeviceAccumulationWarning, RecordingMismatchWarning, UnsupportedModeError
 
 FLAGS = ("return_dict_in_generate", "output_scores", "output_logits")
 _STATE = threading.local()  # .depth: generate() calls of this thread running inside a checked one
@@ -84,7 +83,7 @@ def _wrap(classes: list[type]) -> None:
     for cls in classes:
         original = cls.__dict__.get("generate")
         if original is not None and not hasattr(original, _WRAPPED):
-            setattr(cls, "generate", _checked(original))
+            cls.generate = _checked(original)
 
 
 def wrap_all() -> None:
@@ -107,7 +106,7 @@ def unwrap_all() -> None:
     for cls in _generating_classes():
         wrapper = cls.__dict__.get("generate")
         if wrapper is not None and hasattr(wrapper, _WRAPPED):
-            setattr(cls, "generate", getattr(wrapper, _WRAPPED))
+            cls.generate = getattr(wrapper, _WRAPPED)
     if hasattr(PreTrainedModel.post_init, _WRAPPED):
         PreTrainedModel.post_init = getattr(PreTrainedModel.post_init, _WRAPPED)
 
@@ -372,7 +371,8 @@ def _differ(mine: torch.Tensor, theirs: torch.Tensor) -> str | None:
             f"{theirs[row, column].item() if column is not None else theirs[row].item()!r} returned")
 
 
-def _compare_steps(what: str, recorded: tuple, returned: Any, pick: Callable[[int, torch.Tensor], torch.Tensor] | None = None) -> str | None:
+def _compare_steps(what: str, recorded: tuple, returned: Any,
+                   pick: Callable[[int, torch.Tensor], torch.Tensor] | None = None) -> str | None:
     if returned is None:
         return None
     if len(recorded) != len(returned):
@@ -400,7 +400,8 @@ def compare(model: Any, generations: tuple, out: Any, reference: Any) -> dict[st
             theirs = theirs[:, theirs.shape[1] - mine.shape[1]:]  # Whisper's plain tensor drops its decoder prompt
         problem = _differ(mine.cpu(), theirs)
         if problem:
-            return {"verdict": "different", "detail": f"the recorded run returned other sequences than the call without the Recorder: {problem}"}
+            return {"verdict": "different",
+                    "detail": f"the recorded run returned other sequences than the call without the Recorder: {problem}"}
     if len(generations) == 1 and _field(reference, "segments") is None:
         return _compare_one(model, generations[0], reference)
     return _compare_loops(generations, reference)
@@ -501,7 +502,7 @@ def follow_the_release() -> list[str]:
       without sliding layers, which rollback needed): dropped by 5.24, whose assisted decoding rolls back
       any dynamic cache itself; read as `"dynamic"`, the release's dynamic cache.
     """
-    from transformers import cache_utils, GenerationConfig
+    from transformers import GenerationConfig, cache_utils
     from transformers.generation import configuration_utils
 
     added = []

@@ -12,7 +12,6 @@ import functools
 
 import pytest
 import torch
-
 from families import FAMILIES, Family
 
 NEW = 4  # new tokens per call

@@ -1,5 +1,6 @@
 """Rewrite the golden recordings (tests/golden/tiny-recording, tiny-layers-recording,
-tiny-stats-recording, tiny-packed-topk-recording, tiny-sampled-recording, tiny-sparse-recording, tiny-native-recording) after a deliberate format change. Decide first whether a
+tiny-stats-recording, tiny-packed-topk-recording, tiny-sampled-recording, tiny-sparse-recording, tiny-native-recording) after
+a deliberate format change. Decide first whether a
 reader of the current FORMAT_VERSION would misread the new layout: if so, bump FORMAT_VERSION; if it
 reads it right (a key it ignores, like the `files` checksums, or a stream it need not know, like
 `stats`) or refuses it by name (an encoding it does not know, like `topk:K` or `sparse`), the version stays.

@@ -1,6 +1,6 @@
 """Rewrite tests/golden/cross-release: a tiny Llama saved with `save_pretrained` and a recording of it
 made on the newest transformers release (greedy search, sampling and beam search over a left-padded
-batch, each call's prompts named), which `tests/test_rescore_releases.py` rescores under every release of
+batch, each call's prompts named), which `tests/rescoring/test_rescore_releases.py` rescores under every release of
 the version matrix. Rewrite it with the newest release only (`scripts/setup.sh`'s), after a deliberate
 change; the recording's manifest names the release that wrote it.
 

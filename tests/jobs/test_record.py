@@ -11,57 +11,30 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast, StoppingCriteria, StoppingCriteriaList
+from transformers import GPT2Config, GPT2LMHeadModel, StoppingCriteria, StoppingCriteriaList
 
 from transformers_offload import Recorder, RecordingError, open_recording
 from transformers_offload.cli import main
-from transformers_offload.record import read_prompts, record
+from transformers_offload.jobs.record import read_prompts, record
+
+from ..helpers import complete_samples, record_model, record_tokenizer, write_prompts
 
 VOCAB = 128
 
 
-def _tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {"[PAD]": 0, "[EOS]": 1, "[BOS]": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
-    inner = Tokenizer(models.WordLevel(vocab, unk_token="[PAD]"))
-    inner.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=inner, pad_token="[PAD]", eos_token="[EOS]", bos_token="[BOS]",
-                                   clean_up_tokenization_spaces=False)  # 4.44 warns when it is not set
-
-
-def _model():
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=256,
-                                      bos_token_id=2, eos_token_id=1, pad_token_id=0)).eval()
-
-
-def _prompts(path: Path, count: int, *, ids: bool = True) -> Path:
-    lines = [{**({"id": f"s{i:03d}"} if ids else {}), "text": " ".join(f"w{3 + (i * 7 + k) % 120}" for k in range(2 + i % 5))}
-             for i in range(count)]
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    return path
-
-
-def _complete_samples(out: Path) -> Counter:
-    with open_recording(out) as run:
-        return Counter(str(s) for g in run.generations if g.complete for s in g.sample_ids)
-
-
 def test_record_keys_every_row_by_its_sample_id(tmp_path):
-    prompts = _prompts(tmp_path / "prompts.jsonl", 7)
-    result = record(_model(), _tokenizer(), prompts, tmp_path / "run", batch_size=3, progress=False,
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 7)
+    result = record(record_model(), record_tokenizer(), prompts, tmp_path / "run", batch_size=3, progress=False,
                     max_new_tokens=4, do_sample=True)
     assert (result["recorded"], result["skipped"], result["generations"]) == (7, 0, 3)
     run = open_recording(tmp_path / "run")
     assert [s["sample"] for s in run.samples()] == [f"s{i:03d}" for i in range(7)]
     assert [len(g.sample_ids) for g in run.generations] == [3, 3, 1]
     # Without an id column, a prompt's id is its line number.
-    record(_model(), _tokenizer(), _prompts(tmp_path / "plain.jsonl", 4, ids=False), tmp_path / "plain",
+    record(record_model(), record_tokenizer(), write_prompts(tmp_path / "plain.jsonl", 4, ids=False), tmp_path / "plain",
            batch_size=4, progress=False, max_new_tokens=2)
     assert [s["sample"] for s in open_recording(tmp_path / "plain").samples()] == [0, 1, 2, 3]
 
@@ -84,8 +57,8 @@ class _FailOnCall(StoppingCriteria):
 
 
 def test_an_interrupted_run_resumes_and_records_each_sample_once(tmp_path, monkeypatch):
-    prompts = _prompts(tmp_path / "prompts.jsonl", 10)
-    model, tokenizer = _model(), _tokenizer()
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 10)
+    model, tokenizer = record_model(), record_tokenizer()
     original = model.generate
     calls = []
 
@@ -99,10 +72,10 @@ def test_an_interrupted_run_resumes_and_records_each_sample_once(tmp_path, monke
     with pytest.raises(RuntimeError, match="on purpose"):
         record(model, tokenizer, prompts, tmp_path / "run", batch_size=4, progress=False, max_new_tokens=4)
     monkeypatch.setattr(model, "generate", original)
-    assert _complete_samples(tmp_path / "run") == Counter(f"s{i:03d}" for i in range(4))
+    assert complete_samples(tmp_path / "run") == Counter(f"s{i:03d}" for i in range(4))
     result = record(model, tokenizer, prompts, tmp_path / "run", batch_size=4, progress=False, max_new_tokens=4)
     assert (result["recorded"], result["skipped"]) == (6, 4)
-    assert _complete_samples(tmp_path / "run") == Counter(f"s{i:03d}" for i in range(10))  # each once
+    assert complete_samples(tmp_path / "run") == Counter(f"s{i:03d}" for i in range(10))  # each once
     statuses = [g.complete for g in open_recording(tmp_path / "run").generations]
     assert statuses == [True, False, True, True]  # the failed call stays, readable, beside its redo
     # A third run finds nothing to do.
@@ -111,13 +84,13 @@ def test_an_interrupted_run_resumes_and_records_each_sample_once(tmp_path, monke
 
 
 def test_a_resumed_batch_samples_as_the_first_run_would(tmp_path):
-    prompts = _prompts(tmp_path / "prompts.jsonl", 6)
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 6)
     options = dict(batch_size=3, progress=False, max_new_tokens=5, do_sample=True)
-    record(_model(), _tokenizer(), prompts, tmp_path / "whole", **options)
+    record(record_model(), record_tokenizer(), prompts, tmp_path / "whole", **options)
     lines = prompts.read_text().splitlines()
     (tmp_path / "first.jsonl").write_text("\n".join(lines[:3]) + "\n")
-    record(_model(), _tokenizer(), tmp_path / "first.jsonl", tmp_path / "resumed", **options)
-    record(_model(), _tokenizer(), prompts, tmp_path / "resumed", **options)
+    record(record_model(), record_tokenizer(), tmp_path / "first.jsonl", tmp_path / "resumed", **options)
+    record(record_model(), record_tokenizer(), prompts, tmp_path / "resumed", **options)
     whole, resumed = open_recording(tmp_path / "whole"), open_recording(tmp_path / "resumed")
     assert all(torch.equal(a.sequences, b.sequences) for a, b in zip(whole.generations, resumed.generations))
 
@@ -125,9 +98,9 @@ def test_a_resumed_batch_samples_as_the_first_run_would(tmp_path):
 @pytest.mark.slow
 def test_a_sigkilled_run_resumes_from_the_command_line(tmp_path):
     model_dir = tmp_path / "model"
-    _model().save_pretrained(model_dir)
-    _tokenizer().save_pretrained(model_dir)
-    prompts = _prompts(tmp_path / "prompts.jsonl", 40)
+    record_model().save_pretrained(model_dir)
+    record_tokenizer().save_pretrained(model_dir)
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 40)
     command = [sys.executable, "-m", "transformers_offload", "record", "--model", str(model_dir), "--prompts",
                str(prompts), "--out", str(tmp_path / "run"), "--batch-size", "4", "--max-new-tokens", "48",
                "--no-progress", "--json"]
@@ -145,12 +118,12 @@ def test_a_sigkilled_run_resumes_from_the_command_line(tmp_path):
     assert process.poll() is None, f"the run ended before it could be killed: {(tmp_path / 'first.log').read_text()}"
     process.send_signal(signal.SIGKILL)
     process.wait()
-    before = _complete_samples(tmp_path / "run")
+    before = complete_samples(tmp_path / "run")
     assert 8 <= sum(before.values()) < 40
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
-    after = _complete_samples(tmp_path / "run")
+    after = complete_samples(tmp_path / "run")
     assert after == Counter(f"s{i:03d}" for i in range(40))  # none twice, none lost
     assert result["skipped"] == sum(before.values()) and result["recorded"] == 40 - sum(before.values())
     open_recording(tmp_path / "run", verify=True)
@@ -159,9 +132,9 @@ def test_a_sigkilled_run_resumes_from_the_command_line(tmp_path):
 @pytest.mark.slow
 def test_ctrl_c_prints_the_exact_command_that_resumes_the_run(tmp_path):
     model_dir = tmp_path / "model"
-    _model().save_pretrained(model_dir)
-    _tokenizer().save_pretrained(model_dir)
-    prompts = _prompts(tmp_path / "prompts.jsonl", 40)
+    record_model().save_pretrained(model_dir)
+    record_tokenizer().save_pretrained(model_dir)
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 40)
     out = tmp_path / "it's my run"  # a quote and a space: the printed command must quote them
     command = [sys.executable, "-m", "transformers_offload", "record", "--model", str(model_dir), "--prompts",
                str(prompts), "--out", str(out), "--batch-size", "4", "--max-new-tokens", "48", "--no-progress"]
@@ -183,11 +156,11 @@ def test_ctrl_c_prints_the_exact_command_that_resumes_the_run(tmp_path):
     printed = stderr.splitlines()[stderr.splitlines().index("interrupted: every complete batch is kept in "
                                                             f"{str(out)!r}; to record the rest, run:") + 1].strip()
     assert printed == shlex.join(command)
-    before = _complete_samples(out)
+    before = complete_samples(out)
     assert 4 <= sum(before.values()) < 40
     resumed = subprocess.run(printed, shell=True, env=env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
-    assert _complete_samples(out) == Counter(f"s{i:03d}" for i in range(40))  # none twice, none lost
+    assert complete_samples(out) == Counter(f"s{i:03d}" for i in range(40))  # none twice, none lost
 
 
 @pytest.mark.parametrize("lines, options, match", [
@@ -202,7 +175,7 @@ def test_bad_prompts_are_refused_before_anything_runs(tmp_path, lines, options, 
     path = tmp_path / "prompts.jsonl"
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(ValueError, match=match):
-        record(_model(), _tokenizer(), path, tmp_path / "run", progress=False, **options)
+        record(record_model(), record_tokenizer(), path, tmp_path / "run", progress=False, **options)
     assert not (tmp_path / "run").exists()
 
 
@@ -219,7 +192,7 @@ def test_read_prompts_takes_parquet_chats_and_lists(tmp_path):
 
 
 def test_append_refuses_another_model_and_a_second_writer(tmp_path):
-    model = _model()
+    model = record_model()
     with Recorder(model, spill_dir=tmp_path / "run") as rec:
         model.generate(torch.tensor([[3, 4]]), logits_processor=[rec], max_new_tokens=2, pad_token_id=0)
         with pytest.raises(BlockingIOError, match="being written by another Recorder"):
@@ -237,9 +210,9 @@ def test_append_refuses_another_model_and_a_second_writer(tmp_path):
 
 def test_record_on_the_command_line(tmp_path, capsys):
     model_dir = tmp_path / "model"
-    _model().save_pretrained(model_dir)
-    _tokenizer().save_pretrained(model_dir)
-    prompts = _prompts(tmp_path / "prompts.jsonl", 5)
+    record_model().save_pretrained(model_dir)
+    record_tokenizer().save_pretrained(model_dir)
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 5)
     argv = ["record", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(tmp_path / "run"),
             "--batch-size", "2", "--max-new-tokens", "3", "--streams", "scores,stats", "--encodings", "scores=sparse",
             "--do-sample", "--top-k", "5", "--prompt-logprobs", "2", "--no-progress", "--json"]
@@ -259,13 +232,13 @@ def test_record_reads_a_saved_dataset(tmp_path):
     saved = tmp_path / "saved"
     datasets.Dataset.from_list([{"id": f"d{i}", "text": f"w{3 + i} w{4 + i}"} for i in range(5)]).save_to_disk(str(saved))
     assert read_prompts(saved)[1] == ("d1", "w4 w5")
-    result = record(_model(), _tokenizer(), saved, tmp_path / "run", batch_size=2, progress=False, max_new_tokens=2)
+    result = record(record_model(), record_tokenizer(), saved, tmp_path / "run", batch_size=2, progress=False, max_new_tokens=2)
     assert result["recorded"] == 5
     assert [s["sample"] for s in open_recording(tmp_path / "run").samples()] == [f"d{i}" for i in range(5)]
 
 
 def test_a_named_column_that_is_not_there_is_refused(tmp_path):
-    path = _prompts(tmp_path / "p.jsonl", 2)
+    path = write_prompts(tmp_path / "p.jsonl", 2)
     with pytest.raises(ValueError, match=r"no id column 'uid' \(columns: \['id', 'text'\]\)"):
         read_prompts(path, id_column="uid")
     with pytest.raises(ValueError, match=r"no column 'txt' \(columns: \['id', 'text'\]\)"):
@@ -273,17 +246,17 @@ def test_a_named_column_that_is_not_there_is_refused(tmp_path):
 
 
 def test_append_refuses_another_checkpoint_of_the_same_architecture(tmp_path):
-    model = _model()
+    model = record_model()
     with Recorder(model, spill_dir=tmp_path / "run") as rec:
         model.generate(torch.tensor([[3, 4]]), logits_processor=[rec], max_new_tokens=1, pad_token_id=0)
-    other = _model()
+    other = record_model()
     other.name_or_path = "/somewhere/else"
     with pytest.raises(ValueError, match="another model \\(name_or_path"):
         Recorder(other, spill_dir=tmp_path / "run", append=True)
 
 
 def test_new_tokens_count_each_sequence_through_its_end_of_sequence_token():
-    from transformers_offload.record import _new_tokens
+    from transformers_offload.jobs.record import _new_tokens
 
     generated = torch.tensor([[5, 0, 1, 1, 1], [5, 6, 7, 8, 9], [1, 1, 1, 1, 1]])  # 0 is a sampled token, 1 EOS
     assert _new_tokens(generated, (1,)) == 3 + 5 + 1
@@ -291,8 +264,8 @@ def test_new_tokens_count_each_sequence_through_its_end_of_sequence_token():
 
 
 def test_a_resume_over_damaged_shards_is_refused_before_it_records(tmp_path):
-    prompts = _prompts(tmp_path / "prompts.jsonl", 6)
-    model, tokenizer = _model(), _tokenizer()
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 6)
+    model, tokenizer = record_model(), record_tokenizer()
     record(model, tokenizer, tmp_path / "prompts.jsonl", tmp_path / "run", batch_size=3, progress=False, max_new_tokens=3)
     shard = sorted((tmp_path / "run").glob("*.safetensors"))[0]
     shard.write_bytes(shard.read_bytes()[:-5])  # truncated: its samples would count as recorded

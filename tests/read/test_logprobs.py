@@ -5,23 +5,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import StoppingCriteriaList
 
 from transformers_offload import Recorder, open_recording
 
-from .conftest import EOS, PAD, left_padded_batch
-from .helpers import write_made_up_recording
-from .test_exactness import CASES, NEW_TOKENS
-from .test_stats import _run
+from ..helpers import CASES, EOS, NEW_TOKENS, PAD, FailAtStepCriteria, left_padded_batch, run_case, write_made_up_recording
 
 MODES = ["greedy", "sample_top_k_top_p", "num_return_sequences", "greedy_rows_finish_early",
          "sample_rows_finish_early", "beam_search", "beam_return_sequences", "beam_rows_finish_early"]
 
 
 def _recorded(model, case, spill_dir, streams=("logits", "scores", "stats")):
-    """`test_stats._run`, with the end-of-sequence ids the case resolved to."""
-    batch, kwargs, reference, rec = _run(model, case, streams, spill_dir)
+    """`test_stats.run_case`, with the end-of-sequence ids the case resolved to."""
+    batch, kwargs, reference, rec = run_case(model, case, streams, spill_dir)
     eos = kwargs.get("eos_token_id", EOS)
     return batch, reference, eos if isinstance(eos, list) else [eos], rec
 
@@ -115,22 +111,11 @@ def test_bad_arguments_are_refused(gpt2, kwargs, error, match):
         rec.logprobs(**kwargs)
 
 
-class _FailAtStep(StoppingCriteria):
-    def __init__(self, step):
-        self.step, self.calls = step, 0
-
-    def __call__(self, input_ids, scores, **kwargs):
-        self.calls += 1
-        if self.calls > self.step:
-            raise RuntimeError("stopped on purpose")
-        return False  # transformers 4.36 wants a bool; later releases broadcast it over the rows
-
-
 def test_an_incomplete_generation_gives_the_logprobs_of_its_recorded_tokens(gpt2, tmp_path):
     batch = left_padded_batch()
     with Recorder(gpt2, spill_dir=tmp_path / "run") as rec:
         with pytest.raises(RuntimeError, match="on purpose"):
-            gpt2.generate(**batch, logits_processor=[rec], stopping_criteria=StoppingCriteriaList([_FailAtStep(3)]),
+            gpt2.generate(**batch, logits_processor=[rec], stopping_criteria=StoppingCriteriaList([FailAtStepCriteria(3)]),
                           max_new_tokens=8, do_sample=True, pad_token_id=PAD)
     generation = open_recording(tmp_path / "run").generation()
     assert not generation.complete and generation.sequences is None and generation.num_steps == 4

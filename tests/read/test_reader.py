@@ -16,11 +16,13 @@ import pytest
 import torch
 
 from transformers_offload import Recorder, Recording, RecordingError, open_recording
-from transformers_offload.read.readable import ACCESSORS
-from transformers_offload.store.format import STATS_COLUMNS
+from transformers_offload.codecs.stats import STATS_COLUMNS
+from transformers_offload.read.readable import ACCESSORS, Readable
 
-from .conftest import left_padded_batch
-from .helpers import (
+from ..helpers import (
+    GOLDEN,
+    ROOT,
+    left_padded_batch,
     made_up_layers,
     made_up_native_logits,
     made_up_sparse_scores,
@@ -30,13 +32,12 @@ from .helpers import (
     write_made_up_recording,
 )
 
-GOLDEN = Path(__file__).resolve().parent / "golden" / "tiny-recording"
-GOLDEN_LAYERS = Path(__file__).resolve().parent / "golden" / "tiny-layers-recording"
-GOLDEN_STATS = Path(__file__).resolve().parent / "golden" / "tiny-stats-recording"
-GOLDEN_TOPK = Path(__file__).resolve().parent / "golden" / "tiny-topk-recording"
-GOLDEN_SPARSE = Path(__file__).resolve().parent / "golden" / "tiny-sparse-recording"
-GOLDEN_NATIVE = Path(__file__).resolve().parent / "golden" / "tiny-native-recording"
-ROOT = Path(__file__).resolve().parent.parent
+GOLDEN_TINY = GOLDEN / "tiny-recording"
+GOLDEN_LAYERS = GOLDEN / "tiny-layers-recording"
+GOLDEN_STATS = GOLDEN / "tiny-stats-recording"
+GOLDEN_TOPK = GOLDEN / "tiny-topk-recording"
+GOLDEN_SPARSE = GOLDEN / "tiny-sparse-recording"
+GOLDEN_NATIVE = GOLDEN / "tiny-native-recording"
 ROWS, VOCAB, STEPS = 5, 16, 9
 
 
@@ -61,7 +62,7 @@ def test_the_format_is_pinned_byte_for_byte(tmp_path):
     """A change here is a format change: decide on FORMAT_VERSION (tests/golden/make.py says how), update
     docs/format.md, then run tests/golden/make.py."""
     write_made_up_recording(tmp_path / "run", steps=3, rows=2, vocab=4, shard_bytes=164)
-    assert _golden_files(tmp_path / "run") == _golden_files(GOLDEN)
+    assert _golden_files(tmp_path / "run") == _golden_files(GOLDEN_TINY)
 
 
 def test_the_ragged_layout_is_pinned_byte_for_byte(tmp_path):
@@ -96,11 +97,11 @@ def test_the_packed_encodings_are_pinned_byte_for_byte(options, golden, tmp_path
     """`"topk:2"` logits of a bfloat16 model, `"topk:2:q4"` scores, and `"sample:3@0.5"` scores: one flat
     int32 record per step (store/packed.py has the layouts)."""
     write_made_up_recording(tmp_path / "run", steps=3, rows=2, vocab=4, shard_bytes=164, **options)
-    assert _golden_files(tmp_path / "run") == _golden_files(GOLDEN.parent / golden)
+    assert _golden_files(tmp_path / "run") == _golden_files(GOLDEN / golden)
 
 
 def test_the_golden_packed_recordings_read_back():
-    generation = open_recording(GOLDEN.parent / "tiny-packed-topk-recording", verify=True).generation()
+    generation = open_recording(GOLDEN / "tiny-packed-topk-recording", verify=True).generation()
     assert generation.encodings == {"logits": "topk:2", "scores": "topk:2:q4"}
     for step, columns in enumerate(generation.topk("logits")):
         values, indices = torch.topk(made_up_native_logits(step, 2, 4), 2)
@@ -108,7 +109,7 @@ def test_the_golden_packed_recordings_read_back():
     for step, columns in enumerate(generation.topk("scores")):
         values, indices = torch.topk(made_up_step(step, 2, 4)["scores"], 2)
         assert torch.equal(columns["indices"], indices) and torch.equal(columns["values"][:, 0], values[:, 0])
-    sampled = open_recording(GOLDEN.parent / "tiny-sampled-recording").generation().sampled_targets()
+    sampled = open_recording(GOLDEN / "tiny-sampled-recording").generation().sampled_targets()
     assert len(sampled) == 3 and all(bool((step["counts"].sum(-1) == 3).all()) for step in sampled)
     for step, columns in enumerate(sampled):
         assert torch.equal(columns["values"], made_up_step(step, 2, 4)["scores"].gather(-1, columns["indices"]))
@@ -178,7 +179,7 @@ def test_the_golden_layers_recording_reads_back():
 
 
 def test_the_golden_recording_reads_back():
-    run = open_recording(GOLDEN)
+    run = open_recording(GOLDEN_TINY)
     assert run.format_version == 1 and run.model["class"] == "MadeUpForCausalLM"
     generation = run.generation()
     assert generation.complete and generation.num_steps == 3 and generation.prompt_lengths == (2, 2)
@@ -273,11 +274,11 @@ def test_the_in_memory_recorder_takes_the_same_selections(gpt2):
 
 @pytest.mark.parametrize("name", ACCESSORS)
 def test_the_recorder_has_each_accessor_of_a_recording(name):
-    # The Recorder reads through the in-memory recording it owns, each accessor with the recording's
-    # signature and docstring (what help(Recorder) shows).
+    # One accessor, written once in `Readable`: the Recorder's and a recording's are the same function,
+    # with its signature and docstring (what help(Recorder) shows).
+    assert getattr(Recorder, name) is getattr(Readable, name) is getattr(Recording, name)
     assert inspect.signature(getattr(Recorder, name)) == inspect.signature(getattr(Recording, name))
     assert inspect.getdoc(getattr(Recorder, name)) == inspect.getdoc(getattr(Recording, name))
-    assert getattr(Recorder, name).__qualname__ == f"Recorder.{name}"
 
 
 def test_an_empty_recorder_says_what_to_do(gpt2):

@@ -10,15 +10,14 @@ import torch
 from transformers_offload import Recorder, open_recording
 from transformers_offload.read.transition_scores import transition_scores
 
-from .conftest import left_padded_batch
-from .test_stats import _run
+from ..helpers import left_padded_batch, run_case
 
 MODES = ["greedy", "sample_top_k_top_p", "num_return_sequences", "greedy_rows_finish_early",
          "sample_rows_finish_early", "beam_search", "beam_return_sequences", "beam_rows_finish_early", "beam_sample"]
 
 
 def _recorded(model, case, spill_dir):
-    _, _, reference, rec = _run(model, case, ("logits", "scores"), spill_dir)
+    _, _, reference, rec = run_case(model, case, ("logits", "scores"), spill_dir)
     return reference, rec
 
 
@@ -63,7 +62,7 @@ def test_transition_scores_refuse_bad_input(gpt2, tmp_path):
 
 
 def test_an_incomplete_generation_has_no_transition_scores(tmp_path):
-    from .helpers import write_made_up_recording
+    from ..helpers import write_made_up_recording
 
     write_made_up_recording(tmp_path / "run", steps=3, rows=2, vocab=4, shard_bytes=10**6, complete=False)
     with pytest.raises(ValueError, match="incomplete"):

@@ -11,9 +11,10 @@ import torch
 from transformers import LogitsProcessor
 
 from transformers_offload import Recorder, _compat, open_recording
-from transformers_offload.rescoring import RescoreError, _distinct_parents, rescore
+from transformers_offload.errors import RescoreError
+from transformers_offload.rescoring.decode import _distinct_parents, rescore
 
-from .conftest import EOS, PAD, left_padded_batch, make_tiny
+from ..helpers import EOS, PAD, left_padded_batch, make_tiny
 
 MODES = {
     "greedy": {"do_sample": False},

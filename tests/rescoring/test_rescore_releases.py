@@ -6,8 +6,6 @@ bit for bit on the release that wrote it, and within float rounding elsewhere.""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import transformers
@@ -15,13 +13,15 @@ from transformers import AutoModelForCausalLM
 
 from transformers_offload import open_recording, rescore
 
-GOLDEN = Path(__file__).resolve().parent / "golden" / "cross-release"
+from ..helpers import GOLDEN
+
+CROSS_RELEASE = GOLDEN / "cross-release"
 
 
 @pytest.fixture(scope="module")
 def rescored():
-    model = AutoModelForCausalLM.from_pretrained(GOLDEN / "model").eval()
-    original = open_recording(GOLDEN / "recording")
+    model = AutoModelForCausalLM.from_pretrained(CROSS_RELEASE / "model").eval()
+    original = open_recording(CROSS_RELEASE / "recording")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the recording was made: CPU kernels sum in another order on more threads
     try:

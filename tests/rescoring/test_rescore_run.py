@@ -13,9 +13,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from transformers_offload import Recorder, open_recording
-from transformers_offload.rescore_run import rescore_recording
+from transformers_offload.rescoring.run import rescore_recording
 
-from .conftest import EOS, PAD, left_padded_batch, make_tiny
+from ..helpers import EOS, PAD, left_padded_batch, make_tiny
 
 GENERATIONS = 4
 # Real processes (40 s here): the newest release runs them; the version matrix runs the in-process tests

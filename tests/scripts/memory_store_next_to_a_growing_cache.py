@@ -1,4 +1,4 @@
-"""Run by tests/test_memory_store.py: drain many small steps into a MemoryStore while a KV-cache-like
+"""Run by tests/store/test_memory_store.py: drain many small steps into a MemoryStore while a KV-cache-like
 list of tensors grows by `torch.cat` every step (as generate()'s dynamic cache does), in a fresh
 process, and print the resident-set growth and the bytes kept, as JSON.
 

@@ -7,7 +7,8 @@ its manifest names a committed step of that call (so the test does not depend on
 is); torchrun then stops the other rank. With PAUSE_RANK_1_IN_CALL=N, rank 1 stops there instead: it
 writes its pid to `paused-1.json` in the working directory and waits (up to 10 minutes) until a file
 `resume-1` appears there, then goes on. With USE_ACCELERATE=1 the process group comes from
-accelerate's `PartialState` instead of `init_process_group`. Each rank writes its result to `result-RANK.json` in the working directory.
+accelerate's `PartialState` instead of `init_process_group`. Each rank writes its result to `result-RANK.json` in the working
+directory.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
-from transformers_offload.record import record
+from transformers_offload.jobs.record import record
 
 
 class _StopAtStep(StoppingCriteria):

@@ -1,4 +1,4 @@
-"""Run by tests/test_interrupts.py (and by tests/test_spill.py, which watches the directory while it
+"""Run by tests/test_interrupts.py (and by tests/store/test_spill.py, which watches the directory while it
 is written): spill a long greedy run with one-step shards (the writer is the bottleneck), print
 "ready" just before generate(), and wait for a SIGINT from the test (or run to the end).
 

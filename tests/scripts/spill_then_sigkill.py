@@ -1,4 +1,4 @@
-"""Run by tests/test_spill.py: record a sampling run to a directory and SIGKILL this process mid-run.
+"""Run by tests/store/test_spill.py: record a sampling run to a directory and SIGKILL this process mid-run.
 
 Usage: python spill_then_sigkill.py RECORDING_DIR KILL_AT_STEP COMMITTED_STEPS
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import LogitsProcessor
 
-from tests.conftest import left_padded_batch, make_tiny
+from tests.helpers import left_padded_batch, make_tiny
 from transformers_offload import Recorder
 
 

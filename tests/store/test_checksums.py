@@ -17,12 +17,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from transformers_offload import Recorder, RecordingError, open_recording
-from transformers_offload.store import files as _files
 from transformers_offload.cli import main as cli
+from transformers_offload.store import files as _files
 
-from .conftest import FUZZ_SCALE, left_padded_batch, make_tiny
+from ..helpers import FUZZ_SCALE, GOLDEN, left_padded_batch, make_tiny
 
-GOLDEN = Path(__file__).resolve().parent / "golden"
 FILES = {  # the golden layers recording: every kind of file a recording holds
     "g0000-s00000.safetensors", "g0000-s00001.safetensors", "g0000-s00002.safetensors",
     "g0000-encoder.safetensors", "g0000-sequences.safetensors",

@@ -18,9 +18,9 @@ import torch
 from transformers_offload import Recorder, RecordingError, open_recording
 from transformers_offload.cli import main as cli
 from transformers_offload.read.ranks import RankedRecording
-from transformers_offload.store import shard_reader as _shard_reader
+from transformers_offload.store import open_files as _open_files
 
-from .conftest import left_padded_batch, make_tiny
+from ..helpers import left_padded_batch, make_tiny
 
 STREAMS = ("logits", "scores", "tokens", "finished")
 VERIFY = "python -m transformers_offload verify"
@@ -219,15 +219,15 @@ def test_a_damaged_sequences_file_raises_when_the_sequences_are_read(pristine, r
     _assert_reads_as(recording, reference, 0)
     assert torch.equal(recording.generation(1).sequences, reference.generation(1).sequences)
     with pytest.raises(RecordingError) as raised:
-        recording.generation(0).sequences
+        _ = recording.generation(0).sequences
     _assert_names_file_and_verify(raised.value, path, run)
 
 
 def test_open_reads_no_shard(run, monkeypatch):
     """The reader stays lazy: opening a recording opens none of its safetensors files."""
     opened = []
-    real = _shard_reader.safe_open
-    monkeypatch.setattr(_shard_reader, "safe_open", lambda path, *a, **k: opened.append(path) or real(path, *a, **k))
+    real = _open_files.safe_open
+    monkeypatch.setattr(_open_files, "safe_open", lambda path, *a, **k: opened.append(path) or real(path, *a, **k))
     for path in run.glob("g0001-*.safetensors"):
         _flip_header(path)
     recording = open_recording(run)

@@ -11,11 +11,10 @@ import stat
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from ..helpers import ROOT
 
 WRITE_ALL = textwrap.dedent("""
     import os, sys

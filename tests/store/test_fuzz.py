@@ -21,19 +21,17 @@ from typing import Any, Iterator
 import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
-from hypothesis.control import currently_in_test_context
 from hypothesis import strategies as st
+from hypothesis.control import currently_in_test_context
 
 from transformers_offload import Recorder, RecordingError, open_recording
 from transformers_offload.capture import layers as _layers
 from transformers_offload.store import files as _files
-from transformers_offload.store import format as _format
-from transformers_offload.store import shard_reader as _shard_reader
+from transformers_offload.store import layout as _layout
+from transformers_offload.store import open_files as _open_files
 
-from .conftest import FUZZ_SCALE, left_padded_batch, make_tiny
-from .helpers import write_made_up_recording
+from ..helpers import FUZZ_SCALE, GOLDEN, left_padded_batch, make_tiny, write_made_up_recording
 
-GOLDEN = Path(__file__).resolve().parent / "golden"
 # The fixtures hold no state between examples: each example copies its recording afresh, and
 # `_survives` starts the list of opened files over.
 # A deadline per example stands for "never hangs" (and a watchdog below ends the run if one does).
@@ -66,7 +64,7 @@ def no_hang():
 def opened(monkeypatch) -> list[Path]:
     """Every path the reader opens (safetensors files, and files read whole by `verify`)."""
     paths: list[Path] = []
-    real_safe_open = _shard_reader.safe_open
+    real_safe_open = _open_files.safe_open
 
     def safe_open(path, *args, **kwargs):
         paths.append(Path(path))
@@ -76,7 +74,7 @@ def opened(monkeypatch) -> list[Path]:
         paths.append(Path(path))
         return open(path, *args, **kwargs)
 
-    monkeypatch.setattr(_shard_reader, "safe_open", safe_open)
+    monkeypatch.setattr(_open_files, "safe_open", safe_open)
     monkeypatch.setattr(_files, "open", tracked_open, raising=False)
     return paths
 
@@ -87,7 +85,7 @@ def read_everything(path: Path) -> None:
     run.describe()
     for generation in run:
         for stream in generation.streams:
-            if _format.split_layer_stream(stream) is None:
+            if _layout.split_layer_stream(stream) is None:
                 generation._get(stream, None, None, "pt")
         for kind, layers in generation.layer_indices.items():
             getattr(generation, kind)(layers=list(layers))
@@ -122,7 +120,7 @@ def _survives(path: Path, root: Path, opened: list[Path]) -> None:
         read_everything(path)
         _note("verified")
     except RecordingError as error:
-        _note(f"RecordingError: {'manifest' if error.path.name == _format.MANIFEST else 'a data file'}")
+        _note(f"RecordingError: {'manifest' if error.path.name == _layout.MANIFEST else 'a data file'}")
     outside = [p for p in opened if p.resolve().parent != root.resolve()]
     assert not outside, f"opened files outside the recording: {outside}"
 

@@ -16,15 +16,15 @@ import pytest
 import torch
 
 from transformers_offload.store import memory as _memory_store
+from transformers_offload.store.header import GenerationHeader
 from transformers_offload.store.memory import MemoryStore
 
-ROOT = Path(__file__).resolve().parent.parent
+from ..helpers import ROOT
 
-
-HEADER = {
-    "index": 0, "mode": "greedy_search", "prompt_length": 2, "prompt_lengths": None, "num_rows": 2, "num_beams": 1,
-    "pad_token_id": 0, "eos_token_id": (), "generation_config": {}, "layers": None,
-}
+HEADER = GenerationHeader(
+    index=0, mode="greedy_search", prompt_length=2, prompt_lengths=None, num_rows=2, num_beams=1, pad_token_id=0,
+    eos_token_id=(), generation_config={},
+)
 
 
 def _finish(store: MemoryStore, steps: int):

@@ -16,13 +16,11 @@ import torch
 
 from transformers_offload import Recorder, SpillError, open_recording
 from transformers_offload.store import shard_buffer as _shard_buffer
-from transformers_offload.store import shards as _shard_store
+from transformers_offload.store import shard_writer as _shard_store
 
-from .conftest import left_padded_batch, make_tiny
-from .helpers import Boom, FailAtStep, assert_steps_equal, hf_reference
+from ..helpers import ROOT, Boom, FailAtStep, assert_steps_equal, hf_reference, left_padded_batch, make_tiny
 
 NEW_TOKENS = 12
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _reference(model, **kwargs):
@@ -59,9 +57,9 @@ def test_default_shard_size_and_several_generations_in_one_directory(gpt2, tmp_p
     run = open_recording(tmp_path / "run")
     assert len(run) == 3 and [g.index for g in run] == [0, 1, 2]
     for generation in run:
-        assert generation.complete and generation.stats is None
+        assert generation.complete and generation.transfer is None
         assert_steps_equal(generation.scores(), reference.scores, "scores")
-    assert rec.generation(1).stats.bytes_written > 0
+    assert rec.generation(1).transfer.bytes_written > 0
     assert rec.spill_dir == tmp_path / "run"
 
 
@@ -77,14 +75,14 @@ def test_a_slow_writer_makes_generate_wait_and_the_waits_are_counted(gpt2, tmp_p
     with Recorder(gpt2, spill_dir=tmp_path / "run", shard_bytes=1) as rec:  # one step per shard
         torch.manual_seed(0)
         gpt2.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=NEW_TOKENS)
-    assert rec.generation().stats.waits > 0
+    assert rec.generation().transfer.waits > 0
     assert_steps_equal(open_recording(tmp_path / "run").logits(), reference.logits, "logits")
 
 
 def test_a_fast_writer_never_makes_generate_wait(gpt2, tmp_path):
     with Recorder(gpt2, spill_dir=tmp_path / "run") as rec:  # the whole call fits in one shard
         gpt2.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=NEW_TOKENS)
-    assert rec.generation().stats.waits == 0
+    assert rec.generation().transfer.waits == 0
 
 
 @pytest.mark.parametrize("error", [Boom("disk on fire"), KeyboardInterrupt()])
@@ -114,7 +112,8 @@ def test_a_fault_mid_run_leaves_every_step_before_it_readable(gpt2, tmp_path, er
 
 def _killed_run(tmp_path: Path, kill_at: int, committed: int) -> subprocess.CompletedProcess:
     script = ROOT / "tests" / "scripts" / "spill_then_sigkill.py"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
     return subprocess.run(
         [sys.executable, str(script), str(tmp_path / "run"), str(kill_at), str(committed)],
         env=env, capture_output=True, text=True, timeout=300,
@@ -302,7 +301,8 @@ def test_a_reader_beside_the_writer_sees_the_committed_steps_and_they_never_chan
     the same in every later open, the finished recording included."""
     path = tmp_path / "run"
     script = ROOT / "tests" / "scripts" / "spill_then_sigint.py"  # run to its end: no signal is sent
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
     writer = subprocess.Popen([sys.executable, str(script), str(path), "120"], env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     assert writer.stdout.readline() == "ready\n"

@@ -15,14 +15,11 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from ..codecs.spec import ENCODED_STREAMS, topk_width
+from ..errors import CompareError
 from ..read.samples import sample_ids
-from ..store.format import ENCODED_STREAMS, topk_width
 from .compare_metrics import Side, step_values
 from .comparison import Comparison
-
-class CompareError(ValueError):
-    """The two recordings do not line up (other generations, samples, rows, steps, tokens or
-    vocabulary): their distributions cannot be paired token by token. The message says what differs."""
 
 
 def compare(a: Any, b: Any, *, stream: str = "logits", chunk_steps: int = 16) -> Comparison:

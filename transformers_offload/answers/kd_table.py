@@ -46,9 +46,9 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from ..codecs.spec import topk_bits, topk_width
 from ..read.logprobs import token_positions
 from ..read.samples import sample_ids
-from ..store.format import topk_bits, topk_width
 from .table import _pyarrow, output_path, select_generations, write_batches
 
 DEFAULT_TOP = 20
@@ -183,7 +183,8 @@ def _from_dense(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, to
     return best.indices, best.values, torch.logsumexp(rest, -1)
 
 
-def _from_topk(record: dict[str, torch.Tensor], k: int, *, lossy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _from_topk(record: dict[str, torch.Tensor], k: int, *,
+               lossy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The same from a `topk:K` record (`Generation.topk`), keeping its first `k` <= K entries.
 
     `lossy` (a `topk:K:qB` record): its K log-probabilities are quantised while its mass outside them is

@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from ..read.logprobs import KINDS, token_chunks
-from ..store.files import write_atomically
 from ..read.samples import sample_ids
+from ..store.files import write_atomically
 
 KINDS_ORDER = tuple(KINDS)
 
@@ -177,7 +177,8 @@ def record_batches(source: Any, *, generations: Sequence[int] | None = None, top
                     columns["text"] = pa.array([tokenizer.decode([y]) for y in chunk["token"].tolist()], pa.string())
                 for name in ("logprob", "rank", "entropy"):
                     for kind in KINDS_ORDER:
-                        columns[f"{name}_{kind}"] = _column(pa, chunk.get(f"{name}_{kind}"), table_schema.field(f"{name}_{kind}").type, n)
+                        columns[f"{name}_{kind}"] = _column(pa, chunk.get(f"{name}_{kind}"),
+                                                            table_schema.field(f"{name}_{kind}").type, n)
                 if top:
                     for kind in KINDS_ORDER:
                         for name, kind_type in (("top_tokens", pa.int64()), ("top_logprobs", pa.float32())):

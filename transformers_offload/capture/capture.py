@@ -14,48 +14,54 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from dataclasses import replace
 from typing import Any, Callable, Iterator
 
 import torch
 
 from .. import _compat, _interrupts
-from ..store import format as _format
+from ..codecs import packed as _packed
+from ..codecs.native import Native
+from ..codecs.sparse import Sparse
+from ..codecs.spec import NATIVE, SAME_AS_LOGITS, SPARSE, is_packed
+from ..codecs.stats import STATS_STREAM
+from ..store import layout as _layout
+from ..store.header import GenerationHeader
 from ..store.stored import StoredGeneration
-from . import encodings as _encodings
 from . import layers as _layers
-from . import packed_encodings as _packed_encodings
-from .modes import check_mode
-from .prompt_logprobs import PromptScoring
+from .loop_check import RecordingMismatch, StepLog, check_beams, check_loop
+from .modes import check_mode, sampling_masks
+from .options import RecorderOptions
 from .stats import StepStats
 from .transfer import HostRing
-from .verify import RecordingMismatch, StepLog, check_beams, check_loop
-from .workspace import ChunkBuffers
 
-# Opens the store of one call: given the stream names, the call's header and the most steps it can
+# Opens the store of one call: given the stream names, the generation's header and the most steps it can
 # run, returns an object with `drain(step, tensors)`, `has(name, step)`, `finish(...) -> StoredGeneration`
 # and `failure`.
-OpenStore = Callable[[list[str], dict[str, Any], int], Any]
+OpenStore = Callable[[list[str], GenerationHeader, int], Any]
 
 
 class Capture:
     """Records one `generate()` call into a ring and a store, which hands back its recording when it ends."""
 
-    def __init__(self, *, streams: tuple[str, ...], ring_slots: int, assistant_model: Any,
-                 open_store: OpenStore, index: int, attention_mask: Any = None, threaded: bool = False,
-                 layer_tap: _layers.LayerTap | None = None, encodings: dict[str, str] | None = None,
-                 samples: dict[str, Any] | None = None, prompt_scoring: PromptScoring | None = None,
-                 scores_once: bool = True, sparse_scores: bool = False, vocab_size: int | None = None,
+    def __init__(self, options: RecorderOptions, *, index: int, open_store: OpenStore, assistant_model: Any,
+                 attention_mask: Any = None, layer_tap: _layers.LayerTap | None = None,
+                 samples: dict[str, Any] | None = None, threaded: bool = False, on_cpu: bool = False,
+                 vocab_size: int | None = None,
                  model_dtype: torch.dtype = torch.float32,
-                 sample_generators: dict[torch.device, torch.Generator] | None = None, sample_seed: int = 0) -> None:
-        self.streams = streams
-        self.encodings = dict(encodings or {})  # logits/scores not recorded dense (`encodings`)
-        self._sparse = _encodings.Sparse()
-        self._native = _encodings.Native(model_dtype)
-        # Top-k and sampled encodings, per stream; `sample_generators`: the recorder's, per device.
-        generators = {} if sample_generators is None else sample_generators
+                 encoding_generators: dict[torch.device, torch.Generator] | None = None) -> None:
+        """`options`: the recorder's; `index`: the generation's in its recording; `open_store`: opens its
+        store; `threaded`: drain the ring in a thread of its own (a CUDA model); `on_cpu`: a CPU model;
+        `encoding_generators`: the recorder's generators of the `"sample:N@T"` draws, per device."""
+        self.streams = options.streams
+        self.encodings = dict(options.encodings)  # logits/scores not recorded dense (`encodings`)
+        self._sparse_encoder = Sparse()
+        self._native_encoder = Native(model_dtype)
+        # Top-k and sampled encodings, per stream; `encoding_generators`: the recorder's, per device.
+        generators = {} if encoding_generators is None else encoding_generators
         self._packed = {
-            name: _packed_encodings.encoder(encoding, model_dtype=model_dtype, generators=generators, seed=sample_seed)
-            for name, encoding in self.encodings.items() if _format.is_packed(encoding)
+            name: _packed.encoder(encoding, model_dtype=model_dtype, generators=generators, seed=options.encoding_seed)
+            for name, encoding in self.encodings.items() if is_packed(encoding)
         }
         self.layer_tap = layer_tap  # attentions and hidden states, when the recorder records them
         self._layer_names: list[str] = []  # per-step layer streams, known from the first forward
@@ -63,7 +69,7 @@ class Capture:
         self._thread = 0  # the thread running the call
         self._forwards = 0  # forwards of the decoding loop so far
         self._in_lists = 0  # > 0 while the processor or criteria list runs
-        self.ring_slots = ring_slots
+        self.ring_slots = options.ring_slots
         self.threaded = threaded
         self.open_store = open_store
         self.store: Any = None
@@ -77,8 +83,10 @@ class Capture:
         self.do_sample = False
         self.prompt_length = 0
         self.scores_as_logits = False
-        self._scores_once = scores_once  # False: `encodings={"scores": "dense"}` asked for them stored anyway
-        self._sparse_scores = sparse_scores  # scores "sparse" where a warper masks them (no encoding named)
+        self._scores_once = options.scores_once  # False: `encodings={"scores": "dense"}` asked for them stored anyway
+        # Scores "sparse" where a warper masks them (no encoding named), where measured no slower than
+        # dense (bench/encodings_cost.py): on CPU.
+        self._sparse_scores = options.sparse_scores and on_cpu
         self._vocab_size = vocab_size  # the model config's, when known
         self._raw_scores: torch.Tensor | None = None  # this step's raw logits, with `scores_as_logits`
         self.num_beams = 1
@@ -86,8 +94,13 @@ class Capture:
         self.num_rows = 0
         self.eos_ids: torch.Tensor | None = None
         self.kept_on_device: list[str] = []  # the call's own `output_*` options that keep steps on the device
-        # `samples`: the call's `sample_ids` and `sample_metadata` (Recorder.set_samples), kept as given.
-        self.header: dict[str, Any] = {"index": index, **(samples or {})}
+        # What the generation's header (`GenerationHeader`, made at `start`) takes from the call's set-up:
+        # `samples`, its `sample_ids` and `sample_metadata` (Recorder.set_samples), kept as given; `loop`,
+        # which loop of its call this is (`loops`, for a model whose generate() runs several).
+        self.index = index
+        self.samples: dict[str, Any] = dict(samples or {})
+        self.loop: dict[str, Any] | None = None
+        self.header: GenerationHeader | None = None
         self._step = -1
         self._tokens_until = 0  # steps [0, _tokens_until) have their token recorded
         self._target_forward = False  # assisted decoding: the recorded model ran since the last check
@@ -99,7 +112,7 @@ class Capture:
         self._previous_ids: torch.Tensor | None = None
         self._late_error: BaseException | None = None
         # What the loop appended, copied as seen (tiny per-step clones on the device, no host sync), for
-        # the end-of-loop check (`verify`): the prompt and each step's tokens; in beam search also each
+        # the end-of-loop check (`loop_check`): the prompt and each step's tokens; in beam search also each
         # step's parents.
         self._seen_prompt: torch.Tensor | None = None
         self._seen_tokens = StepLog()
@@ -111,12 +124,12 @@ class Capture:
         self.prompt_verdicts: dict[int, tuple[bool, bool]] = {}
         self.last_attempt = False
         # Per-token statistics: each step's full tensors, kept on the device until its tokens are known.
-        self._stats = StepStats() if _format.STATS_STREAM in streams else None
+        self._stats = StepStats() if STATS_STREAM in self.streams else None
         # Prompt logprobs: the first forward's final hidden states, kept until the first step's processors.
-        self.prompt_scoring = prompt_scoring
+        self.prompt_scoring = options.prompt_scoring
         self._prompt_hidden: torch.Tensor | None = None
         self._prompt_mask: torch.Tensor | None = None
-        self._prompt_scored = prompt_scoring is None
+        self._prompt_scored = options.prompt_scoring is None
         self._prompt_pad: int | None = None  # without an attention mask: the pad token id it is inferred from
         self._rows_per_prompt = 1
 
@@ -128,7 +141,7 @@ class Capture:
         self.mode = mode
         self.do_sample = bool(generation_config.do_sample)
         self.prompt_length = int(prompt_length)
-        self.num_beams = int(generation_config.num_beams or 1) if mode in _format.BEAM_MODES else 1
+        self.num_beams = int(generation_config.num_beams or 1) if mode in _layout.BEAM_MODES else 1
         self.num_beam_groups = int(generation_config.num_beam_groups or 1) if self.is_group else 1
         # Raw logits come from the forward where the processors get something else (beam search gets
         # log-probs, DoLa a contrast of layers); group beam search also sizes its scores from them.
@@ -142,16 +155,16 @@ class Capture:
             self.eos_ids = torch.tensor(eos_list)
         self.kept_on_device = _compat.outputs_kept_on_device(generation_config)
         if (self._sparse_scores and "scores" in self.streams
-                and _encodings.sampling_masks(generation_config, self._vocab_size)):
+                and sampling_masks(generation_config, self._vocab_size)):
             # Sampling through top-k, top-p...: a few finite scores per row, stored as those (lossless).
-            self.encodings["scores"] = _format.SPARSE
+            self.encodings["scores"] = SPARSE
         # Greedy search or sampling with no processor (nor, 4.36-4.44, a warper list, not built yet):
         # the processed scores are the raw logits, the very tensor: `scores` is stored once, as them.
         self.scores_as_logits = (
             self._scores_once and no_processors and mode in ("greedy_search", "sample")
             and not _compat.final_tap_on_warper_list(mode, self.do_sample)
             and "logits" in self.streams and "scores" in self.streams and "scores" not in self.encodings
-            and self.encodings.get("logits") in (None, _format.NATIVE, _format.SPARSE)  # the logits whole
+            and self.encodings.get("logits") in (None, NATIVE, SPARSE)  # the logits whole
         )
         mask = self.attention_mask
         self.attention_mask = None
@@ -166,20 +179,24 @@ class Capture:
             if mask is None and pad is not None and int(pad) not in eos_list:
                 self._prompt_pad = int(pad)  # as generate() infers the mask: padding is the pad token
             self._rows_per_prompt = self.num_beams if self.is_beam else int(generation_config.num_return_sequences or 1)
-        self.header.update(
-            layers=None,  # filled at the first forward, when attentions or hidden states are recorded
-            encodings={**self.encodings, **({"scores": _format.SAME_AS_LOGITS} if self.scores_as_logits else {})},
+        self.header = GenerationHeader(
+            index=self.index,
             mode=mode,
             prompt_length=self.prompt_length,
-            prompt_lengths=None if mask is None else tuple(int(n) for n in mask.sum(-1).tolist()),
             num_beams=self.num_beams,
-            pad_token_id=_jsonable(generation_config.pad_token_id),
             eos_token_id=tuple(eos_list),
             generation_config={
                 key: _jsonable(value)
                 for key, value in generation_config.to_diff_dict().items()
                 if not key.startswith("_")
             },
+            prompt_lengths=None if mask is None else tuple(int(n) for n in mask.sum(-1).tolist()),
+            pad_token_id=_jsonable(generation_config.pad_token_id),
+            encodings={**self.encodings, **({"scores": SAME_AS_LOGITS} if self.scores_as_logits else {})},
+            sample_ids=self.samples.get("sample_ids"),
+            sample_metadata=self.samples.get("sample_metadata"),
+            loop=self.loop,
+            # `layers` is set at the first forward, when attentions or hidden states are recorded.
         )
         max_length = getattr(generation_config, "max_length", None)
         max_steps = max(1, max_length - self.prompt_length) if isinstance(max_length, int) else 2**31
@@ -191,8 +208,8 @@ class Capture:
             self._thread = threading.get_ident()
             names = self.layer_tap.install(self._on_layer)  # module hooks, where the model declares them
             if names is not None:
-                self.header["layers"] = self.layer_tap.header()
-                self.store.add_streams(names, [], self.header["layers"])
+                self.header = replace(self.header, layers=self.layer_tap.describe())
+                self.store.add_streams(names, [], self.header.layers)
                 self._layer_names = names
         self.started = True
 
@@ -201,7 +218,7 @@ class Capture:
         """Every stream this call records, in the order they are stored."""
         names = [*(s for s in ("logits", "scores") if s in self.streams and not (s == "scores" and self.scores_as_logits)),
                  "tokens", "finished"]
-        names += ["beam_parents"] * self.is_beam + [_format.STATS_STREAM] * bool(self._stats)
+        names += ["beam_parents"] * self.is_beam + [STATS_STREAM] * bool(self._stats)
         return names + self._layer_names
 
     @property
@@ -214,7 +231,7 @@ class Capture:
 
     @property
     def is_beam(self) -> bool:
-        return self.mode in _format.BEAM_MODES
+        return self.mode in _layout.BEAM_MODES
 
     @property
     def is_assisted(self) -> bool:
@@ -267,8 +284,8 @@ class Capture:
             return
         if step == 0:
             per_step, once = self.layer_tap.names(output)
-            self.header["layers"] = self.layer_tap.header()
-            self.store.add_streams(per_step, once, self.header["layers"])
+            self.header = replace(self.header, layers=self.layer_tap.describe())
+            self.store.add_streams(per_step, once, self.header.layers)
             self._layer_names = per_step
         for name, tensor in self.layer_tap.pick(output, first=step == 0):
             self.ring.put(step, name, tensor)
@@ -395,10 +412,10 @@ class Capture:
         encoding = self.encodings.get(name)
         if encoding is None:
             self.ring.put(step, name, tensor)
-        elif encoding == _format.SPARSE:
-            self.ring.put(step, name, tensor, encoder=self._sparse)
-        elif encoding == _format.NATIVE:
-            self.ring.put(step, name, tensor, encoder=self._native)
+        elif encoding == SPARSE:
+            self.ring.put(step, name, tensor, encoder=self._sparse_encoder)
+        elif encoding == NATIVE:
+            self.ring.put(step, name, tensor, encoder=self._native_encoder)
         else:
             self.ring.put(step, name, tensor, encoder=self._packed[name])
 
@@ -471,7 +488,7 @@ class Capture:
             self._seen_tokens.append(chosen)
             self.ring.put(step, "tokens", chosen)
             if self._stats is not None and self._stats.has(step):
-                self.ring.put(step, _format.STATS_STREAM, self._stats.record(step, chosen))
+                self.ring.put(step, STATS_STREAM, self._stats.record(step, chosen))
         self._tokens_until = last
         if is_done is not None:
             self._finished = self._finished | _compat.rows_done(is_done, token, self.eos_ids)
@@ -501,13 +518,11 @@ class Capture:
         self.ring.put(step - 1, "beam_parents", parents)
         self.ring.put(step - 1, "tokens", input_ids[:, -1])
         if self._stats is not None and self._stats.has(step - 1):
-            self.ring.put(step - 1, _format.STATS_STREAM, self._stats.record(step - 1, input_ids[:, -1], parents))
+            self.ring.put(step - 1, STATS_STREAM, self._stats.record(step - 1, input_ids[:, -1], parents))
 
     # -- the end ---------------------------------------------------------------------------------------
     def finish(self, output: Any, error: BaseException | None) -> StoredGeneration:
         self.close_taps()
-        if self.nested_calls:
-            self.header["nested_calls"] = self.nested_calls
         steps = self._step + 1
         if self.is_beam and steps > 0:
             # After the last step no running beam continues.
@@ -515,7 +530,7 @@ class Capture:
             self.ring.put(steps - 1, "beam_parents", last)
             self.ring.put(steps - 1, "tokens", last)
             if self._stats is not None and self._stats.has(steps - 1):
-                self.ring.put(steps - 1, _format.STATS_STREAM, self._stats.record(steps - 1, last, last))
+                self.ring.put(steps - 1, STATS_STREAM, self._stats.record(steps - 1, last, last))
         try:
             self.ring.flush()
         except Exception as late:  # noqa: BLE001 - kept, and raised once the recording is closed
@@ -538,7 +553,7 @@ class Capture:
                 complete_steps=complete_steps, sequences=sequences, prompt=self._seen_prompt,
                 tokens=self._seen_tokens.steps(), parents=self._seen_parents.steps(), check_paths=not self.is_group,
                 num_beams=self.num_beams,
-                fill_ids=tuple(i for i in (self.header.get("pad_token_id"), *self.header["eos_token_id"]) if isinstance(i, int)),
+                fill_ids=tuple(i for i in (self.header.pad_token_id, *self.header.eos_token_id) if isinstance(i, int)),
             )
         else:
             seen = None
@@ -556,9 +571,8 @@ class Capture:
             sequences = None  # an incomplete generation has none
         if sequences is not None:
             sequences = sequences.detach().to("cpu", copy=True)
-        return self.store.finish(
-            num_steps, {**self.header, "num_rows": self.num_rows}, sequences, error, ring_waits=self.ring.waits
-        )
+        header = replace(self.header, num_rows=self.num_rows, loop=self.loop, nested_calls=self.nested_calls)
+        return self.store.finish(num_steps, header, sequences, error, ring_waits=self.ring.waits)
 
 
 def _complete_steps(store: Any, names: list[str], steps: int) -> int:

@@ -1,19 +1,15 @@
 """Hooks into one model instance: inert unless a `generate()` call carries an attached recorder.
 
-Attaching a recorder to a model shadows three of its methods with wrappers stored in the instance's
-`__dict__` (never on the class): `generate`, and the private `_get_logits_processor` and
-`_get_stopping_criteria` (plus `_get_logits_warper` on releases that have it; `generate_batch`, only to
-refuse a Recorder passed to continuous batching; and a Whisper model's methods around each of its
-decoding loops, `loops.loop_tap_wrappers`), and registers one
-forward hook and one forward pre-hook (and one more pre-hook on an encoder-decoder model's encoder),
-which asks the forward for attentions or hidden states when the recorder records them. A call to
-`generate()` whose `logits_processor` holds no recorder runs the original methods untouched.
-Detaching the last recorder of a model removes every wrapper and hook.
+Attaching a recorder shadows, in the instance's `__dict__` (never on the class), `generate`, the private
+`_get_logits_processor` and `_get_stopping_criteria` (and `_get_logits_warper` where it exists;
+`generate_batch`, to refuse continuous batching; a Whisper model's methods around its decoding loops,
+`loops.loop_tap_wrappers`), and registers forward hooks that ask the forward for attentions or hidden
+states when the recorder records them. A call whose `logits_processor` holds no recorder runs the
+original methods untouched; detaching the last recorder removes every wrapper and hook.
 
 The call in progress (`loops.RecordedCall`: one capture per decoding loop) is kept per thread, so two
-models (or one model) generating in two threads with their own recorders never see each other's steps.
-A model whose `generate()` calls an inner model's (BLIP-2) has the recorder attached to the inner
-model for the call.
+threads generating with their own recorders never see each other's steps. A model whose `generate()`
+calls an inner model's (BLIP-2) has the recorder attached to the inner model for the call.
 """
 
 from __future__ import annotations
@@ -28,99 +24,22 @@ from typing import Any, Callable
 import torch
 
 from .. import _compat, _interrupts
-from .capture import Capture
-from .layers import STREAMS as _layer_streams
-from .modes import UnsupportedModeError, check_mode, check_own_loop, refuse_continuous_batching
-from .loops import RecordedCall, active_call as _active_call, active_capture as _active_capture
-from .loops import active_calls as _active_calls, arguments_of as _bind, calls_on as _active, loop_tap_wrappers
+from ..errors import UnsupportedModeError
 from . import prompt_logprobs as _prompt_logprobs
+from .call_recorder import CallRecorder
+from .layers import STREAMS as _layer_streams
+from .loops import RecordedCall, loop_tap_wrappers
+from .loops import active_call as _active_call
+from .loops import active_calls as _active_calls
+from .loops import active_capture as _active_capture
+from .loops import arguments_of as _bind
+from .loops import calls_on as _active
+from .modes import check_mode, check_own_loop, refuse_continuous_batching
+from .tapped_lists import TappedCriteriaList, TappedProcessorList
 
 _ABSENT = object()
 _LOCK = threading.Lock()
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, ModelHooks]" = weakref.WeakKeyDictionary()
-class _TappedProcessorList(_compat.LogitsProcessorList):
-    """The processor list `generate()` built, with a tap before the first and after the last entry."""
-
-    def __init__(self, processors: Any, capture: Capture, *, raw: bool, processed: bool) -> None:
-        super().__init__(processors)
-        self._capture = capture
-        self._raw = raw
-        self._processed = processed
-
-    def __len__(self) -> int:
-        # Assisted decoding skips an empty list (`if len(logits_processor) > 0`): the taps must run.
-        return max(1, super().__len__())
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        group = kwargs.get("beam_group_idx")  # group beam search calls the list once per group
-        if self._raw:
-            with _interrupts.held():
-                self._capture.on_raw(input_ids, scores, group)
-        with self._capture.inside_a_list():
-            scores = super().__call__(input_ids, scores, **kwargs)
-        if self._processed:
-            with _interrupts.held():
-                self._capture.on_processed(input_ids, scores, group)
-        return scores
-
-
-class _TappedCriteriaList(_compat.StoppingCriteriaList):
-    """The stopping criteria `generate()` built, reporting each step's verdict to the capture."""
-
-    def __init__(self, criteria: Any, capture: Capture) -> None:
-        super().__init__(criteria)
-        self._capture = capture
-
-    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> Any:
-        try:
-            with self._capture.inside_a_list():
-                is_done = super().__call__(input_ids, scores, **kwargs)
-        except BaseException:
-            # A criterion raised (or Ctrl-C came) after the step's token was appended: record it.
-            with contextlib.suppress(Exception), _interrupts.held():
-                self._capture.on_stopping(input_ids, None)
-            raise
-        with _interrupts.held():
-            self._capture.on_stopping(input_ids, is_done)
-        return is_done
-
-
-class CallRecorder:
-    """What the hooks ask of a recorder (the `Recorder` is one): they find an instance in a call's
-    `logits_processor`, check it, and hand it the call's start and end. They never import the recorder.
-
-    Attributes:
-        closed (`bool`): True once the recorder was closed (its calls are refused).
-        generations (`tuple`): what it recorded so far (a delegating call must add one).
-        _streams (`tuple[str, ...]`): what it records (the mode check needs it).
-        _model_name (`str`): the model it is attached to, for error messages.
-    """
-
-    closed: bool
-    generations: tuple
-    _streams: tuple[str, ...]
-    _model_name: str
-
-    def _begin_generation(self, *, assistant_model: Any, custom_generate: Any,
-                          attention_mask: torch.Tensor | None, inputs: torch.Tensor | None = None,
-                          past_key_values: Any = None) -> Capture:
-        """Start recording one call (before its decoding loop); returns the call's capture. `inputs`:
-        the call's prompt ids or embeddings (batch first), where it passed them; `past_key_values`: the
-        cache it was given."""
-        raise NotImplementedError
-
-    def _end_generation(self, capture: Capture, output: Any, error: BaseException | None) -> None:
-        """End the call's recording: `output` is what generate() returned (None when `error` ended it)."""
-        raise NotImplementedError
-
-    def _ran_without_it(self) -> None:
-        """The model's `generate()` ran, outside any recorded call, without this recorder in its
-        `logits_processor` (the recorder may say so when it closes having recorded nothing)."""
-
-    def _check_generation(self, *, custom_generate: Any, attention_mask: torch.Tensor | None,
-                          inputs: torch.Tensor | None = None, past_key_values: Any = None) -> None:
-        """What `_begin_generation` would refuse, raised before the call runs, for a call whose capture
-        begins only when its own loop starts (a model with generating children)."""
 
 
 class ModelHooks:
@@ -217,13 +136,13 @@ class ModelHooks:
                 outer.capture.nested_calls += 1
             elif recorder is None and not _active_calls():
                 for attached in list(self.recorders):
-                    attached._ran_without_it()
+                    attached.unrecorded_call()
             if recorder is None or outer is not None:
                 # Not recorded, even when made inside a recorded call (e.g. from a processor).
                 with _active(model, None):
                     return original(*args, **kwargs)
             config = _compat.provisional_generation_config(model, arguments.get("generation_config"), extra)
-            check_own_loop(model, check_mode(config, arguments.get("assistant_model"), recorder._streams))
+            check_own_loop(model, check_mode(config, arguments.get("assistant_model"), recorder.streams))
             # Ctrl-C is held while the recorder's own code runs, and the end of the call writes what
             # was recorded before raising it (`_interrupts`).
             tapped = bool(self._loop_taps)
@@ -235,7 +154,7 @@ class ModelHooks:
                                      arguments.get("input_features"), arguments.get("pixel_values")),
                 past_key_values=arguments.get("past_key_values"),
             )
-            begin = functools.partial(recorder._begin_generation, assistant_model=arguments.get("assistant_model"),
+            begin = functools.partial(recorder.begin_call, assistant_model=arguments.get("assistant_model"),
                                       **checked)
             call = RecordedCall(recorder, begin, tapped=tapped)
             delegates = _compat.generation_delegates(model)
@@ -302,7 +221,7 @@ class ModelHooks:
                 capture.start(arguments["generation_config"], arguments.get("input_ids_seq_length") or 0,
                               no_processors=not kept)
             on_warpers = _compat.final_tap_on_warper_list(capture.mode, capture.do_sample)
-            return _TappedProcessorList(kept, capture, raw=True, processed=not on_warpers)
+            return TappedProcessorList(kept, capture, raw=True, processed=not on_warpers)
 
         return _get_logits_processor
 
@@ -312,7 +231,7 @@ class ModelHooks:
             capture = _active_capture(self._model_ref())
             if capture is None:
                 return warpers
-            return _TappedProcessorList(warpers, capture, raw=False, processed=True)
+            return TappedProcessorList(warpers, capture, raw=False, processed=True)
 
         return _get_logits_warper
 
@@ -322,7 +241,7 @@ class ModelHooks:
             capture = _active_capture(self._model_ref())
             if capture is None:
                 return criteria
-            return _TappedCriteriaList([c for c in criteria if not _is_recorder(c)], capture)
+            return TappedCriteriaList([c for c in criteria if not _is_recorder(c)], capture)
 
         return _get_stopping_criteria
 
@@ -379,7 +298,7 @@ class ModelHooks:
         if recorder not in self.recorders:
             model = self._model_ref()
             raise ValueError(
-                f"this Recorder is attached to another model ({recorder._model_name}), not to this "
+                f"this Recorder is attached to another model ({recorder.model_name}), not to this "
                 f"{type(model).__name__}: a Recorder records the generate() calls of the model it was "
                 "created with. Create one for this model: `Recorder(model)`."
             )
@@ -391,8 +310,8 @@ def _check_lazy_call(model: torch.nn.Module, recorder: Any, checked: dict[str, A
     recorder would refuse at the start, refused now, before anything runs; and an encoder-decoder model
     asked for attentions or hidden states, whose encoder runs before the recorder knows whether the call
     runs its own loop or hands it to a child (its encoder's layers could not be asked for)."""
-    recorder._check_generation(**checked)
-    layer_streams = [name for name in recorder._streams if name in _layer_streams]
+    recorder.check_call(**checked)
+    layer_streams = [name for name in recorder.streams if name in _layer_streams]
     if layer_streams and _compat.encoder_of(model) is not None:
         raise UnsupportedModeError(
             f"{type(model).__name__} is an encoder-decoder model whose generate() may hand the call to a child "

@@ -22,8 +22,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from .. import _compat
-from ..store import format as _format
-from ..store.format import indices, resolve
+from ..store import layout as _layout
+from ..store.layout import indices, resolve
 from .module_taps import ModuleTaps
 
 _NO_WEIGHTS = (
@@ -43,7 +43,7 @@ _FLAGS = {"attentions": "output_attentions", "hidden_states": "output_hidden_sta
 
 
 def kinds(streams: Sequence[str], is_encoder_decoder: bool) -> tuple[str, ...]:
-    """The outputs (`store.format.LAYER_KINDS`) that `streams` record for this kind of model."""
+    """The outputs (`store.layout.LAYER_KINDS`) that `streams` record for this kind of model."""
     return tuple(kind for stream in streams if stream in STREAMS for kind in _KINDS[(is_encoder_decoder, stream)])
 
 
@@ -84,7 +84,7 @@ class LayerTap:
         self.encoder_output: Any = None  # what the encoder's forward returned, until the first step
 
     def _tensors(self, output: Any, kind: str) -> Any:
-        if kind in _format.ENCODER_KINDS:
+        if kind in _layout.ENCODER_KINDS:
             # Not the decoder output's `encoder_*` fields: T5 re-packs the encoder output by position
             # there, which puts the attentions in the hidden states' place when only they were asked.
             return getattr(self.encoder_output, kind[len("encoder_") :], None)
@@ -99,18 +99,18 @@ class LayerTap:
         """
         per_step, once = [], []
         for kind in self.kinds:
-            if kind in _format.ENCODER_KINDS and self.encoder_output is None:
+            if kind in _layout.ENCODER_KINDS and self.encoder_output is None:
                 continue  # the call passed `encoder_outputs`: no encoder ran
             tensors = self._tensors(output, kind)
             if not tensors or any(t is None for t in tensors):
                 raise ValueError(_NO_WEIGHTS.format(kind=kind))
             self.counts[kind] = len(tensors)
             self._layers[kind] = resolve(self.selection.layers, len(tensors), f"`layers` for {kind}")
-            if kind in _format.ATTENTION_KINDS and self.selection.heads is not None:
+            if kind in _layout.ATTENTION_KINDS and self.selection.heads is not None:
                 # Resolved per output: an encoder and a decoder may have different head counts.
                 self.heads[kind] = list(resolve(self.selection.heads, tensors[0].shape[1], "`heads`"))
-            names = [_format.layer_stream(kind, layer) for layer in self._layers[kind]]
-            (once if kind in _format.ENCODER_KINDS else per_step).extend(names)
+            names = [_layout.layer_stream(kind, layer) for layer in self._layers[kind]]
+            (once if kind in _layout.ENCODER_KINDS else per_step).extend(names)
         return per_step, once
 
     def install(self, on_tensor: Callable[[str, torch.Tensor], None]) -> list[str] | None:
@@ -162,7 +162,7 @@ class LayerTap:
             return kwargs
         return {**kwargs, **self.forward_flags}
 
-    def header(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, Any]:
         """The manifest's `layers` entry (once `names` has seen the first output)."""
         return {
             "counts": dict(self.counts),
@@ -174,16 +174,16 @@ class LayerTap:
         """`(stream name, tensor)` for every selected layer of this forward's output (encoder outputs
         at the `first` forward only). The tensors are views or new tensors on the output's device."""
         for kind in self.kinds:
-            is_encoder = kind in _format.ENCODER_KINDS
+            is_encoder = kind in _layout.ENCODER_KINDS
             if kind not in self._layers or (is_encoder and not first):
                 continue
             tensors = self._tensors(output, kind)
             for layer in self._layers[kind]:
-                yield _format.layer_stream(kind, layer), self.select(kind, tensors[layer], is_encoder=is_encoder)
+                yield _layout.layer_stream(kind, layer), self.select(kind, tensors[layer], is_encoder=is_encoder)
 
     def select(self, kind: str, tensor: torch.Tensor, *, is_encoder: bool) -> torch.Tensor:
         """The selected heads and positions of one layer's tensor: a view, or a new tensor on its device."""
-        if kind in _format.ATTENTION_KINDS and self.selection.heads is not None:
+        if kind in _layout.ATTENTION_KINDS and self.selection.heads is not None:
             tensor = self._select_heads(tensor)
         if self.selection.newest_position_only and not is_encoder:
             tensor = tensor[..., -1:, :]  # queries (attentions) or positions (hidden states)

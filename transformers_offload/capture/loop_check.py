@@ -4,7 +4,8 @@ A recording counts its steps from the recorder's own calls (the processor list's
 criteria's), never from lengths of what `generate()` returns. This module then compares the two:
 copies of the prompt and of every token the stopping criteria saw appended against the sequences the
 call returned (in beam search, each returned sequence down the recorded ancestry), and the steps whose
-logits and scores were recorded against the steps whose tokens were. Any disagreement is named in words; the capture then marks the
+logits and scores were recorded against the steps whose tokens were. Any disagreement is named in words; the capture then
+marks the
 generation incomplete with it (`RecordingMismatch`), and the recorder warns. The checks run once, after
 the loop, never inside a step.
 """

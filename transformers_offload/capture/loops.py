@@ -25,7 +25,7 @@ import torch
 
 from .. import _interrupts
 from .capture import Capture
-from .verify import RecordingMismatch
+from .loop_check import RecordingMismatch
 
 _ACTIVE = threading.local()  # .calls: dict[id(model), RecordedCall] for the calls running in this thread
 
@@ -88,9 +88,9 @@ class RecordedCall:
     def begin(self) -> Capture:
         """The call's first capture (before any loop starts)."""
         self.capture = self._begin()
-        self._first_index = self.capture.header["index"]
-        if "sample_ids" in self.capture.header:
-            self._samples = {key: self.capture.header[key] for key in ("sample_ids", "sample_metadata")}
+        self._first_index = self.capture.index
+        if "sample_ids" in self.capture.samples:
+            self._samples = {key: self.capture.samples[key] for key in ("sample_ids", "sample_metadata")}
         return self.capture
 
     def loop_starts(self) -> Capture:
@@ -101,20 +101,19 @@ class RecordedCall:
             capture = self._next_capture()
         if self.tapped and self._rows is not None:  # a loop of a segment (not a plain one: Whisper short-form up to 4.4x)
             batch_rows = list(self._rows)
-            capture.header["loop"] = {"call": self._first_index, "loop": self.loops, "segment": max(self._segment, 0),
+            capture.loop = {"call": self._first_index, "loop": self.loops, "segment": max(self._segment, 0),
                                       "attempt": self._attempt, "batch_rows": batch_rows, "kept_rows": None}
             if self._samples is not None:  # the call's ids of the rows this loop decodes, where they are its prompts
                 ids = self._samples["sample_ids"]
                 metadata = self._samples["sample_metadata"]
                 picked = [ids[row] for row in batch_rows] if all(row < len(ids) for row in batch_rows) else None
                 if picked is not None and len(set(map(str, picked))) == len(picked):
-                    capture.header["sample_ids"] = tuple(picked)
-                    capture.header["sample_metadata"] = None if metadata is None else tuple(metadata[r] for r in batch_rows)
+                    capture.samples = {"sample_ids": tuple(picked),
+                                       "sample_metadata": None if metadata is None else tuple(metadata[r] for r in batch_rows)}
                 else:  # rows that repeat a prompt (num_return_sequences > 1): numbered, not named
-                    capture.header.pop("sample_ids", None)
-                    capture.header.pop("sample_metadata", None)
+                    capture.samples = {}
         elif self._samples is not None and self.loops:  # another plain loop over the same prompts
-            capture.header.update(self._samples)
+            capture.samples = dict(self._samples)
         return capture
 
     def _next_capture(self) -> Capture:
@@ -148,10 +147,10 @@ class RecordedCall:
         self._finish(capture, output, error)
 
     def _finish(self, capture: Capture, output: Any, error: BaseException | None) -> None:
-        loop = capture.header.get("loop")
+        loop = capture.loop
         if loop is not None:
             loop["kept_rows"] = [loop["batch_rows"][index] for index in kept_prompts(capture)]
-        self.recorder._end_generation(capture, output, error)
+        self.recorder.end_call(capture, output, error)
 
     # -- the loop taps, for models whose generate() runs the loop several times ---------------------
     def segment_starts(self, batch_rows: list[int]) -> None:
@@ -181,14 +180,14 @@ class RecordedCall:
 
     @staticmethod
     def _rerun_rows(previous: Capture) -> list[int]:
-        rows = (previous.header.get("loop") or {}).get("batch_rows") or []
+        rows = (previous.loop or {}).get("batch_rows") or []
         return [row for index, row in enumerate(rows) if previous.prompt_verdicts.get(index, (False, False))[0]]
 
 
 def kept_prompts(capture: Capture) -> list[int]:
     """The prompts of a tapped loop whose result its call kept: not skipped, and not rerun (the last
     attempt of a segment keeps those that still fail the thresholds)."""
-    prompts = len((capture.header.get("loop") or {}).get("batch_rows") or [])
+    prompts = len((capture.loop or {}).get("batch_rows") or [])
     kept = []
     for index in range(prompts):
         rerun, skipped = capture.prompt_verdicts.get(index, (False, False))

@@ -9,13 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from .. import _compat
-from ..store import format as _format
+from ..errors import UnsupportedModeError
+from ..store import layout as _layout
 from . import layers as _layers
-
-
-class UnsupportedModeError(ValueError):
-    """`generate()` was asked for a decoding mode the recorder cannot record exactly (yet)."""
-
 
 # Modes whose every step is one forward of the recorded model over the running rows: attentions and
 # hidden states are recorded there.
@@ -57,7 +53,7 @@ def check_mode(generation_config: Any, assistant_model: Any, streams: tuple[str,
             f"{', '.join(_compat.SUPPORTED_MODES)} there. Remove the Recorder from `logits_processor` "
             "for this call, or use one of those modes."
         )
-    if mode in _format.BEAM_MODES and _compat.refuses_low_memory_beam_search(generation_config):
+    if mode in _layout.BEAM_MODES and _compat.refuses_low_memory_beam_search(generation_config):
         raise UnsupportedModeError(
             f"transformers {_compat.TRANSFORMERS_VERSION} does not run `low_memory=True` beam search "
             "(it was removed in 4.50); pass `low_memory=False`."
@@ -67,7 +63,7 @@ def check_mode(generation_config: Any, assistant_model: Any, streams: tuple[str,
         why = None
         if mode not in LAYER_MODES:
             why = f"{mode!r} does not run one forward per step over the running rows"
-        elif getattr(generation_config, "low_memory", False) and mode in _format.BEAM_MODES:
+        elif getattr(generation_config, "low_memory", False) and mode in _layout.BEAM_MODES:
             why = "`low_memory=True` beam search splits each step's forward in sub-batches"
         elif getattr(generation_config, "prefill_chunk_size", None):
             why = "`prefill_chunk_size` splits the prefill in several forwards"
@@ -77,7 +73,6 @@ def check_mode(generation_config: Any, assistant_model: Any, streams: tuple[str,
                 f"Use one of those modes, or a Recorder without {layer_streams} in `streams` for this call."
             )
     return mode
-
 
 
 def check_own_loop(model: Any, mode: str) -> None:
@@ -93,3 +88,23 @@ def check_own_loop(model: Any, mode: str) -> None:
             "model, or record a model of its that generates with transformers' loop (its inner decoder's "
             "own `generate()`)."
         )
+
+
+def sampling_masks(generation_config: Any, vocab_size: int | None = None) -> bool:
+    """Whether generate() samples through a warper that sets entries of the scores to -inf: top-k
+    (below `vocab_size`, when known), top-p, min-p (above 0), typical, epsilon, eta or top-h, under the
+    conditions on which transformers (4.36 to 5.x) builds each. Such a call's processed scores hold
+    few finite entries per row (about 4 under top_p 0.9, 50 under top_k 50): the Recorder then stores
+    them `"sparse"` by default."""
+    if not getattr(generation_config, "do_sample", False):
+        return False
+    top_k, top_p, min_p, typical_p, epsilon, eta, top_h = (  # min_p and top_h: newer releases only
+        getattr(generation_config, name, None)
+        for name in ("top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h")
+    )
+    return bool(
+        (top_k is not None and top_k != 0 and (not isinstance(vocab_size, int) or top_k < vocab_size))
+        or (top_p is not None and top_p < 1.0) or (min_p is not None and min_p > 0.0)
+        or (typical_p is not None and typical_p < 1.0) or (epsilon is not None and 0.0 < epsilon < 1.0)
+        or (eta is not None and 0.0 < eta < 1.0) or top_h is not None
+    )

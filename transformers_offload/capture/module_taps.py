@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from .. import _compat
-from ..store import format as _format
+from ..store import layout as _layout
 
 # The Recorder's kinds that module taps can record, and the declared output each comes from.
 _DECLARED = {"attentions": "attentions", "hidden_states": "hidden_states"}
@@ -92,7 +92,7 @@ class ModuleTaps:
             selected[kind] = layers(len(entries), kind)
             for layer in selected[kind]:
                 module, take, index = entries[layer]
-                taps.append(_Tap(kind, _format.layer_stream(kind, layer), module, take, index))
+                taps.append(_Tap(kind, _layout.layer_stream(kind, layer), module, take, index))
         return cls(taps, counts, selected)
 
     def install(self, on_tensor: OnTensor) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .workspace import ChunkBuffers
+from ..codecs.workspace import ChunkBuffers
 
 CHUNK_ELEMENTS = 2**24  # default chunk: at most this many logits (64 MiB of float32) at once
 FLOAT32_INTEGERS = 2**24  # every integer up to this is a float32 value (a rank's count of 0.0 / 1.0)

@@ -19,7 +19,7 @@ tokens `y` they continue with (`tokens`):
 
 Float32 holds each of them exactly (float32 values, and integers up to 2**24: token ids, ranks and
 counts below the vocabulary size; a vocabulary larger than 2**24 gets a float64 record, which holds
-integers below 2**53, as recordings made before 2026-12-02 have), so the reader gives back float32
+integers below 2**53; a reader takes either), so the reader gives back float32
 and int64 tensors equal to the expressions. In beam search a running beam of the last
 step continues with no token: its `token` and ranks are -1 and its logprobs NaN, and its entropies,
 logsumexp and support are its own row's.
@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import torch
 
-from ..store.format import STATS_COLUMNS as COLUMNS
-from .workspace import ChunkBuffers, logsumexp
+from ..codecs.stats import STATS_COLUMNS as COLUMNS
+from ..codecs.workspace import ChunkBuffers, logsumexp
 
 FLOAT32_INTEGERS = 2**24  # every integer up to this is a float32 value
 

@@ -42,7 +42,7 @@ Keep = Callable[[int, str, torch.Tensor], None]
 
 
 class Encoder(Protocol):
-    """A stream encoded in two parts on CUDA (`capture.encodings.Sparse`): one where the tensor is, one
+    """A stream encoded in two parts on CUDA (`codecs.sparse.Sparse`): one where the tensor is, one
     on the host once that part's result has arrived (`fetch` gives rows of the step's tensor, whole);
     a CPU tensor is encoded at once (`on_cpu`, the same record)."""
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-import torch
+from .._lazy import torch
 
 
 class ChunkBuffers:
@@ -36,7 +36,7 @@ def logsumexp(t: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
     """`torch.logsumexp(t, -1)`, equal to it (`torch.equal`), with its `(rows, vocab)` difference written
     into `work` (`t`'s shape and dtype; `t` itself may be `work`, overwritten). The steps are ATen's own
     (`logsumexp_out_impl`, torch 2.x): the maximum, made 0 where it is infinite, subtracted; exp; the sum;
-    its log; the maximum added back. `tests/test_stats.py` checks the equality on this torch.
+    its log; the maximum added back. `tests/capture/test_stats.py` checks the equality on this torch.
 
     On the CPU, `exp` of an argument so far below 0 that its result is 0 (-inf included) takes a slow
     path, several times the cost of any other: a masked step's scores (few finite entries a row) took
@@ -58,7 +58,7 @@ def logsumexp(t: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
     difference = torch.sub(t, maxes.masked_fill(infinite, 0), out=work)
     if t.device.type == "cpu" and not bool((maxes == float("inf")).any()) and _mostly_underflow(difference):
         # threshold_(x, bound, value): x where x > bound, else value; NaN stays NaN.
-        torch.nn.functional.threshold_(difference, _UNDERFLOW.get(t.dtype, _UNDERFLOW[None]), 2.0)
+        torch.nn.functional.threshold_(difference, _underflow(t.dtype), 2.0)
         # -exp(2) <= -7 (set to -0.0, +0.0 once negated back); -exp(d) for d <= 0 is >= -1: kept.
         torch.nn.functional.threshold_(difference.exp_().neg_(), -7.0, -0.0).neg_()
     else:
@@ -67,9 +67,6 @@ def logsumexp(t: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
     return total.log_().add_(maxes.masked_fill_(infinite, 0).squeeze(-1))
 
 
-# Below these, exp() is +0.0 in the dtype, with a wide margin (float32's smallest denormal is about
-# exp(-103.3), float64's exp(-744.4); float16 and bfloat16 underflow sooner or with float32).
-_UNDERFLOW = {torch.float64: -760.0, None: -110.0}
 _SAMPLE_STRIDE = 61  # a prime: the sample does not follow a row's period
 
 
@@ -77,5 +74,11 @@ def _mostly_underflow(difference: torch.Tensor) -> bool:
     """Whether at least a quarter of a strided sample (one entry in 61, on the host) is at or below the
     underflow bound: then replacing them costs less than the slow path it avoids."""
     sample = difference.reshape(-1)[::_SAMPLE_STRIDE]
-    bound = _UNDERFLOW.get(difference.dtype, _UNDERFLOW[None])
+    bound = _underflow(difference.dtype)
     return 4 * int(torch.count_nonzero(sample <= bound)) >= sample.numel()
+
+
+def _underflow(dtype: torch.dtype) -> float:
+    """The bound below which exp() is +0.0 in `dtype`, with a wide margin: float32's smallest denormal is
+    about exp(-103.3), float64's exp(-744.4); float16 and bfloat16 underflow sooner or with float32."""
+    return -760.0 if dtype == torch.float64 else -110.0

@@ -31,8 +31,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .store.files import open_temporary
-from .store.format import WRITERS
+from ..store.files import open_temporary
+from ..store.layout import WRITERS
 
 _SHOWN = 5  # sample ids named in a refusal
 

@@ -22,11 +22,12 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..errors import RecordingError, verify_command
+from ..read.reader import open_recording
+from ..recorder import Recorder
+from ..store.layout import MANIFEST, rank_directories, rank_directory
 from .claims import claim
 from .parallel import process_rank, share, wait_for_every_rank
-from .read.reader import open_recording
-from .recorder import Recorder
-from .store.format import MANIFEST, RecordingError, rank_directories, rank_directory, verify_command
 
 
 def read_prompts(source: str | os.PathLike | Sequence[Any], *, text_column: str | None = None,
@@ -260,7 +261,7 @@ def _new_tokens(generated: Any, eos: tuple[int, ...]) -> int:
 
 
 def target_directory(out: Path, rank: int, world_size: int) -> Path:
-    """Where this rank writes (`record`, `rescore_run`): `out` itself for a single process (unless ranks
+    """Where this rank writes (`record`, `rescoring.run`): `out` itself for a single process (unless ranks
     already wrote there), else `out/rank-R`."""
     if world_size == 1 and not rank_directories(out):
         return out

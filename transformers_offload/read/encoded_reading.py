@@ -4,7 +4,7 @@
 `"sparse"` records; a pointer to `topk()` for `"topk:K"`) and the `topk()`, `sampled_targets()` and
 `sparse()` accessors;
 `read.readable` the same accessors on `Recorder` and `Recording` (one generation, default the latest).
-The records' layouts are `store.format`'s.
+The records' layouts are the `codecs`'.
 """
 
 from __future__ import annotations
@@ -13,19 +13,11 @@ from typing import Any
 
 import numpy
 
-from ..store.format import (
-    ENCODED_STREAMS,
-    NATIVE,
-    SPARSE,
-    NativeRecord,
-    RecordingError,
-    SparseRecord,
-    sparse_entries,
-    sample_spec,
-    topk_columns,
-    topk_width,
-)
-from ..store.packed import PackedRecord
+from ..codecs.native import NativeRecord
+from ..codecs.packed import PackedRecord, topk_columns
+from ..codecs.sparse import SparseRecord, sparse_entries
+from ..codecs.spec import ENCODED_STREAMS, NATIVE, SPARSE, sample_spec, topk_width
+from ..errors import RecordingError
 from .indexing import Rows, Steps, as_framework, check_framework, row_index, step_range
 
 _RECORDS = {SPARSE: SparseRecord, NATIVE: NativeRecord}  # encodings stored as one record per step

@@ -13,12 +13,14 @@ from typing import Any, Sequence
 import numpy
 
 from .._lazy import torch  # imported when first used: reading a manifest needs no torch (`inspect`, `verify`)
-
-from ..store.format import BEAM_MODES, STATS_STREAM, stats_columns
+from ..codecs.spec import read_encodings
+from ..codecs.stats import STATS_STREAM, stats_columns
+from ..errors import StreamNotRecorded
 from ..store.stored import StepSource, StoredGeneration, TransferStats
-from .indexing import Rows, Steps, StreamNotRecorded, as_framework, check_framework, row_index, step_range
 from . import display
+from .beams import BeamReading
 from .encoded_reading import EncodedReading
+from .indexing import Rows, Steps, as_framework, check_framework, row_index, step_range
 from .layer_reading import LayerReading
 from .logprobs import logprobs as _logprobs
 from .prompt_logprobs import prompt_logprobs as _prompt_logprobs
@@ -29,7 +31,7 @@ _STEP_STREAMS = ("logits", "scores", "tokens", "finished", "beam_parents", STATS
 
 
 @dataclass(frozen=True, eq=False)
-class Generation(LayerReading, EncodedReading):
+class Generation(LayerReading, EncodedReading, BeamReading):
     """The recording of one `generate()` call.
 
     Every per-step accessor returns a tuple with one entry per selected step (step 0 comes from the
@@ -59,12 +61,13 @@ class Generation(LayerReading, EncodedReading):
         sequences (`torch.LongTensor | None`): what `generate()` returned as sequences (`out.sequences`
             or the plain tensor), on CPU; None for an incomplete generation. Where the model's own
             `generate()` reworks what transformers' loop returned (Whisper, which strips the decoder's
-            start ids; BLIP-2 up to 4.4x, which puts a BOS id before them), the loop's own sequences. From a recording directory
-            read when first asked for (`RecordingError` naming the file if it is missing or damaged).
+            start ids; BLIP-2 up to 4.4x, which puts a BOS id before them), the loop's own sequences. From a
+            recording directory read when first asked for (`RecordingError` naming the file if it is missing
+            or damaged).
         pad_token_id (`int | None`), eos_token_id (`tuple[int, ...]`): from the call's generation config.
         generation_config (`dict`): the call's generation config, as `GenerationConfig.to_diff_dict()`.
-        stats (`TransferStats | None`): transfer counters of the recording process; None when read back
-            from a directory.
+        transfer (`TransferStats | None`): how the recording process moved the data (waits, bytes
+            written); None when read back from a directory.
         layers (`dict | None`): with attentions or hidden states, what was selected: `counts` (layers
             of each output in the model), `heads` (per attention output, the kept heads; None: all) and
             `newest_position_only`; else None.
@@ -75,23 +78,12 @@ class Generation(LayerReading, EncodedReading):
             `Recorder.set_samples` before it (one per prompt); None when none were given (the recording's
             `samples()` then numbers the prompts).
         sample_metadata (`tuple[dict, ...] | None`): each prompt's metadata given with them, or None.
-        loop (`dict | None`): None when the call ran transformers' decoding loop once, as a stock
-            `generate()` does. A model whose `generate()` runs that loop several times in one call
-            (Whisper: once per 30-second segment and per temperature of its fallback) gives one
-            generation per loop, each checked against that loop's own output, with: `call` (the index
-            of the call's first generation), `loop` (0-based within the call), `segment` and `attempt`
-            (0-based; the attempt counts the temperatures tried), `batch_rows` (per prompt of this loop,
-            its row in the call's batch: a fallback attempt reruns only the prompts that need it) and
-            `kept_rows` (the call's rows, among `batch_rows`, whose result the call kept from this loop;
-            the others were discarded: rerun at the next temperature, or skipped as silence; this loop's
-            prompt for call row `r` is `batch_rows.index(r)`). Readers may find other keys: a `generate()`
-            that runs the loop twice without saying which result it keeps has each earlier loop marked
-            incomplete (`RecordingMismatch`) instead.
-        nested_calls (`int`): the `generate()` calls of the recorded model's children (or of another model
-            with a recorder attached) made while this generation's loop ran, or after it before its call
-            returned, none of them recorded: a model that generates per step with an inner decoder (Moshi's
-            depth decoder) runs it once per step; its steps are not in this recording (only the outer loop
-            is). 0 for a stock `generate()`.
+        loop (`dict | None`): None when the call ran transformers' decoding loop once. A model whose
+            `generate()` runs it several times in one call (Whisper's segments and temperature fallback)
+            gives one generation per loop, each checked against that loop's output: `call`, `loop`,
+            `segment`, `attempt`, `batch_rows`, `kept_rows` (docs/recording.md, "Several loops in one call").
+        nested_calls (`int`): unrecorded `generate()` calls of the recorded model's children made during
+            this generation's call (Moshi's depth decoder, once per step); 0 for a stock `generate()`.
     """
 
     index: int
@@ -107,7 +99,7 @@ class Generation(LayerReading, EncodedReading):
     pad_token_id: int | None
     eos_token_id: tuple[int, ...]
     generation_config: dict[str, Any] = field(repr=False)
-    stats: TransferStats | None = field(repr=False)
+    transfer: TransferStats | None = field(repr=False)
     layers: dict[str, Any] | None = field(repr=False)
     _source: StepSource = field(repr=False)
     encodings: dict[str, str] = field(default_factory=dict, repr=False)
@@ -183,8 +175,9 @@ class Generation(LayerReading, EncodedReading):
 
         Mirrors `out.logits` of the same call made with `return_dict_in_generate=True,
         output_logits=True` (copied before the first processor runs: where a processor edits the scores
-        in place, which transformers' `out.logits` then shows too, these stay the model's own), a tuple of tensors of shape `(num_rows, vocab_size)` (fewer rows with
-        `rows=`), one per selected step, in the dtype transformers gives them (float32 from 4.45), on CPU.
+        in place, which transformers' `out.logits` then shows too, these stay the model's own), a tuple
+        of tensors of shape `(num_rows, vocab_size)` (fewer rows with `rows=`), one per selected step, in
+        the dtype transformers gives them (float32 from 4.45), on CPU.
 
         Args:
             steps (`int | slice | range`, *optional*): which steps, e.g. `3` (a one-step tuple), `-1` (the
@@ -268,42 +261,6 @@ class Generation(LayerReading, EncodedReading):
         """
         return self._get("finished", steps, rows, framework)
 
-    def beam_parents(self, *, steps: Steps = None, rows: Rows = None, framework: str = "pt") -> tuple[Any, ...]:
-        """Beam search only: per step, the row of step `t` that each running beam of step `t + 1` extends.
-
-        A tuple of int64 tensors `(num_rows,)`, row indices flattened over the batch as in
-        `out.beam_indices`; -1 after the last step.
-
-        Raises:
-            ValueError: this generation is not a beam search.
-        """
-        self._require_beams("beam_parents")
-        return self._get("beam_parents", steps, rows, framework)
-
-    def beam_indices(self, *, framework: str = "pt") -> Any:
-        """Beam search only: for each returned sequence and step, the row whose scores chose its token.
-
-        Mirrors `out.beam_indices` of transformers 4.50+: an int64 tensor of shape
-        `(num_returned_sequences, generated_length)` where `generated_length` is
-        `sequences.shape[1] - prompt_length`, padded with -1 after a sequence's last token. Built from
-        the returned sequences and the recorded ancestry, so it needs no `return_dict_in_generate`.
-        In a degenerate search where several hypotheses are the very same token sequence (e.g. every
-        candidate but one forced to -inf), it may name another row holding that same sequence.
-
-        Raises:
-            ValueError: this generation is not a beam search, or it is incomplete (no sequences).
-        """
-        self._require_beams("beam_indices")
-        check_framework(framework)
-        if not self.has_sequences:
-            raise ValueError(
-                "`beam_indices()` needs the sequences `generate()` returned, and this generation is "
-                f"incomplete ({self.error}); the per-step `beam_parents()` are still available."
-            )
-        indices = _trace_beam_indices(self.sequences_array(), self.prompt_length, self.num_beams,
-                                      self.tokens(framework="np"), self.beam_parents(framework="np"))
-        return as_framework(indices, "beam_indices", framework)
-
     def transition_scores(self, *, normalize_logits: bool = False) -> torch.Tensor:
         """The score of each returned sequence's token at each step.
 
@@ -383,15 +340,6 @@ class Generation(LayerReading, EncodedReading):
         """
         return _prompt_tensors(self, framework)
 
-    @property
-    def is_beam(self) -> bool:
-        """Whether this generation is a beam search (`beam_parents()` and `beam_indices()` exist)."""
-        return self.mode in BEAM_MODES
-
-    def _require_beams(self, what: str) -> None:
-        if not self.is_beam:
-            raise ValueError(f"`{what}()` exists for beam search only; this generation ran {self.mode!r}.")
-
     def _once_streams(self) -> tuple[str, ...]:
         return getattr(self._source, "once_streams", ())
 
@@ -417,9 +365,16 @@ class Generation(LayerReading, EncodedReading):
 
 def generation_of(stored: StoredGeneration) -> Generation:
     """The `Generation` over what a store handed back (in memory, or a manifest entry's shards)."""
-    fields = dict(stored.fields)
-    sequences = fields.pop("sequences")  # a tensor, None, or (from a directory) a function that reads it
-    return Generation(**fields, _sequences=sequences, _source=stored.source)
+    header = stored.header
+    return Generation(
+        index=header.index, mode=header.mode, prompt_length=header.prompt_length, prompt_lengths=header.prompt_lengths,
+        num_rows=header.num_rows, num_beams=header.num_beams, num_steps=stored.num_steps, complete=stored.complete,
+        error=stored.error, _sequences=stored.sequences,  # a tensor, None, or (from a directory) a function that reads it
+        pad_token_id=header.pad_token_id, eos_token_id=header.eos_token_id, generation_config=header.generation_config,
+        transfer=stored.transfer, layers=header.layers, _source=stored.source, encodings=read_encodings(header.encodings),
+        sample_ids=header.sample_ids, sample_metadata=header.sample_metadata, loop=header.loop,
+        nested_calls=header.nested_calls,
+    )
 
 
 def pick(generations: Sequence[Generation], index: int, empty: str) -> Generation:
@@ -434,33 +389,3 @@ def pick(generations: Sequence[Generation], index: int, empty: str) -> Generatio
         raise LookupError(f"`generation` index {index} is out of range: {len(generations)} recorded.") from None
 
 
-def _trace_beam_indices(
-    sequences: numpy.ndarray,
-    prompt_length: int,
-    num_beams: int,
-    tokens: tuple[numpy.ndarray, ...],
-    parents: tuple[numpy.ndarray, ...],
-) -> numpy.ndarray:
-    """Walk each returned sequence down the recorded ancestry, step by step.
-
-    At step 0 every beam of a prompt holds the same prompt and transformers expands beam 0 only. A
-    sequence that is at row `r` at step `t` and continues with token `x` is at step `t + 1` in the
-    running beam whose parent is `r` and whose token is `x`; running beams are distinct sequences, so
-    that beam is unique. When no running beam continues it, the sequence ended at step `t`.
-    """
-    returned, total = sequences.shape
-    generated = total - prompt_length
-    per_prompt = returned // max(1, tokens[0].shape[0] // num_beams) if tokens else 1
-    indices = numpy.full((returned, generated), -1, dtype=numpy.int64)
-    for j in range(returned):
-        row = (j // per_prompt) * num_beams
-        for t in range(min(generated, len(tokens))):
-            indices[j, t] = row
-            if t + 1 >= generated:
-                break
-            token = int(sequences[j, prompt_length + t])
-            children = ((parents[t] == row) & (tokens[t] == token)).nonzero()[0]
-            if children.size == 0:
-                break
-            row = int(children[0])
-    return indices

@@ -14,14 +14,6 @@ Rows = Union[int, slice, Sequence[int], "torch.Tensor", None]
 Steps = Union[int, slice, range, None]
 
 
-class StreamNotRecorded(KeyError):
-    """A `KeyError` for a stream (or layer) the recording does not hold; its message reads as written
-    (a plain `KeyError` prints its message quoted, with escaped quotes)."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""
-
-
 def step_range(steps: Steps, num_steps: int) -> range:
     """`steps` as a range of recorded steps: None (all), an int (that one step; negative counts from
     the end), a slice or a range."""

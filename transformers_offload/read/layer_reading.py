@@ -2,7 +2,7 @@
 
 `LayerReading` gives `Generation` its per-layer accessors (`read.readable` the same on `Recorder` and
 `Recording`: one generation, default the latest). Each recorded layer is its own stream
-(`attentions.3`, see `store.format.layer_stream`), stored without padding; these accessors put the layers
+(`attentions.3`, see `store.layout.layer_stream`), stored without padding; these accessors put the layers
 back in `generate()`'s layout, or join one layer's steps into one zero-padded array with lengths.
 """
 
@@ -12,9 +12,9 @@ import operator
 from typing import Any, NamedTuple, Sequence
 
 from .._lazy import torch  # imported when first used: reading a manifest needs no torch (`inspect`, `verify`)
-
-from ..store import format as _format
-from .indexing import Rows, Steps, StreamNotRecorded, as_framework, check_framework, step_range
+from ..errors import StreamNotRecorded
+from ..store import layout as _layout
+from .indexing import Rows, Steps, as_framework, check_framework, step_range
 
 
 class LayerArray(NamedTuple):
@@ -145,8 +145,8 @@ class LayerReading:
             >>> array.values.shape, array.lengths[-1]  # (heads, positions, max_keys), keys of the last step
         """
         check_framework(framework)
-        if kind not in _format.LAYER_KINDS:
-            raise ValueError(f"`kind` must be one of {_format.LAYER_KINDS}, got {kind!r}.")
+        if kind not in _layout.LAYER_KINDS:
+            raise ValueError(f"`kind` must be one of {_layout.LAYER_KINDS}, got {kind!r}.")
         if isinstance(layer, bool) or not hasattr(layer, "__index__"):
             raise TypeError(f"`layer` must be an int (a layer index), got {layer!r}.")
         if self.num_steps == 0 and kind not in self.layer_indices:  # a call that failed before its first step
@@ -154,7 +154,7 @@ class LayerReading:
             array = _join_positions([], [], None)
         else:
             (name,) = self._layer_names(kind, [operator.index(layer)])
-            if kind in _format.ENCODER_KINDS:
+            if kind in _layout.ENCODER_KINDS:
                 parts, numbers = [self._read_once(name, rows, "pt")], [0]
             else:
                 parts, numbers = list(self._get(name, steps, rows, "pt")), list(step_range(steps, self.num_steps))
@@ -168,7 +168,7 @@ class LayerReading:
         """The recorded layers of each recorded output, e.g. `{"attentions": (0, 29)}`."""
         found: dict[str, list[int]] = {}
         for name in (*self.streams, *self._once_streams()):
-            split = _format.split_layer_stream(name)
+            split = _layout.split_layer_stream(name)
             if split is not None:
                 found.setdefault(split[0], []).append(split[1])
         return {kind: tuple(sorted(layers)) for kind, layers in found.items()}
@@ -178,7 +178,7 @@ class LayerReading:
                          framework: str) -> tuple[tuple[Any, ...], ...]:
         if self.num_steps == 0:  # a call that failed before its first step
             self._get("tokens", steps, rows, framework)  # checks the arguments
-            _format.indices(layers, "layers")
+            _layout.indices(layers, "layers")
             return ()
         per_layer = [self._get(name, steps, rows, framework) for name in self._layer_names(kind, layers)]
         return tuple(zip(*per_layer))
@@ -186,7 +186,7 @@ class LayerReading:
     def _encoder_layers(self, kind: str, rows: Rows, layers: Sequence[int] | None, framework: str) -> tuple[Any, ...]:
         if self.num_steps == 0 and kind not in self.layer_indices:
             check_framework(framework)
-            _format.indices(layers, "layers")
+            _layout.indices(layers, "layers")
             return ()  # a call that failed before the encoder's outputs were kept
         return tuple(self._read_once(name, rows, framework) for name in self._layer_names(kind, layers))
 
@@ -198,15 +198,15 @@ class LayerReading:
                 " Create the Recorder with `streams=(..., \"attentions\", \"hidden_states\")` to record them."
             )
             raise StreamNotRecorded(f"this recording has no {kind!r}.{hint}")
-        layers = _format.indices(layers, "layers")
+        layers = _layout.indices(layers, "layers")
         if layers is None:
-            return [_format.layer_stream(kind, layer) for layer in recorded]
+            return [_layout.layer_stream(kind, layer) for layer in recorded]
         count = (self.layers or {}).get("counts", {}).get(kind, max(recorded) + 1)
-        chosen = _format.resolve(layers, count, f"`layers` for {kind}")
+        chosen = _layout.resolve(layers, count, f"`layers` for {kind}")
         missing = [layer for layer in chosen if layer not in recorded]
         if missing:
             raise StreamNotRecorded(f"layers {missing} of {kind!r} were not recorded; recorded: {list(recorded)}.")
-        return [_format.layer_stream(kind, layer) for layer in chosen]
+        return [_layout.layer_stream(kind, layer) for layer in chosen]
 
     # Provided by `Generation`.
     streams: tuple[str, ...]

@@ -37,8 +37,8 @@ from typing import Any, Iterator, Sequence
 import numpy
 
 from .._lazy import torch  # imported when the full tensors' values are asked for (see above)
-
-from ..store.format import STATS_STREAM, topk_width
+from ..codecs.spec import topk_width
+from ..codecs.stats import STATS_STREAM
 
 KINDS = {"raw": "logits", "processed": "scores"}
 
@@ -191,7 +191,7 @@ def logprobs(generation: Any, *, kind: str = "raw", top: int = 0, tokenizer: Any
         alternatives = None
         if top:
             alternatives = zip(chunk[f"top_tokens_{kind}"].tolist(), chunk[f"top_logprobs_{kind}"].tolist())
-        for i, (j, t, y, value, rank) in enumerate(zip(*columns)):
+        for j, t, y, value, rank in zip(*columns):
             entry: dict[str, Any] = {"step": t, "token": y, "logprob": value, "rank": rank}
             if text is not None:
                 entry["text"] = text(y)

@@ -7,8 +7,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..store.format import PROMPT_STREAMS
-from .indexing import StreamNotRecorded, as_framework, check_framework
+from ..errors import StreamNotRecorded
+from ..store.layout import PROMPT_STREAMS
+from .indexing import as_framework, check_framework
 
 
 def prompt_tensors(generation: Any, framework: str = "pt") -> dict[str, Any]:
@@ -56,7 +57,8 @@ def prompt_logprobs(generation: Any, *, tokenizer: Any = None) -> list[list[dict
                 continue  # padding, or the first real token (its context is padding)
             entry = {"position": len(entries) + 1, "token": token, "logprob": logprobs[prompt][p], "rank": ranks[prompt][p]}
             if top_tokens is not None:
-                entry["top_logprobs"] = [{"token": t, "logprob": v} for t, v in zip(top_tokens[prompt][p], top_logprobs[prompt][p])
+                entry["top_logprobs"] = [{"token": t, "logprob": v}
+                                         for t, v in zip(top_tokens[prompt][p], top_logprobs[prompt][p])
                                          if t >= 0 and not math.isnan(v)]
             entries.append(entry)
         if tokenizer is not None:

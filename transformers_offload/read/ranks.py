@@ -10,10 +10,11 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
-from ..store.format import RecordingError, damaged_files, rank_directories
-from .generation import Generation, pick
+from ..errors import RecordingError, damaged_files
+from ..store.layout import rank_directories
+from .generation import Generation
 from .readable import Readable
 
 
@@ -93,24 +94,8 @@ class RankedRecording(Readable):
         self._generations = tuple(dataclasses.replace(generation, index=index)
                                   for index, (_, generation) in enumerate(order))
 
-    @property
-    def generations(self) -> tuple[Generation, ...]:
-        """Every rank's generations, in sample order (incomplete ones included)."""
-        return self._generations
-
-    def generation(self, index: int = -1) -> Generation:
-        """One generation by its index in sample order (default: the last).
-
-        Raises:
-            LookupError: no rank recorded a generation, or `index` is out of range.
-        """
-        return pick(self._generations, index, f"no rank of the recording in {str(self.path)!r} holds a generation.")
-
-    def __iter__(self) -> Iterator[Generation]:
-        return iter(self._generations)
-
-    def __len__(self) -> int:
-        return len(self._generations)
+    def _none_recorded(self) -> str:
+        return f"no rank of the recording in {str(self.path)!r} holds a generation."
 
     def describe(self) -> dict[str, Any]:
         """`Recording.describe()` over every rank: `ranks`, and the generations in sample order, each with

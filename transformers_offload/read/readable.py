@@ -1,33 +1,51 @@
-"""The accessors of a recording: `Recording`, `RankedRecording` and the `Recorder` read one generation
-(default: the latest) through these, each a thin call of that `Generation`'s own accessor.
+"""The accessors of a recording, written once: `Recording`, `RankedRecording` and the `Recorder` are each a
+`Readable`, whose accessors read one generation (default: the latest) through that `Generation`'s own.
 
-`Readable` asks its subclass for `generations` and `generation(index)`. `MemoryRecording` holds
-generations in memory; the `Recorder` owns one and reads through it (`reads_through`).
+A subclass holds its generations, oldest first, in `_generations` and says in `_none_recorded()` what to do
+when it holds none.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Any, Iterator, Sequence
 
 from .._lazy import torch  # imported when first used: reading a manifest needs no torch (`inspect`, `verify`)
-
 from . import display
 from .generation import Generation, pick
 from .indexing import Rows, Steps
 from .layer_reading import LayerArray
 from .samples import samples as _samples
 
-T = TypeVar("T")
-
 
 class Readable:
-    """Accessors shared by `Recorder` and `Recording`: each reads one generation (default: the latest)."""
+    """Accessors shared by `Recorder`, `Recording` and `RankedRecording`: each reads one generation
+    (default: the latest)."""
 
-    generations: Sequence[Generation]  # provided by the subclass, oldest first
+    _generations: Sequence[Generation]  # set by the subclass, oldest first
 
-    def generation(self, index: int = -1) -> Generation:  # pragma: no cover - overridden
+    def _none_recorded(self) -> str:  # pragma: no cover - overridden
+        """The message of the `LookupError` raised when a generation is asked of an empty recording."""
         raise NotImplementedError
+
+    @property
+    def generations(self) -> tuple[Generation, ...]:
+        """Every generation, oldest first (incomplete ones included)."""
+        return tuple(self._generations)
+
+    def generation(self, index: int = -1) -> Generation:
+        """One generation by index into `generations` (default: the latest).
+
+        Raises:
+            TypeError: `index` is not an int.
+            LookupError: there is no generation yet (saying what to do), or `index` is out of range.
+        """
+        return pick(self._generations, index, self._none_recorded())
+
+    def __iter__(self) -> Iterator[Generation]:
+        return iter(self.generations)
+
+    def __len__(self) -> int:
+        return len(self._generations)
 
     def _repr_html_(self) -> str | None:
         """The viewer's page of every generation, for notebooks (`answers.viewer`); None while empty."""
@@ -156,76 +174,6 @@ class Readable:
         return self.generation(generation).layer_array(kind, layer, steps=steps, rows=rows, framework=framework)
 
 
-class MemoryRecording(Readable):
-    """Generations held in host memory, read with a `Recording`'s accessors: what a `Recorder` reads
-    through. It holds them in the order appended, oldest first.
-
-    Args:
-        empty (`str`): the message of the `LookupError` raised when a generation is asked of it while
-            it holds none (say what to do).
-    """
-
-    def __init__(self, *, empty: str) -> None:
-        self._generations: list[Generation] = []
-        self._empty = empty
-
-    @property
-    def generations(self) -> tuple[Generation, ...]:
-        """Every generation, oldest first (incomplete ones included)."""
-        return tuple(self._generations)
-
-    def generation(self, index: int = -1) -> Generation:
-        """One generation by index (default: the latest).
-
-        Raises:
-            LookupError: it holds no generation (with the `empty` message), or `index` is out of range.
-        """
-        return pick(self._generations, index, self._empty)
-
-    def append(self, generation: Generation) -> None:
-        """Add the newest generation."""
-        self._generations.append(generation)
-
-    def clear(self) -> None:
-        """Forget every generation."""
-        self._generations.clear()
-
-    def __iter__(self) -> Iterator[Generation]:
-        return iter(self._generations)
-
-    def __len__(self) -> int:
-        return len(self._generations)
-
-
-# Readable's accessors that `reads_through` forwards: all but `generation`, which a reader defines itself.
+# Readable's accessors: every public method, each written once here and shared as is by its subclasses.
 ACCESSORS = tuple(name for name, value in vars(Readable).items()
-                  if callable(value) and not name.startswith("__") and name != "generation")
-
-
-def reads_through(attribute: str) -> Callable[[type[T]], type[T]]:
-    """A class decorator: give the class every `Readable` accessor (`logits()`, `scores()`, `topk()`,
-    `attentions()`...) as a method that calls the same accessor of the `Readable` its instances hold in
-    `attribute`, with the accessor's name, signature and docstring (as `help()` shows them). A name the
-    class defines itself is left alone.
-
-    Example:
-        >>> @reads_through("_recording")  # doctest: +SKIP
-        ... class Recorder: ...
-    """
-
-    def decorate(cls: type[T]) -> type[T]:
-        for name in ACCESSORS:
-            if name not in vars(cls):
-                setattr(cls, name, _forward(cls, attribute, name))
-        return cls
-
-    return decorate
-
-
-def _forward(cls: type, attribute: str, name: str) -> Callable[..., Any]:
-    @functools.wraps(getattr(Readable, name))
-    def accessor(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return getattr(getattr(self, attribute), name)(*args, **kwargs)
-
-    accessor.__qualname__ = f"{cls.__qualname__}.{name}"
-    return accessor
+                  if callable(value) and not name.startswith("_") and name != "generation")

@@ -5,14 +5,17 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
+from ..codecs.dtypes import DTYPE_BYTES
+from ..codecs.spec import RECORD_ENCODINGS, SAME_AS_LOGITS, is_packed, stored_flat
+from ..errors import RecordingError, damaged_files
 from ..store import files as _files
-from ..store import format as _format
+from ..store import layout as _layout
 from ..store import manifest as _manifest
-from ..store.format import RecordingError
-from ..store.shard_reader import OpenFiles, ShardSource, stored_generation
-from .generation import Generation, generation_of, pick
+from ..store.open_files import OpenFiles
+from ..store.shard_reader import ShardSource, stored_generation
+from .generation import generation_of
 from .ranks import RankedRecording
 from .readable import Readable
 
@@ -54,7 +57,7 @@ def open_recording(path: str | os.PathLike, *, verify: bool = False) -> Recordin
         torch.Size([1, 49152])
     """
     root = Path(path)
-    if not (root / _format.MANIFEST).exists() and _format.rank_directories(root):
+    if not (root / _layout.MANIFEST).exists() and _layout.rank_directories(root):
         recording: Recording | RankedRecording = RankedRecording(root, Recording)  # each rank a Recording
     else:
         recording = Recording(root)
@@ -91,37 +94,23 @@ class Recording(Readable):
         files = OpenFiles()  # one bound on the open shards (and their mapped pages) for all generations
         self._generations = tuple(generation_of(stored_generation(path, entry, files=files)) for entry in self._entries)
 
-    @property
-    def generations(self) -> tuple[Generation, ...]:
-        """Every generation of the recording, oldest first (incomplete ones included)."""
-        return self._generations
-
-    def generation(self, index: int = -1) -> Generation:
-        """One generation by index (default: the latest).
-
-        Raises:
-            LookupError: the recording holds no generation, or `index` is out of range.
-        """
-        return pick(self._generations, index, f"the recording in {str(self.path)!r} holds no generation.")
-
-    def __iter__(self) -> Iterator[Generation]:
-        return iter(self._generations)
-
-    def __len__(self) -> int:
-        return len(self._generations)
+    def _none_recorded(self) -> str:
+        return f"the recording in {str(self.path)!r} holds no generation."
 
     def describe(self) -> dict[str, Any]:
         """A JSON-able summary: versions, model, whether its files carry checksums, and per generation
         its state, sizes and streams.
 
-        Each stream gives its `dtype`, `encoding`, per-step `shape` (`once`: true for a stream recorded once per call: encoder outputs, prompt logprobs) and `bytes` (of the readable
+        Each stream gives its `dtype`, `encoding`, per-step `shape` (`once`: true for a stream recorded once per call:
+        encoder outputs, prompt logprobs) and `bytes` (of the readable
         steps); a stream whose readers give back dense tensors (`"sparse"`, `"native"`, and scores stored once
         with such logits) gives those tensors' `dtype` and `shape`, and its records' own dtype as
         `stored_dtype`; an encoded one (`"sparse"`, `"native"`, `"topk:K"`) also `dense_bytes`, what the same steps would take as
         float32 `(rows, vocab_size)` tensors (`scores` stored once with the logits, `"same_as_logits"`, take
         0 bytes of their own); each generation its `file_bytes` on disk (shards and
         sequences), its `prompt_lengths` (non-padding tokens per prompt; None without an attention
-        mask), its `sample_ids` (from `Recorder.set_samples`, or None), its `generation_config` (the settings that differ from the defaults,
+        mask), its `sample_ids` (from `Recorder.set_samples`, or None), its `generation_config` (the settings that differ
+        from the defaults,
         `GenerationConfig.to_diff_dict()`) and its `damaged_files`: `{"file", "error"}` for each file seen damaged
         without reading its data (missing, of another size than written, or with a header a ragged
         stream's `bytes` could not be read from: those are then None; `verify()` reads every byte).
@@ -129,13 +118,13 @@ class Recording(Readable):
         generations = []
         for generation, entry in zip(self._generations, self._entries):
             streams = {}
-            damaged = self._damaged_at_a_glance(_manifest.files_of(entry))
-            encoder = entry.get("encoder") or {}
+            damaged = self._damaged_at_a_glance(_layout.files_of(entry))
+            encoder = _layout.once_entry(entry)
             for name, stream in [*entry["streams"].items(), *encoder.get("streams", {}).items()]:
-                itemsize = _format.DTYPE_BYTES[stream["dtype"]]
-                if stream["encoding"] == _format.SAME_AS_LOGITS:
+                itemsize = DTYPE_BYTES[stream["dtype"]]
+                if stream["encoding"] == SAME_AS_LOGITS:
                     elements = 0  # stored once, as the logits
-                elif _format.stored_flat(stream):
+                elif stored_flat(stream):
                     try:  # reads each shard's step shapes
                         elements = generation._source.ragged_elements(name, generation.num_steps)
                     except RecordingError as error:
@@ -158,11 +147,11 @@ class Recording(Readable):
                 if name in encoder.get("streams", {}):
                     streams[name]["once"] = True  # recorded once per call, not per step
                 vocab = self.model.get("vocab_size")
-                encoded = stream["encoding"] in _format.RECORD_ENCODINGS or _format.is_packed(stream["encoding"])
+                encoded = stream["encoding"] in RECORD_ENCODINGS or is_packed(stream["encoding"])
                 if encoded and isinstance(vocab, int):
                     # What the same steps take dense, in float32 (`out.logits`' dtype from 4.45).
                     streams[name]["dense_bytes"] = generation.num_steps * generation.num_rows * vocab * 4
-            files = _manifest.files_of(entry)
+            files = _layout.files_of(entry)
             generations.append(
                 {
                     "index": generation.index,
@@ -230,21 +219,21 @@ class Recording(Readable):
         """
         checked, size, damaged = self._check_files()
         if damaged:
-            raise _format.damaged_files(self.path, damaged, checked)
+            raise damaged_files(self.path, damaged, checked)
         return {"files": checked, "bytes": size}
 
     def _check_files(self) -> tuple[int, int, list[RecordingError]]:
         """`verify()`'s work without raising (`RankedRecording.verify` sums it over ranks): the files
         checked, the bytes read, and one `RecordingError` per damaged file (first, where the recording
         lacks checksums, one saying so)."""
-        names = [name for entry in self._entries for name in _manifest.files_of(entry)]
+        names = [name for entry in self._entries for name in _layout.files_of(entry)]
         records = self._file_records or {}
         damaged: list[RecordingError] = []
         missing = [name for name in names if name not in records]
         if missing:
             written = self.created_by.get("transformers_offload", "?")
             damaged.append(RecordingError(
-                self.path / (missing[0] if self._file_records is not None else _format.MANIFEST),
+                self.path / (missing[0] if self._file_records is not None else _layout.MANIFEST),
                 f"carries no checksum for {len(missing)} of its {len(names)} file(s) (written by "
                 f"transformers-offload {written}, before checksums), so it cannot be verified; it reads "
                 "as before without `verify`.",
@@ -255,7 +244,7 @@ class Recording(Readable):
             assert isinstance(source, ShardSource)  # a directory's generations read from its shards
             for name in source.files:
                 try:
-                    path = _manifest.inside(self.path, name, self.path / _format.MANIFEST)  # opens nothing outside
+                    path = _manifest.inside(self.path, name, self.path / _layout.MANIFEST)  # opens nothing outside
                     if name in records:
                         _files.verify_file(path, records[name])
                         size += records[name]["bytes"]

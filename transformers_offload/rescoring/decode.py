@@ -9,7 +9,7 @@ and sampling the recorded token of each row; in beam search the recorded `(paren
 running beam, in the recorded order (scores chosen so that the beams' accumulated scores rank them
 so). The model therefore runs the same forwards, on the same inputs and KV cache, as the original call:
 the same model, dtype and device give logits bit for bit equal to the recording's. `mode="forward"`
-scores each generation's prompt and tokens with chunked forward passes instead (`rescore_forward`).
+scores each generation's prompt and tokens with chunked forward passes instead (`rescoring.forward`).
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from transformers import GenerationConfig, LogitsProcessor
 
-from .read.generation import Generation
-from .read.reader import open_recording
-from .recorder import Recorder
+from ..errors import RescoreError
+from ..read.generation import Generation
+from ..read.reader import open_recording
+from ..recorder import Recorder
 
 MODES = ("decode", "forward")
 STREAMS = ("logits", "stats", "attentions", "hidden_states")
@@ -34,11 +35,6 @@ _FORWARD_SETTINGS = ("use_cache", "cache_implementation", "cache_config", "pad_t
 # Decoding modes replayed, by the mode the replay runs: beam sampling's forwards are beam search's.
 _REPLAY_MODES = {"greedy_search": "greedy_search", "sample": "sample", "beam_search": "beam_search",
                  "beam_sample": "beam_search", "assisted_generation": "greedy_search"}
-
-
-class RescoreError(RuntimeError):
-    """A replay did not follow the recording (another step count, other tokens): the rescored
-    generation is not the original's. The message names the generation and the first difference."""
 
 
 def rescore(
@@ -165,7 +161,7 @@ def rescore(
             if mode == "decode":
                 _replay(gen, model, rec, call)
             else:
-                from . import rescore_forward
+                from . import forward as rescore_forward
                 rescore_forward.score(gen, model, rec, call, chunk_size)
             _check_follows(gen, rec.generation())
             bar.update(1)
@@ -205,7 +201,8 @@ class ForceBeams(LogitsProcessor):
     prompt: beam search then keeps exactly the recorded beams, in the recorded order, and reorders the
     KV cache by the recorded parents. It tracks the running beams' accumulated scores as beam search
     computes them (the float32 sum of what the processors return and the parent's score; at the start
-    0 for each prompt's first beam and -1e9 for the others, whose rounding GAP leaves far behind). After the last recorded choice (the last step's
+    0 for each prompt's first beam and -1e9 for the others, whose rounding GAP leaves far behind). After the last recorded
+    choice (the last step's
     tokens are not recorded: they left the running beams) each beam continues itself.
 
     Args:

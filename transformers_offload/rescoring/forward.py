@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from . import _compat
-from .read.generation import Generation
+from .. import _compat
+from ..read.generation import Generation
 
 
 def score(gen: Generation, model: Any, rec: Any, call: dict[str, Any], chunk_size: int) -> None:
@@ -51,7 +51,7 @@ def score(gen: Generation, model: Any, rec: Any, call: dict[str, Any], chunk_siz
     given_mask = None if call.get("attention_mask") is None else prompt_mask
     if gen.sample_ids is not None:
         rec.set_samples(list(gen.sample_ids), metadata=None if gen.sample_metadata is None else list(gen.sample_metadata))
-    capture = rec._begin_generation(assistant_model=None, custom_generate=None, attention_mask=given_mask,
+    capture = rec.begin_call(assistant_model=None, custom_generate=None, attention_mask=given_mask,
                                     inputs=sequences[:, :length])
     try:
         capture.start(config, length, no_processors=True)
@@ -80,6 +80,6 @@ def score(gen: Generation, model: Any, rec: Any, call: dict[str, Any], chunk_siz
                     capture.on_stopping(appended, done)
                 del out
     except BaseException as exc:  # recorded so far stays readable, as a failed generate() call's
-        rec._end_generation(capture, None, exc)
+        rec.end_call(capture, None, exc)
         raise
-    rec._end_generation(capture, sequences, None)
+    rec.end_call(capture, sequences, None)

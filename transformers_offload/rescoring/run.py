@@ -15,12 +15,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .claims import claim
-from .parallel import process_rank, share, wait_for_every_rank
-from .read.reader import open_recording
-from .record import recorded_samples, target_directory
-from .rescoring import rescore
-from .store.format import MANIFEST, rank_directories
+from ..jobs.claims import claim
+from ..jobs.parallel import process_rank, share, wait_for_every_rank
+from ..jobs.record import recorded_samples, target_directory
+from ..read.reader import open_recording
+from ..store.layout import MANIFEST, rank_directories
+from .decode import rescore
 
 
 def rescore_recording(source: Any, model: Any, out: Any, *, mode: str = "decode", streams: tuple[str, ...] = ("logits",),

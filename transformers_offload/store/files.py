@@ -1,6 +1,6 @@
 """A recording's files on disk: written durably (under a temporary name, fsynced, renamed), the
 manifest created whole, and every file's checksum computed when it is written and checked on demand.
-The names are `format`'s, the manifest's checks `manifest`'s."""
+The names are `layout`'s, the manifest's checks `manifest`'s."""
 
 from __future__ import annotations
 
@@ -16,12 +16,14 @@ from typing import Any, Callable
 import google_crc32c
 import numpy
 
-from .format import MANIFEST, RecordingError
+from ..errors import RecordingError
+from .layout import MANIFEST
 
 
 def created_mode() -> int:
     """The mode a file the user creates gets: 0666 less the process's umask (0644 under umask 022;
-    directories are made with `mkdir`, which applies the umask itself). `tempfile.mkstemp`, which the atomic writes start from, creates 0600;
+    directories are made with `mkdir`, which applies the umask itself). `tempfile.mkstemp`, which the atomic writes start
+    from, creates 0600;
     the file is given this mode before it is renamed into place, so a colleague can read a recording.
 
     The umask is read from `/proc/self/status` where Linux gives it (4.7 and newer), else by setting and

@@ -1,5 +1,5 @@
 """A recording's manifest, read and checked: every field a reader relies on has the type and range
-the format (`format`) gives it, and every file it names lies inside the recording directory.
+the format (`layout`, `codecs`) gives it, and every file it names lies inside the recording directory.
 
 A damaged or hostile manifest raises `RecordingError` naming what is wrong, never another error.
 """
@@ -12,33 +12,34 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .format import (
+from ..codecs.dtypes import DTYPE_BYTES
+from ..codecs.sparse import SPARSE_DTYPES, SPARSE_MAX_VOCAB
+from ..codecs.spec import (
+    ENCODED_STREAMS,
+    ENCODINGS,
+    RECORD_ENCODINGS,
+    SAME_AS_LOGITS,
+    is_packed,
+    stored_as_records,
+    topk_bits,
+    topk_width,
+)
+from ..codecs.stats import STATS_COLUMNS, STATS_STREAM
+from ..errors import RecordingError
+from .header import check_sample_ids
+from .layout import (
     ATTENTION_KINDS,
     BEAM_MODES,
-    DTYPE_BYTES,
-    ENCODED_STREAMS,
     ENCODER_KINDS,
-    ENCODINGS,
     FORMAT,
     FORMAT_VERSION,
     LAYER_KINDS,
     MANIFEST,
+    ONCE_KEYS,
     PROMPT_STREAMS,
-    RECORD_ENCODINGS,
-    SAME_AS_LOGITS,
-    STATS_COLUMNS,
-    STATS_STREAM,
     STATUSES,
     STEP_LAYER_KINDS,
-    SPARSE,
-    SPARSE_DTYPES,
-    SPARSE_MAX_VOCAB,
-    RecordingError,
-    is_packed,
     split_layer_stream,
-    stored_as_records,
-    topk_bits,
-    topk_width,
 )
 
 SPARSE_DTYPE_NAMES = SPARSE_DTYPES.names
@@ -211,16 +212,21 @@ def _check_layers(entry: dict[str, Any], root: Path, path: Path, where: str, fil
             )
         if not isinstance(layers.get("newest_position_only"), bool):
             raise RecordingError(path, f"{where}: `layers.newest_position_only` must be true or false.")
-    encoder = entry.get("encoder")
     streams = dict(entry["streams"])
-    if encoder is not None:
+    if all(entry.get(key) is not None for key in ONCE_KEYS):
+        raise RecordingError(path, f"{where}: has both `encoder` and `prompt`; a generation has one file of "
+                                   "tensors recorded once per call.")
+    for key in ONCE_KEYS:
+        encoder = entry.get(key)
+        if encoder is None:
+            continue
         if not isinstance(encoder, dict):
-            raise RecordingError(path, f"{where}: `encoder` must be a JSON object, got {encoder!r}.")
-        _claim(root, _field(encoder, "file", str, path, where + ", `encoder`"), path, files)
-        for name, stream in _field(encoder, "streams", dict, path, where + ", `encoder`").items():
+            raise RecordingError(path, f"{where}: `{key}` must be a JSON object, got {encoder!r}.")
+        _claim(root, _field(encoder, "file", str, path, where + f", `{key}`"), path, files)
+        for name, stream in _field(encoder, "streams", dict, path, where + f", `{key}`").items():
             _check_stream(name, stream, path, where)
             split = split_layer_stream(name)
-            known = name in PROMPT_STREAMS or (split is not None and split[0] in ENCODER_KINDS)
+            known = name in PROMPT_STREAMS or (key == "encoder" and split is not None and split[0] in ENCODER_KINDS)
             if not known or stream["encoding"] != "dense":
                 raise RecordingError(path, f"{where}: {name!r} is not a stream recorded once per call "
                                            "(an encoder output or a prompt logprob).")
@@ -233,7 +239,8 @@ def _check_layers(entry: dict[str, Any], root: Path, path: Path, where: str, fil
         kind, layer = split
         if layers is None or layer >= layers["counts"].get(kind, 0):
             raise RecordingError(
-                path, f"{where}: stream {name!r} names a layer that `layers.counts` does not have ({layers and layers['counts']})."
+                path, f"{where}: stream {name!r} names a layer that `layers.counts` does not have "
+                      f"({layers and layers['counts']})."
             )
         heads = layers.get("heads")
         if kind in ATTENTION_KINDS and heads is not None and stream["shape"][1] != len(heads.get(kind, ())):
@@ -265,8 +272,10 @@ def _check_stream_set(entry: dict[str, Any], path: Path, where: str) -> None:
         shape = stream["shape"]
         if stream["encoding"] == SAME_AS_LOGITS:
             logits = streams.get("logits")
-            whole = logits is not None and logits["encoding"] in ("dense", *RECORD_ENCODINGS) and not is_packed(logits["encoding"])
-            if not whole or (logits["dtype"], logits["shape"], logits.get("dense")) != (stream["dtype"], shape, stream.get("dense")):
+            whole = (logits is not None and logits["encoding"] in ("dense", *RECORD_ENCODINGS)
+                     and not is_packed(logits["encoding"]))
+            if not whole or ((logits["dtype"], logits["shape"], logits.get("dense"))
+                             != (stream["dtype"], shape, stream.get("dense"))):
                 raise RecordingError(path, f"{where}: stream {name!r} is stored as the `logits` stream (dense, sparse "
                                            f"or native), which it must then match in dtype and shape ({logits!r}).")
             continue
@@ -347,16 +356,6 @@ def _check_stream(name: str, stream: Any, path: Path, where: str) -> None:
         )
 
 
-def files_of(entry: dict[str, Any]) -> list[str]:
-    """Every file one (checked) generation entry names: its shards, sequences and encoder outputs."""
-    files = [shard["file"] for shard in entry["shards"]]
-    if entry.get("sequences"):
-        files.append(entry["sequences"])
-    if entry.get("encoder"):
-        files.append(entry["encoder"]["file"])
-    return files
-
-
 def _claim(root: Path, name: str, path: Path, files: set[str]) -> None:
     inside(root, name, path)
     if name in files:
@@ -384,28 +383,6 @@ def _field(obj: dict, key: str, kind: type, path: Path, where: str = "manifest")
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise RecordingError(path, f"{where}: `{key}` must be a {kind.__name__}, got {value!r}.")
     return value
-
-
-def check_sample_ids(ids: Any, metadata: Any) -> str | None:
-    """What is wrong with a call's sample ids and metadata (None: nothing): the ids a list of distinct
-    str or int, the metadata None or a list of JSON objects, one per id."""
-    if not isinstance(ids, list) or not all(isinstance(i, (str, int)) and not isinstance(i, bool) for i in ids):
-        return f"the sample ids must be a list of str or int (one per prompt), got {ids!r}"
-    if not ids:
-        return "the sample ids must name at least one prompt"
-    wide = [i for i in ids if isinstance(i, int) and not -2**63 <= i < 2**63]
-    if wide:
-        return f"an int sample id must fit in 64 bits (a table's int64 column), got {wide[0]}"
-    as_text = [str(i) for i in ids]  # the table writes ids as text when any is a string: 1 and "1" collide
-    if len(set(as_text)) != len(ids):
-        repeated = sorted({t for t in as_text if as_text.count(t) > 1})
-        return f"the sample ids must be distinct within a call (1 and '1' count as the same); repeated: {repeated}"
-    if metadata is not None:
-        if not isinstance(metadata, list) or not all(isinstance(m, dict) for m in metadata):
-            return f"the sample metadata must be a list of dicts (one per prompt), got {metadata!r}"
-        if len(metadata) != len(ids):
-            return f"{len(metadata)} metadata dicts were given for {len(ids)} sample ids; give one per id"
-    return None
 
 
 def _check_samples(entry: dict[str, Any], path: Path, where: str) -> None:

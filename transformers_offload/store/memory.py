@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from .format import SAME_AS_LOGITS, read_encodings
+from ..codecs.spec import SAME_AS_LOGITS
+from .header import GenerationHeader
 from .stored import StoredGeneration, TransferStats
 
 CHUNK_BYTES_MIN = 64 * 2**10
@@ -119,29 +120,27 @@ class MemoryStore:
         """Whether `step` of stream `name` reached the store."""
         return step in self._steps.get(name, {})
 
-    def finish(self, num_steps: int, header: dict[str, Any], sequences: torch.Tensor | None,
+    def finish(self, num_steps: int, header: GenerationHeader, sequences: torch.Tensor | None,
                error: BaseException | None, *, ring_waits: int) -> StoredGeneration:
         """The first `num_steps` steps, for a `Generation` (later steps are dropped)."""
         streams = {name: _Steps([self._steps[name][t] for t in range(num_steps)], self._chunks.get(name))
                    for name in self._names}
-        encodings = header.get("encodings") or {}
-        if encodings.get("scores") == SAME_AS_LOGITS:  # the very logits: the same tensors
+        if header.encodings.get("scores") == SAME_AS_LOGITS:  # the very logits: the same tensors
             streams = {key: value for name, steps in streams.items()
                        for key, value in ((name, steps), *((("scores", steps),) if name == "logits" else ()))}
-        header = dict(header, encodings=read_encodings(encodings))
         once = {name: self._chunks[name].own_storage(self._steps[name][0])
                 for name in self._once if 0 in self._steps.get(name, {})}
         self._steps = {}
         self._chunks = {}
-        fields = dict(
-            header,
+        return StoredGeneration(
+            header=header,
             num_steps=num_steps,
             complete=error is None,
             error=None if error is None else repr(error),
             sequences=sequences,
-            stats=TransferStats(waits=ring_waits, bytes_written=0, write_seconds=0.0),
+            transfer=TransferStats(waits=ring_waits, bytes_written=0, write_seconds=0.0),
+            source=MemorySource(streams, once),
         )
-        return StoredGeneration(fields, MemorySource(streams, once))
 
 
 class _Steps:

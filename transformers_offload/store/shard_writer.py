@@ -1,7 +1,5 @@
-"""The spill store: steps drained from the ring are packed into shards that a background thread writes.
-
-`Spill` owns one recording directory for one recorder: it creates the directory, keeps the manifest,
-and opens one `ShardStore` per `generate()` call. The store copies each drained step into a shard
+"""One `generate()` call's shards: steps drained from the ring are packed into shards that a background
+thread writes (`Spill`, in `spill`, opens one `ShardStore` per call). The store copies each drained step into a shard
 buffer (one contiguous `(steps, *shape)` tensor per stream) and, once every stream of every step of a
 shard is in, hands the buffer to its writer thread, which writes the shard under a temporary name,
 fsyncs it, renames it, and then replaces the manifest. So the manifest only ever names complete,
@@ -23,141 +21,34 @@ import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from safetensors.torch import save_file
 
-from .. import _compat, _heap, _interrupts
+from .. import _compat, _interrupts
+from ..codecs.dtypes import dtype_name
+from ..codecs.sparse import SPARSE_DTYPES, SPARSE_HEADER, sparse_dense
+from ..codecs.spec import RECORD_ENCODINGS, SAME_AS_LOGITS, is_packed
+from ..errors import SpillError
 from . import files as _files
-from . import format as _format
+from . import heap as _heap
+from . import layout as _layout
+from .header import GenerationHeader
 from .shard_buffer import ShardBuffer
 from .shard_reader import stored_generation
 from .stored import StoredGeneration, TransferStats
 
-DEFAULT_SHARD_BYTES = 64 * 2**20
+
+class SpillDirectory(Protocol):
+    """What a `ShardStore` uses of the `Spill` that opens it: the directory, its manifest (updated in
+    place, then written whole) and the target shard size in bytes."""
+
+    root: Path
+    manifest: dict[str, Any]
+    shard_bytes: int
+
 MAX_SHARD_BUFFERS = 3
-
-
-class SpillError(OSError):
-    """Writing the recording to `spill_dir` failed (a full disk, a removed directory...).
-
-    Every shard committed before the failure stays on disk and readable with `open_recording`.
-    """
-
-
-class Spill:
-    """One recorder's recording directory: the manifest and where each generation's shards go.
-
-    The directory is locked (`flock`) while the `Spill` is open, so two processes never write one
-    manifest; `close()` releases it.
-
-    Args:
-        root (`pathlib.Path`): the directory; created if missing, refused if it holds anything (unless
-            `append` and it holds a recording) but `record`'s claims (`format.WRITERS`).
-        shard_bytes (`int`): target size of one shard, in bytes (a shard holds at least one step).
-        model_info (`dict`): the manifest's `model` entry.
-        created_by (`dict`): the manifest's `created_by` entry (package versions).
-        append (`bool`): with a recording in `root`, add new generations after its own (never
-            touching them); a generation its writer left `"recording"` (the process stopped) is marked
-            `"failed"`, its committed steps kept.
-
-    Raises:
-        FileExistsError: `root` exists and is not an empty directory (nor, with `append`, a recording).
-        RecordingError: with `append`, the recording in `root` is damaged or of another format version.
-        ValueError: with `append`, the recording was made by another model (class, vocabulary, or the
-            checkpoint it was loaded from: `name_or_path`).
-        BlockingIOError: another process has the recording open for writing.
-        OSError: the directory or its manifest cannot be written.
-    """
-
-    def __init__(self, root: Path, *, shard_bytes: int, model_info: dict, created_by: dict,
-                 append: bool = False) -> None:
-        self.root = root
-        self.shard_bytes = shard_bytes
-        self._lock: int | None = None
-        if append and (root / _files.MANIFEST).is_file():
-            self._lock = _files.lock_directory(root)
-            try:
-                self.manifest = _reopen(root, model_info)
-            except BaseException:
-                self.close()
-                raise
-            return
-        if root.exists() and (not root.is_dir() or any(child.name != _format.WRITERS for child in root.iterdir())):
-            what = "is not a directory" if not root.is_dir() else "is not empty"
-            raise FileExistsError(
-                f"`spill_dir` {str(root)!r} {what}: a Recorder writes a new recording into a new or "
-                "empty directory. Pick another path (or remove that one)."
-            )
-        root.mkdir(parents=True, exist_ok=True)
-        self.manifest: dict[str, Any] = {
-            "format": _format.FORMAT,
-            "format_version": _format.FORMAT_VERSION,
-            "created_by": created_by,
-            "model": model_info,
-            "generations": [],
-            "files": {},  # every file's size and checksum, by name
-        }
-        try:  # claim the directory: of two recorders racing for it, one gets FileExistsError
-            _files.create_manifest(root, self.manifest)
-        except FileExistsError:
-            raise FileExistsError(
-                f"`spill_dir` {str(root)!r} already holds a recording (another Recorder got there "
-                "first). Pick another path."
-            ) from None
-        self._lock = _files.lock_directory(root)
-
-    @property
-    def next_index(self) -> int:
-        """The index the next generation gets (after those already in the directory)."""
-        return len(self.manifest["generations"])
-
-    def close(self) -> None:
-        """Release the directory's lock (the recording stays as written). Idempotent."""
-        if self._lock is not None:
-            _files.unlock_directory(self._lock)
-            self._lock = None
-
-    def open_store(self, names: list[str], header: dict[str, Any], max_steps: int = 2**31) -> ShardStore:
-        """Add a generation (status `"recording"`) to the manifest, durably, and return its store.
-
-        `max_steps` (the most steps the call can run) caps the shard buffers' size.
-
-        Raises:
-            SpillError: the manifest cannot be written (the directory was removed, the disk is full).
-        """
-        index = len(self.manifest["generations"])
-        entry = {
-            "index": index,
-            "status": "recording",
-            "error": None,
-            "mode": header["mode"],
-            "num_steps": 0,
-            "num_rows": 0,
-            "num_beams": header["num_beams"],
-            "prompt_length": header["prompt_length"],
-            "prompt_lengths": None if header["prompt_lengths"] is None else list(header["prompt_lengths"]),
-            "pad_token_id": header["pad_token_id"],
-            "eos_token_id": list(header["eos_token_id"]),
-            "generation_config": header["generation_config"],
-            "streams": {},
-            "shards": [],
-            "sequences": None,
-        }
-        if header.get("sample_ids") is not None:  # only when given: older recordings read the same
-            entry["sample_ids"] = list(header["sample_ids"])
-            entry["sample_metadata"] = None if header.get("sample_metadata") is None else list(header["sample_metadata"])
-        try:
-            _files.write_manifest(self.root, {**self.manifest, "generations": [*self.manifest["generations"], entry]})
-        except OSError as error:
-            raise SpillError(
-                error.errno or errno.EIO,
-                f"transformers-offload cannot write to `spill_dir` {str(self.root)!r} ({error}); nothing of "
-                "this generate() call was run. Check that the directory still exists and has space.",
-            ) from error
-        self.manifest["generations"].append(entry)
-        return ShardStore(self, entry, names, max_steps, encodings=header.get("encodings") or {})
 
 
 @dataclass
@@ -170,16 +61,16 @@ class _Counters:
 class ShardStore:
     """Packs one generation's drained steps into shards and writes them on a background thread."""
 
-    def __init__(self, spill: Spill, entry: dict[str, Any], names: list[str], max_steps: int, *,
+    def __init__(self, spill: SpillDirectory, entry: dict[str, Any], names: list[str], max_steps: int, *,
                  encodings: dict[str, str]) -> None:
         self._spill = spill
         self._max_steps = max_steps
         self._entry = entry
         self._names = list(names)
         self._encodings = dict(encodings)  # stream -> its encoding, where not dense
-        # Streams stored as one flat int32 record per step (sparse, native).
-        self._sparse = {name for name, encoding in self._encodings.items()
-                        if encoding in _format.RECORD_ENCODINGS or _format.is_packed(encoding)}
+        # Streams stored as one flat int32 record per step (sparse, native, packed top-k and sampled).
+        self._record_streams = {name for name, encoding in self._encodings.items()
+                                 if encoding in RECORD_ENCODINGS or is_packed(encoding)}
         self._ragged: set[str] = set()  # per-layer streams (attentions, hidden states)
         self._once: set[str] = set()  # the encoder's outputs, at step 0 only
         self._size_hints: dict[str, int] = {}  # ragged streams: elements per shard, estimated
@@ -235,7 +126,7 @@ class ShardStore:
             for name, tensor in tensors.items():
                 if name in self._ragged:
                     buffer.put_ragged(name, step, tensor, self._size_hints.get(name, 0))
-                elif name in self._sparse:
+                elif name in self._record_streams:
                     buffer.put_record(name, step, tensor)
                 else:
                     buffer.put(name, step, tensor)
@@ -262,7 +153,7 @@ class ShardStore:
         buffer = self._open.get(step // self._capacity) if self._capacity else None
         return buffer is not None and step in buffer.filled.get(name, ())
 
-    def finish(self, num_steps: int, header: dict[str, Any], sequences: torch.Tensor | None,
+    def finish(self, num_steps: int, header: GenerationHeader, sequences: torch.Tensor | None,
                error: BaseException | None, *, ring_waits: int) -> StoredGeneration:
         """Write what is left of the first `num_steps` steps, wait for the writer, close the manifest entry."""
         for index in sorted(self._open):
@@ -280,11 +171,11 @@ class ShardStore:
         problem = error if error is not None else self.failure
         entry["num_steps"] = min(entry["num_steps"], num_steps)
         if not entry["num_rows"]:
-            entry["num_rows"] = header["num_rows"]
-        if header.get("loop") is not None:  # only for a call that ran several loops: others read the same
-            entry["loop"] = header["loop"]
-        if header.get("nested_calls"):  # only for a loop that made generate() calls of its own
-            entry["nested_calls"] = header["nested_calls"]
+            entry["num_rows"] = header.num_rows
+        if header.loop is not None:  # only for a call that ran several loops: others read the same
+            entry["loop"] = header.loop
+        if header.nested_calls:  # only for a loop that made generate() calls of its own
+            entry["nested_calls"] = header.nested_calls
         while True:
             if problem is None and _interrupts.pending():
                 problem = KeyboardInterrupt()  # Ctrl-C held while the call ended: it raises next
@@ -299,9 +190,9 @@ class ShardStore:
                 break
             if problem is not None or not _interrupts.pending():
                 break  # else a Ctrl-C came during the write: the call fails, and says so
-        stats = TransferStats(waits=ring_waits + self.counters.waits, bytes_written=self.counters.bytes_written,
-                              write_seconds=self.counters.write_seconds)
-        return stored_generation(self._spill.root, dict(entry), stats=stats)
+        transfer = TransferStats(waits=ring_waits + self.counters.waits, bytes_written=self.counters.bytes_written,
+                                 write_seconds=self.counters.write_seconds)
+        return stored_generation(self._spill.root, dict(entry), transfer=transfer)
 
     def _steps_per_shard(self, tensors: dict[str, torch.Tensor]) -> int:
         """Steps per shard, from the first drained step (step 0): about `shard_bytes` a shard.
@@ -309,7 +200,7 @@ class ShardStore:
         A ragged stream's step 0 is the prefill; a later step holds one position, and self-attention
         one more key per step: it is counted at the size of the last step the call can run.
         """
-        rows = next((t.shape[0] for name, t in tensors.items() if name not in self._sparse and t.dim()), 1)
+        rows = next((t.shape[0] for name, t in tensors.items() if name not in self._record_streams and t.dim()), 1)
         sizes = {}
         for name in self._names:
             tensor = tensors.get(name)
@@ -317,18 +208,18 @@ class ShardStore:
                 sizes[name] = rows * 8
             elif name in self._ragged and tensor.dim() >= 2:
                 size = tensor.nbytes / max(1, tensor.shape[-2])
-                if _format.split_layer_stream(name)[0] in _format.GROWING_KINDS:
+                if _layout.split_layer_stream(name)[0] in _layout.GROWING_KINDS:
                     size *= (tensor.shape[-1] + self._max_steps) / max(1, tensor.shape[-1])
                 sizes[name] = size
-            elif name in self._sparse and _format.is_packed(self._encodings[name]):
+            elif name in self._record_streams and is_packed(self._encodings[name]):
                 # Top-k or sampled: a step's values narrower than the dense dtype (native) take at most
                 # twice as many bytes in a later step.
                 sizes[name] = 2 * tensor.nbytes
-            elif name in self._sparse:
+            elif name in self._record_streams:
                 # At most the dense step (plus its header): shards are sized for the worst case, so
                 # that three shard buffers stay bounded whatever the rows hold.
-                rows_of, vocab, code = tensor[: _format.SPARSE_HEADER].tolist()
-                sizes[name] = max(tensor.nbytes, rows_of * vocab * _format.SPARSE_DTYPES[code].itemsize)
+                rows_of, vocab, code = tensor[: SPARSE_HEADER].tolist()
+                sizes[name] = max(tensor.nbytes, rows_of * vocab * SPARSE_DTYPES[code].itemsize)
             else:
                 sizes[name] = tensor.nbytes
         capacity = int(max(1, min(self._max_steps, self._spill.shard_bytes // max(1, sum(sizes.values())))))
@@ -401,37 +292,37 @@ class ShardStore:
 
     def _write_shard(self, buffer: ShardBuffer, count: int) -> None:
         entry = self._entry
-        name = _format.shard_name(entry["index"], buffer.index)
+        name = _layout.shard_name(entry["index"], buffer.index)
         tensors = {stream: buffer.tensors[stream][:count] for stream in self._names
-                   if stream not in self._ragged and stream not in self._sparse}
+                   if stream not in self._ragged and stream not in self._record_streams}
         shapes = {}
         for stream in self._ragged:
             tensors[stream], shapes[stream] = buffer.ragged(stream, count)
-            tensors[_format.shapes_key(stream)] = shapes[stream]
-        for stream in self._sparse:
-            tensors[stream], tensors[_format.shapes_key(stream)] = buffer.records_of(stream, count)
+            tensors[_layout.shapes_key(stream)] = shapes[stream]
+        for stream in self._record_streams:
+            tensors[stream], tensors[_layout.shapes_key(stream)] = buffer.records_of(stream, count)
         started = time.perf_counter()
-        size = self._commit(name, tensors, _format.shard_metadata(entry["index"], buffer.first_step))
+        size = self._commit(name, tensors, _layout.shard_metadata(entry["index"], buffer.first_step))
         if not entry["streams"]:
             entry["num_rows"] = int(tensors["tokens"].shape[1])
             entry["streams"] = {
                 stream: {
-                    "dtype": _format.dtype_name(tensors[stream].dtype),
+                    "dtype": dtype_name(tensors[stream].dtype),
                     "shape": list(tensors[stream].shape[1:]),
                     "encoding": self._encodings.get(stream, "dense"),
                 }
                 for stream in self._names
                 if stream not in self._ragged
             }
-            for stream in self._sparse:  # one flat int32 record per step, and what it decodes to
-                header = buffer.records[stream][buffer.first_step][: _format.SPARSE_HEADER].tolist()
-                entry["streams"][stream].update(shape=[None], dense=_format.sparse_dense(header))
-            if self._encodings.get("scores") == _format.SAME_AS_LOGITS:  # no data of its own: the logits'
+            for stream in self._record_streams:  # one flat int32 record per step, and what it decodes to
+                header = buffer.records[stream][buffer.first_step][: SPARSE_HEADER].tolist()
+                entry["streams"][stream].update(shape=[None], dense=sparse_dense(header))
+            if self._encodings.get("scores") == SAME_AS_LOGITS:  # no data of its own: the logits'
                 entry["streams"] = _with_scores_as_logits(entry["streams"])
             for stream in sorted(self._ragged, key=self._names.index):
                 entry["streams"][stream] = {
-                    "dtype": _format.dtype_name(tensors[stream].dtype),
-                    "shape": _format.ragged_shape(stream, tuple(shapes[stream][0].tolist())),
+                    "dtype": dtype_name(tensors[stream].dtype),
+                    "shape": _layout.ragged_shape(stream, tuple(shapes[stream][0].tolist())),
                     "encoding": "ragged",
                 }
         entry["shards"].append({"file": name, "first_step": buffer.first_step, "num_steps": count})
@@ -442,14 +333,14 @@ class ShardStore:
 
     def _write_encoder(self, tensors: dict[str, torch.Tensor]) -> None:
         entry = self._entry
-        prompt_only = all(key in _format.PROMPT_STREAMS for key in tensors)
-        name = (_format.prompt_name if prompt_only else _format.encoder_name)(entry["index"])
+        prompt_only = all(key in _layout.PROMPT_STREAMS for key in tensors)
+        name = (_layout.prompt_name if prompt_only else _layout.encoder_name)(entry["index"])
         tensors = {key: tensor.contiguous() for key, tensor in tensors.items()}
-        self._commit(name, tensors, _format.shard_metadata(entry["index"], 0))
-        entry["encoder"] = {
+        self._commit(name, tensors, _layout.shard_metadata(entry["index"], 0))
+        entry["prompt" if prompt_only else "encoder"] = {
             "file": name,
             "streams": {
-                key: {"dtype": _format.dtype_name(tensor.dtype), "shape": list(tensor.shape), "encoding": "dense"}
+                key: {"dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape), "encoding": "dense"}
                 for key, tensor in sorted(tensors.items(), key=lambda item: _once_order(item[0]))
             },
         }
@@ -457,7 +348,7 @@ class ShardStore:
 
     def _write_sequences(self, sequences: torch.Tensor) -> None:
         entry = self._entry
-        name = _format.sequences_name(entry["index"])
+        name = _layout.sequences_name(entry["index"])
         self._commit(name, {"sequences": sequences.contiguous()}, None)
         entry["sequences"] = name
 
@@ -474,41 +365,12 @@ class ShardStore:
         return record["bytes"]
 
 
-
-def _reopen(root: Path, model_info: dict) -> dict[str, Any]:
-    """The manifest of the recording in `root`, to append to: checked, made by the same model, and with
-    every generation its writer left `"recording"` marked `"failed"` (durably)."""
-    from .manifest import read_manifest
-
-    manifest = read_manifest(root)
-    theirs = manifest["model"]
-    # The checkpoint too (`name_or_path`, the directory or Hub id it was loaded from): another model of
-    # the same architecture would otherwise be appended without a word.
-    for key in ("class", "config_class", "vocab_size", "name_or_path"):
-        if theirs.get(key) != model_info.get(key):
-            raise ValueError(
-                f"`spill_dir` {str(root)!r} holds a recording of another model ({key} {theirs.get(key)!r}, this one "
-                f"{model_info.get(key)!r}); append to a recording of the same model, or pick another directory."
-            )
-    stale = [entry for entry in manifest["generations"] if entry["status"] == "recording"]
-    for entry in stale:
-        entry["status"] = "failed"
-        entry["error"] = (
-            "the recording process stopped before this generation ended (killed): "
-            f"{entry['num_steps']} step(s) were committed"
-        )
-    manifest.setdefault("files", {})
-    if stale:
-        _files.write_manifest(root, manifest)
-    return manifest
-
-
 def _once_order(name: str) -> tuple:
     """Once-per-call streams in the manifest: encoder layers by output and layer, then the prompt's."""
-    split = _format.split_layer_stream(name)
+    split = _layout.split_layer_stream(name)
     if split is not None:
         return (0, split, 0)
-    return (1, ("", 0), _format.PROMPT_STREAMS.index(name))
+    return (1, ("", 0), _layout.PROMPT_STREAMS.index(name))
 
 
 def _with_scores_as_logits(streams: dict[str, Any]) -> dict[str, Any]:
@@ -517,5 +379,5 @@ def _with_scores_as_logits(streams: dict[str, Any]) -> dict[str, Any]:
     for name, stream in streams.items():
         found[name] = stream
         if name == "logits":
-            found["scores"] = dict(stream, encoding=_format.SAME_AS_LOGITS)
+            found["scores"] = dict(stream, encoding=SAME_AS_LOGITS)
     return found

@@ -1,4 +1,4 @@
-"""What a store hands back when a generation ends, as plain data: the `Generation`'s fields and the
+"""What a store hands back when a generation ends, as plain data: its header, how it ended, and the
 source its steps are read from. The stores never build a `Generation` themselves (`read.generation`
 does, from this), so imports run one way: `read` uses `store`, not the reverse.
 """
@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .._lazy import torch  # imported when first used: reading a manifest needs no torch (`inspect`, `verify`)
+from .header import GenerationHeader
 
 
 class StepSource(Protocol):
@@ -49,10 +50,18 @@ class StoredGeneration:
     """One generation as a store holds it.
 
     Attributes:
-        fields (`dict[str, Any]`): the `Generation`'s fields (index, mode, sizes, status, sequences,
-            generation config, transfer stats, layer selection).
+        header (`GenerationHeader`): what the call was.
+        num_steps (`int`): the steps recorded.
+        complete (`bool`), error (`str | None`): whether the call ended normally; else why not.
+        sequences: what `generate()` returned (a CPU tensor), None, or a function that reads it from disk.
+        transfer (`TransferStats | None`): how the recording process moved the data; None when read back.
         source (`StepSource`): where its per-step tensors are read from.
     """
 
-    fields: dict[str, Any]
+    header: GenerationHeader
+    num_steps: int
+    complete: bool
+    error: str | None
+    sequences: Any
+    transfer: TransferStats | None
     source: StepSource

@@ -1,0 +1,46 @@
+"""`compare`: two recordings of the same tokens, token by token (KL divergences, probability change, top-1
+agreement), summarised as llama.cpp's perplexity tool prints its KL-divergence statistics."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..errors import CompareError, RecordingError
+from . import options
+
+JSON_INDENT = 2
+ERRORS = {"compare": (((RecordingError,), 1), ((CompareError, ValueError, TypeError, LookupError, OSError), 2))}
+
+
+def add(commands: Any) -> None:
+    compare = commands.add_parser(
+        "compare", parents=[options.parent("json")],
+        help="compare two recordings of the same tokens: KL divergences, probability change, top-1 agreement",
+        description="Token by token, in float64: KL(A||B) and KL(B||A) in nats, the chosen token's probability "
+        "change, top-1 and top-k agreement, the largest logit difference and the chosen token's rank under B; "
+        "the summary as llama.cpp's perplexity tool prints its KL-divergence statistics (docs/compare.md). "
+        "Exit status: 0 compared; 1 a recording is missing or damaged; 2 the two do not line up, or a bad option.",
+        epilog="example:\n  python -m transformers_offload rescore runs/france --model ./smollm2 --out runs/france-bf16 "
+        "--dtype bfloat16\n  python -m transformers_offload compare runs/france runs/france-bf16 --html report.html",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    compare.add_argument("a", help="the reference recording directory")
+    compare.add_argument("b", help="the recording to compare with it (e.g. its rescore)")
+    compare.add_argument("--stream", choices=("logits", "scores"), default="logits")
+    compare.add_argument("--chunk-steps", type=int, default=16, help="steps read at once (16)")
+    compare.add_argument("--html", help="also write the compare page (one self-contained HTML file) here")
+    compare.add_argument("--tokenizer", help="a local tokenizer directory or the demo model's name (smollm2), to show "
+                         "each token's text on the page")
+
+
+def run(arguments: argparse.Namespace, command_line: str) -> tuple[Any, str]:
+    """Compare, write the page where asked: (the summary and per-sample results, the summary's text)."""
+    from ..answers.compare import compare
+
+    result = compare(arguments.a, arguments.b, stream=arguments.stream, chunk_steps=arguments.chunk_steps)
+    if arguments.html:
+        from ..answers.viewer import write_html
+
+        write_html(result, arguments.html, tokenizer=options.tokenizer(arguments.tokenizer))
+    return {**result.summary(), "samples": result.samples()}, result.summary_text()

