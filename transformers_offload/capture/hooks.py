@@ -260,7 +260,7 @@ class ModelHooks:
 
     def _on_base_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         capture = _active_capture(self._model_ref())
-        if capture is not None and capture.prompt_scoring is not None:
+        if capture is not None and capture.prompt is not None:
             capture.on_base_output(output)
 
     def _on_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
