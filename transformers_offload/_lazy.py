@@ -21,13 +21,17 @@ class LazyModule:
 
     def __init__(self, name: str) -> None:
         self._name = name
+        self._copied = False
 
     def __getattr__(self, attribute: str) -> Any:
-        # Called only for names not yet in this object's own dict: once the module is imported, its
-        # attributes are copied in, so later reads (per-step code in `codecs`) cost a plain lookup.
+        # Called only for names not in this object's own dict. The first read after the import copies the
+        # module's attributes in, once, so later reads (per-step code in `codecs`) cost a plain lookup; a
+        # name the module adds later (a lazily imported submodule) is read through the module.
         module = sys.modules.get(self._name) or importlib.import_module(self._name)
-        self.__dict__.update((name, value) for name, value in vars(module).items()
-                             if not name.startswith("__") and name != "_name")
+        if not self._copied:
+            self._copied = True
+            self.__dict__.update((name, value) for name, value in vars(module).items()
+                                 if not name.startswith("__") and name not in ("_name", "_copied"))
         return getattr(module, attribute)
 
     def __repr__(self) -> str:

@@ -389,7 +389,7 @@ class Capture:
         offset = torch.arange(batch, device=input_ids.device).unsqueeze(1) * self.num_beams
         # The ancestry of step t's rows is known at step t + 1: it is stored under step t.
         parents = (first + offset).reshape(rows)
-        if not self.is_group:  # group beam search is checked by its length only
+        if self.steps.check_paths:  # group beam search is checked by its length only
             self.seen_tokens.append(input_ids[:, -1])
             self.seen_parents.append(parents)
         self.ring.put(step - 1, "beam_parents", parents)
