@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
@@ -21,7 +22,7 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("ci", database=None, derandomize=True, deadline=None, print_blob=True)
 settings.register_profile("large", database=None, deadline=None, print_blob=True)
 
-from .helpers import FUZZ_SCALE, TINY_MODELS, make_tiny  # noqa: E402
+from .helpers import FUZZ_SCALE, TINY_MODELS, Store, make_tiny, record_with_reference  # noqa: E402
 
 settings.load_profile("large" if FUZZ_SCALE > 1 else "ci")
 
@@ -34,6 +35,20 @@ def tiny_model(request: pytest.FixtureRequest) -> torch.nn.Module:
 @pytest.fixture
 def gpt2() -> torch.nn.Module:
     return make_tiny("gpt2")
+
+
+@pytest.fixture(params=["memory", "spill"])
+def store(request: pytest.FixtureRequest, tmp_path) -> Store:
+    """The test runs once per store: its recording kept in memory, and spilled to `tmp_path / "run"`
+    and opened again from disk (`store.options()` for the Recorder, `store.reopen(rec)` to read)."""
+    return Store(request.param, tmp_path / "run")
+
+
+@pytest.fixture
+def recorded(store: Store):
+    """`recorded(model, recorder={...}, spill={...}, **generate_kwargs)`: the call recorded in each
+    store beside Hugging Face's reference for it (a `helpers.Recorded`)."""
+    return functools.partial(record_with_reference, store=store)
 
 
 @pytest.fixture(scope="session")

@@ -430,6 +430,58 @@ SEED = 1234
 SMALL_SHARD_BYTES = 16_000
 
 
+class Store:
+    """Where a test's recording goes: kept in memory, or spilled to `directory` and read back from disk.
+
+    The `store` fixture (conftest.py) runs a test once per kind. `options()` are the `Recorder`
+    keywords that choose the store; `reopen(rec)` is what a user reads after the call: the recorder
+    itself, or the spilled files opened with `open_recording`."""
+
+    def __init__(self, kind: str, directory: Path) -> None:
+        self.kind = kind
+        self.directory = directory
+
+    @property
+    def spill(self) -> bool:
+        return self.kind == "spill"
+
+    def options(self, directory: Path | None = None, **spill_options) -> dict:
+        """The Recorder keywords: none for memory; `spill_dir` (this directory, or `directory`) and
+        `spill_options` (such as `shard_bytes`) for spill."""
+        return {"spill_dir": directory or self.directory, **spill_options} if self.spill else {}
+
+    def reopen(self, rec, directory: Path | None = None, **open_options):
+        """`rec` for memory; for spill, the files opened again from disk (`open_options` such as `verify`)."""
+        return open_recording(directory or self.directory, **open_options) if self.spill else rec
+
+    def __repr__(self) -> str:
+        return self.kind
+
+
+@dataclass
+class Recorded:
+    """One call recorded beside Hugging Face's own outputs for it (the `recorded` fixture)."""
+
+    reference: Reference
+    sequences: torch.Tensor  # what the recorded call returned
+    recording: object  # the Recorder, or the spilled recording opened from disk
+
+
+def record_with_reference(model, store: Store | None = None, *, seed: int = SEED, recorder: dict | None = None,
+                          spill: dict | None = None, **generate_kwargs) -> Recorded:
+    """Run `generate(**generate_kwargs)` twice from the same seed: once for Hugging Face's reference,
+    once with a Recorder (`recorder` keywords, in `store` when given, `spill` its spill options); assert
+    the tokens are the same and return both."""
+    torch.manual_seed(seed)
+    reference = hf_reference(model, **generate_kwargs)
+    options = store.options(**(spill or {})) if store is not None else {}
+    with Recorder(model, **(recorder or {}), **options) as rec:
+        torch.manual_seed(seed)
+        sequences = model.generate(**generate_kwargs, logits_processor=[rec])
+    assert torch.equal(sequences, reference.sequences), "the recorder changed the generated tokens"
+    return Recorded(reference, sequences, store.reopen(rec) if store is not None else rec)
+
+
 def resolve_eos(model, batch, kwargs):
     """Pick EOS ids that make some rows finish early, from a plain run of the same call."""
     kwargs = dict(kwargs)

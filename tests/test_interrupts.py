@@ -81,11 +81,11 @@ def _slow_writer(monkeypatch) -> None:
     monkeypatch.setattr(_shard_store, "save_file", slow_save_file)
 
 
-def _hold_the_store(monkeypatch, store: str) -> threading.Event:
+def _hold_the_store(monkeypatch, kind: str) -> threading.Event:
     """Keep the store from taking anything (the writer's files, or the memory store's drains) until
     the returned event is set: generate() then has to wait for it, however fast this machine is."""
     release = threading.Event()
-    if store == "spill":
+    if kind == "spill":
         real_save = _shard_store.save_file
 
         def held_save_file(*args, **kwargs):
@@ -151,7 +151,7 @@ def _forward_interrupt(model, step: int):
     return model.register_forward_hook(hook)
 
 
-# (where, store, threaded): every wait point, both ring paths, and the user's code around them.
+# (where, kind of store, threaded): every wait point, both ring paths, and the user's code around them.
 CASES = [
     ("shard buffer", "spill", False),
     ("shard buffer", "spill", True),
@@ -172,17 +172,17 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("where, store, threaded", CASES, ids=[f"{w}-{s}-{'threaded' if t else 'inline'}" for w, s, t in CASES])
-def test_a_ctrl_c_anywhere_keeps_every_completed_step(gpt2, tmp_path, monkeypatch, where, store, threaded):
+@pytest.mark.parametrize("where, kind, threaded", CASES, ids=[f"{w}-{s}-{'threaded' if t else 'inline'}" for w, s, t in CASES])
+def test_a_ctrl_c_anywhere_keeps_every_completed_step(gpt2, tmp_path, monkeypatch, where, kind, threaded):
     batch = left_padded_batch()
     torch.manual_seed(0)
     reference = hf_reference(gpt2, **batch, max_new_tokens=STEPS, min_new_tokens=STEPS)
     if threaded:
         monkeypatch.setattr(recorder_module, "_on_cuda", lambda model: True)
-    spill = store == "spill"
+    spill = kind == "spill"
     release = None
     if where in ("shard buffer", "ring slot"):  # waits inside a step: the store is made to lag
-        release = _hold_the_store(monkeypatch, store)
+        release = _hold_the_store(monkeypatch, kind)
     elif spill:
         _slow_writer(monkeypatch)
     completed = Completed(interrupt_at=5 if where == "criterion" else None)

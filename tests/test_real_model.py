@@ -34,7 +34,6 @@ def chat_batch(real_model):
     return tokenizer(texts, return_tensors="pt", padding=True)
 
 
-@pytest.mark.parametrize("store", ["memory", "spill"])
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_real_model_recording_is_exact(real_model, chat_batch, mode, store, tmp_path):
     model, tokenizer = real_model
@@ -43,12 +42,11 @@ def test_real_model_recording_is_exact(real_model, chat_batch, mode, store, tmp_
     reference = model.generate(
         **chat_batch, return_dict_in_generate=True, output_scores=True, output_logits=True, **kwargs
     )
-    options = {"spill_dir": tmp_path / "run", "shard_bytes": 2**20} if store == "spill" else {}
+    options = store.options(shard_bytes=2**20)
     with Recorder(model, **options) as rec:
         torch.manual_seed(0)
         sequences = model.generate(**chat_batch, logits_processor=[rec], **kwargs)
-    if store == "spill":
-        rec = open_recording(tmp_path / "run")
+    rec = store.reopen(rec)
     assert torch.equal(sequences, reference.sequences)
     assert len(rec.logits()) >= 32
     assert_steps_equal(rec.logits(), reference.logits, "logits")
@@ -70,7 +68,6 @@ def eager_model(real_model):
     return demo_model.load(attn_implementation="eager")[0]
 
 
-@pytest.mark.parametrize("store", ["memory", "spill"])
 @pytest.mark.parametrize("mode", ["greedy", "beam_search"])
 def test_real_model_attentions_and_hidden_states_are_exact(eager_model, real_model, chat_batch, mode, store, tmp_path):
     _, tokenizer = real_model
@@ -79,12 +76,11 @@ def test_real_model_attentions_and_hidden_states_are_exact(eager_model, real_mod
     reference = eager_model.generate(
         **chat_batch, return_dict_in_generate=True, output_attentions=True, output_hidden_states=True, **kwargs
     )
-    options = {"spill_dir": tmp_path / "run"} if store == "spill" else {}
+    options = store.options()
     with Recorder(eager_model, streams=("attentions", "hidden_states"), **options) as rec:
         torch.manual_seed(0)
         sequences = eager_model.generate(**chat_batch, logits_processor=[rec], **kwargs)
-    if store == "spill":
-        rec = open_recording(tmp_path / "run")
+    rec = store.reopen(rec)
     assert torch.equal(sequences, reference.sequences)
     for kind in ("attentions", "hidden_states"):
         recorded, theirs = getattr(rec, kind)(), getattr(reference, kind)

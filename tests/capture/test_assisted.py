@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from transformers_offload import Recorder, UnsupportedModeError, open_recording
+from transformers_offload import Recorder, UnsupportedModeError
 from transformers_offload.capture import capture as _capture
 
 from ..helpers import (
@@ -43,7 +43,6 @@ class CountRawCalls:
         monkeypatch.setattr(_capture.Capture, "on_raw", on_raw)
 
 
-@pytest.mark.parametrize("store", ["memory", "spill"])
 @pytest.mark.parametrize("config", sorted(ASSISTED_CONFIGS))
 @pytest.mark.parametrize("source", ASSISTED_SOURCES)
 def test_assisted_recording_equals_hugging_face(source, config, store, tmp_path, monkeypatch):
@@ -58,12 +57,11 @@ def test_assisted_recording_equals_hugging_face(source, config, store, tmp_path,
     reference = model.generate(**ASSISTED_PROMPT, **common, return_dict_in_generate=True, output_scores=True, **output_logits)
 
     calls = CountRawCalls(monkeypatch)
-    options = {"spill_dir": tmp_path / "run", "shard_bytes": 1_500} if store == "spill" else {}
+    options = store.options(shard_bytes=1_500)
     with Recorder(model, **options) as rec:
         torch.manual_seed(SEED)
         sequences = model.generate(**ASSISTED_PROMPT, logits_processor=[rec], **common)
-    if store == "spill":
-        rec = open_recording(tmp_path / "run")
+    rec = store.reopen(rec)
 
     prompt = ASSISTED_PROMPT["input_ids"].shape[1]
     assert torch.equal(sequences, reference.sequences)

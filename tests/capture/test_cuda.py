@@ -30,7 +30,6 @@ def test_ring_uses_pinned_slots_and_waits_only_on_reuse(threaded):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("store", ["memory", "spill"])
 @pytest.mark.parametrize("kwargs", [dict(), dict(do_sample=True, top_k=20), dict(num_beams=3)])
 def test_recording_on_cuda_equals_hugging_face(kwargs, store, dtype, tmp_path):
     model = make_tiny("llama").to("cuda", dtype)
@@ -39,12 +38,11 @@ def test_recording_on_cuda_equals_hugging_face(kwargs, store, dtype, tmp_path):
     reference = model.generate(
         **batch, max_new_tokens=16, return_dict_in_generate=True, output_scores=True, output_logits=True, **kwargs
     )
-    options = {"spill_dir": tmp_path / "run", "shard_bytes": 20_000} if store == "spill" else {}
+    options = store.options(shard_bytes=20_000)
     with Recorder(model, **options) as rec:
         torch.manual_seed(0)
         sequences = model.generate(**batch, logits_processor=[rec], max_new_tokens=16, **kwargs)
-    if store == "spill":
-        rec = open_recording(tmp_path / "run")
+    rec = store.reopen(rec)
     assert torch.equal(sequences, reference.sequences)
     assert_steps_equal(rec.logits(), reference.logits, "logits")
     assert_steps_equal(rec.scores(), reference.scores, "scores")
@@ -62,16 +60,15 @@ FLAT_OPTIONS = {
 }
 
 
-@pytest.mark.parametrize("recorded", sorted(FLAT_OPTIONS))
-@pytest.mark.parametrize("store", ["memory", "spill"])
+@pytest.mark.parametrize("flat", sorted(FLAT_OPTIONS))
 @pytest.mark.parametrize("kwargs", [dict(), dict(do_sample=True, top_k=20), dict(num_beams=3)])
-def test_device_memory_does_not_grow_with_steps(kwargs, store, recorded, tmp_path):
-    dtype, recorder_options = FLAT_OPTIONS[recorded]
+def test_device_memory_does_not_grow_with_steps(kwargs, store, flat, tmp_path):
+    dtype, recorder_options = FLAT_OPTIONS[flat]
     model = make_tiny("llama").to("cuda", dtype)
     batch = {k: v.to("cuda") for k, v in left_padded_batch().items()}
     peaks = []
     for steps in (16, 96):
-        options = {"spill_dir": tmp_path / str(steps)} if store == "spill" else {}
+        options = store.options(tmp_path / str(steps))
         with Recorder(model, **options, **recorder_options) as rec:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -122,7 +119,6 @@ def test_sync_debug_mode_catches_a_synchronising_call():
         _strict(lambda: torch.ones(1, device="cuda").item())()
 
 
-@pytest.mark.parametrize("store", ["memory", "spill"])
 @pytest.mark.parametrize("encodings", [None, {"logits": "topk:5", "scores": "topk:5:q4"}, {"logits": "sample:8@0.7"}])
 @pytest.mark.parametrize("kwargs", [dict(), dict(do_sample=True, top_k=20), dict(num_beams=3)])
 def test_the_recorder_makes_no_synchronising_call_in_the_step_path(kwargs, store, encodings, tmp_path, monkeypatch):
@@ -132,7 +128,7 @@ def test_the_recorder_makes_no_synchronising_call_in_the_step_path(kwargs, store
     monkeypatch.setattr(_transfer.HostRing, "put", _strict(_transfer.HostRing.put))
     model = make_tiny("llama").to("cuda")
     batch = {k: v.to("cuda") for k, v in left_padded_batch().items()}
-    options = {"spill_dir": tmp_path / "run", "shard_bytes": 20_000} if store == "spill" else {}
+    options = store.options(shard_bytes=20_000)
     with Recorder(model, encodings=encodings, **options) as rec:
         model.generate(**batch, logits_processor=[rec], max_new_tokens=24, min_new_tokens=24, **kwargs)
     assert rec.generation().num_steps == 24
@@ -174,7 +170,6 @@ LAYER_OPTIONS = {
 
 @pytest.mark.parametrize("options", sorted(LAYER_OPTIONS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("store", ["memory", "spill"])
 @pytest.mark.parametrize("kwargs", [dict(), dict(num_beams=3)])
 def test_attentions_and_hidden_states_on_cuda_equal_hugging_face(kwargs, store, dtype, options, tmp_path):
     model = make_tiny("llama", attn_implementation="eager").to("cuda", dtype)
@@ -182,13 +177,12 @@ def test_attentions_and_hidden_states_on_cuda_equal_hugging_face(kwargs, store, 
     torch.manual_seed(0)
     reference = model.generate(**batch, max_new_tokens=12, return_dict_in_generate=True, output_attentions=True,
                                output_hidden_states=True, **kwargs)
-    spill = {"spill_dir": tmp_path / "run", "shard_bytes": 20_000} if store == "spill" else {}
+    spill = store.options(shard_bytes=20_000)
     selection = LAYER_OPTIONS[options]
     with Recorder(model, streams=("scores", "attentions", "hidden_states"), **spill, **selection) as rec:
         torch.manual_seed(0)
         sequences = model.generate(**batch, logits_processor=[rec], max_new_tokens=12, **kwargs)
-    if store == "spill":
-        rec = open_recording(tmp_path / "run")
+    rec = store.reopen(rec)
     assert torch.equal(sequences, reference.sequences)
     layers = [1] if selection else [0, 1]
     heads = [1, 3] if selection else slice(None)
@@ -204,7 +198,6 @@ def test_attentions_and_hidden_states_on_cuda_equal_hugging_face(kwargs, store, 
                 assert torch.equal(got, expected.cpu()), f"{kind}[{step}][{entry}]"
 
 
-@pytest.mark.parametrize("store", ["memory", "spill"])
 @pytest.mark.parametrize("options", sorted(LAYER_OPTIONS))
 def test_recording_attentions_makes_no_synchronising_call_in_the_step_path(options, store, tmp_path, monkeypatch):
     for name in ("on_forward", "on_raw", "on_processed", "on_stopping", "_on_layer"):  # _on_layer: module hooks
@@ -212,13 +205,12 @@ def test_recording_attentions_makes_no_synchronising_call_in_the_step_path(optio
     monkeypatch.setattr(_transfer.HostRing, "put", _strict(_transfer.HostRing.put))
     model = make_tiny("llama", attn_implementation="eager").to("cuda")
     batch = {k: v.to("cuda") for k, v in left_padded_batch().items()}
-    spill = {"spill_dir": tmp_path / "run", "shard_bytes": 20_000} if store == "spill" else {}
+    spill = store.options(shard_bytes=20_000)
     with Recorder(model, streams=("attentions", "hidden_states"), **spill, **LAYER_OPTIONS[options]) as rec:
         model.generate(**batch, logits_processor=[rec], max_new_tokens=24, min_new_tokens=24, num_beams=2)
     assert rec.generation().num_steps == 24 and rec.generation().complete
 
 
-@pytest.mark.parametrize("store", ["memory", "spill"])
 def test_device_memory_does_not_grow_with_steps_when_recording_attentions(store, tmp_path):
     """Eager attention's own working memory grows with the keys, with or without the recorder: the
     recorder may add its ring's staging buffers, nothing per step."""
@@ -228,7 +220,7 @@ def test_device_memory_does_not_grow_with_steps_when_recording_attentions(store,
     for recorded in (False, True):
         peaks = []
         for steps in (16, 96):
-            spill = {"spill_dir": tmp_path / f"{recorded}-{steps}"} if store == "spill" else {}
+            spill = store.options(tmp_path / f"{recorded}-{steps}")
             rec = Recorder(model, streams=("attentions", "hidden_states"), **spill)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -275,7 +267,6 @@ def test_one_selected_layer_over_a_long_prompt_costs_the_device_at_most_twice_it
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("store", ["memory", "spill"])
 @pytest.mark.parametrize("kwargs", [dict(), dict(do_sample=True, top_k=20), dict(num_beams=3)])
 def test_stats_on_cuda_equal_their_expressions_on_the_device(kwargs, store, dtype, tmp_path):
     from ..helpers import assert_stats_equal
@@ -286,12 +277,11 @@ def test_stats_on_cuda_equal_their_expressions_on_the_device(kwargs, store, dtyp
     reference = model.generate(
         **batch, max_new_tokens=16, return_dict_in_generate=True, output_scores=True, output_logits=True, **kwargs
     )
-    options = {"spill_dir": tmp_path / "run", "shard_bytes": 20_000} if store == "spill" else {}
+    options = store.options(shard_bytes=20_000)
     with Recorder(model, streams=("stats",), **options) as rec:
         torch.manual_seed(0)
         sequences = model.generate(**batch, logits_processor=[rec], max_new_tokens=16, **kwargs)
-    if store == "spill":
-        rec = open_recording(tmp_path / "run")
+    rec = store.reopen(rec)
     assert torch.equal(sequences, reference.sequences)
     generation = rec.generation()
     prompt = batch["input_ids"].shape[1]
@@ -303,7 +293,6 @@ def test_stats_on_cuda_equal_their_expressions_on_the_device(kwargs, store, dtyp
     assert_stats_equal(rec.stats(), reference, tokens, parents)
 
 
-@pytest.mark.parametrize("store", ["memory", "spill"])
 @pytest.mark.parametrize("kwargs", [dict(), dict(do_sample=True, top_k=20), dict(num_beams=3)])
 def test_recording_stats_makes_no_synchronising_call_in_the_step_path(kwargs, store, tmp_path, monkeypatch):
     for name in ("on_forward", "on_raw", "on_processed", "on_stopping"):
@@ -311,7 +300,7 @@ def test_recording_stats_makes_no_synchronising_call_in_the_step_path(kwargs, st
     monkeypatch.setattr(_transfer.HostRing, "put", _strict(_transfer.HostRing.put))
     model = make_tiny("llama").to("cuda")
     batch = {k: v.to("cuda") for k, v in left_padded_batch().items()}
-    options = {"spill_dir": tmp_path / "run", "shard_bytes": 20_000} if store == "spill" else {}
+    options = store.options(shard_bytes=20_000)
     with Recorder(model, streams=("logits", "stats"), **options) as rec:
         model.generate(**batch, logits_processor=[rec], max_new_tokens=24, min_new_tokens=24, **kwargs)
     assert rec.generation().num_steps == 24
@@ -320,7 +309,6 @@ def test_recording_stats_makes_no_synchronising_call_in_the_step_path(kwargs, st
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("store", ["memory", "spill"])
 @pytest.mark.parametrize("kwargs", [dict(), dict(do_sample=True, top_k=20), dict(num_beams=3)])
 def test_topk_on_cuda_equals_its_expressions_on_the_device(kwargs, store, dtype, tmp_path):
     from ..helpers import assert_topk_equal
@@ -331,12 +319,11 @@ def test_topk_on_cuda_equals_its_expressions_on_the_device(kwargs, store, dtype,
     reference = model.generate(
         **batch, max_new_tokens=16, return_dict_in_generate=True, output_scores=True, output_logits=True, **kwargs
     )
-    options = {"spill_dir": tmp_path / "run", "shard_bytes": 20_000} if store == "spill" else {}
+    options = store.options(shard_bytes=20_000)
     with Recorder(model, encodings={"logits": "topk:5", "scores": "topk:7"}, **options) as rec:
         torch.manual_seed(0)
         sequences = model.generate(**batch, logits_processor=[rec], max_new_tokens=16, **kwargs)
-    if store == "spill":
-        rec = open_recording(tmp_path / "run")
+    rec = store.reopen(rec)
     assert torch.equal(sequences, reference.sequences)
     # The expressions run on the GPU, on Hugging Face's own out.logits / out.scores there.
     assert_topk_equal(rec.topk("logits"), reference.logits, 5)
@@ -345,7 +332,6 @@ def test_topk_on_cuda_equals_its_expressions_on_the_device(kwargs, store, dtype,
 
 @pytest.mark.parametrize("capacity", [256, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("store", ["memory", "spill"])
 @pytest.mark.parametrize("kwargs", [dict(), dict(do_sample=True, top_k=20), dict(do_sample=True, top_p=0.5),
                                     dict(num_beams=3)])
 def test_sparse_on_cuda_equals_hugging_face(kwargs, store, dtype, capacity, tmp_path, monkeypatch):
@@ -360,12 +346,11 @@ def test_sparse_on_cuda_equals_hugging_face(kwargs, store, dtype, capacity, tmp_
     reference = model.generate(
         **batch, max_new_tokens=16, return_dict_in_generate=True, output_scores=True, output_logits=True, **kwargs
     )
-    options = {"spill_dir": tmp_path / "run", "shard_bytes": 20_000} if store == "spill" else {}
+    options = store.options(shard_bytes=20_000)
     with Recorder(model, encodings={"logits": "sparse", "scores": "sparse"}, **options) as rec:
         torch.manual_seed(0)
         sequences = model.generate(**batch, logits_processor=[rec], max_new_tokens=16, **kwargs)
-    if store == "spill":
-        rec = open_recording(tmp_path / "run")
+    rec = store.reopen(rec)
     assert torch.equal(sequences, reference.sequences)
     assert_steps_equal(rec.logits(), reference.logits, "logits")
     assert_steps_equal(rec.scores(), reference.scores, "scores")
@@ -408,7 +393,6 @@ def test_prompt_logprobs_on_cuda_make_no_synchronising_call_and_equal_a_plain_fo
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("store", ["memory", "spill"])
 @pytest.mark.parametrize("kwargs", [dict(), dict(do_sample=True, top_k=20), dict(do_sample=True, temperature=0.7),
                                     dict(num_beams=3)])
 def test_native_on_cuda_equals_hugging_face(kwargs, store, dtype, tmp_path):
@@ -420,12 +404,11 @@ def test_native_on_cuda_equals_hugging_face(kwargs, store, dtype, tmp_path):
     reference = model.generate(
         **batch, max_new_tokens=16, return_dict_in_generate=True, output_scores=True, output_logits=True, **kwargs
     )
-    options = {"spill_dir": tmp_path / "run", "shard_bytes": 20_000} if store == "spill" else {}
+    options = store.options(shard_bytes=20_000)
     with Recorder(model, encodings={"logits": "native", "scores": "native"}, **options) as rec:
         torch.manual_seed(0)
         sequences = model.generate(**batch, logits_processor=[rec], max_new_tokens=16, **kwargs)
-    if store == "spill":
-        rec = open_recording(tmp_path / "run")
+    rec = store.reopen(rec)
     assert torch.equal(sequences, reference.sequences)
     assert_steps_equal(rec.logits(), reference.logits, "logits")
     assert_steps_equal(rec.scores(), reference.scores, "scores")

@@ -13,7 +13,7 @@ from transformers import (
     OPTConfig,
 )
 
-from transformers_offload import Recorder, open_recording
+from transformers_offload import Recorder
 from transformers_offload.capture.hooks import is_hooked
 
 from ..helpers import HF_LOGITS_EXACT, assert_steps_equal
@@ -43,19 +43,18 @@ def _inputs() -> dict:
     }
 
 
-@pytest.mark.parametrize("spill", [False, True], ids=["memory", "spill"])
 @pytest.mark.parametrize("options", [{}, {"do_sample": True}, {"num_beams": 2}], ids=["greedy", "sample", "beam"])
-def test_blip2_is_recorded_as_its_language_models_call(tmp_path, spill, options):
+def test_blip2_is_recorded_as_its_language_models_call(store, options):
     model = blip2()
     torch.manual_seed(0)
     reference = model.generate(**_inputs(), max_new_tokens=5, return_dict_in_generate=True, output_scores=True,
                                **({"output_logits": True} if HF_LOGITS_EXACT else {}), **options)
-    with Recorder(model, spill_dir=tmp_path / "rec" if spill else None) as rec:
+    with Recorder(model, **store.options()) as rec:
         rec.set_samples(["cat", "dog"])
         torch.manual_seed(0)
         out = model.generate(**_inputs(), max_new_tokens=5, logits_processor=[rec], **options)
         assert not is_hooked(model.language_model)  # attached for the call only
-    run = open_recording(tmp_path / "rec") if spill else rec
+    run = store.reopen(rec)
     (generation,) = run.generations
     assert generation.complete, generation.error
     assert generation.sample_ids == ("cat", "dog")

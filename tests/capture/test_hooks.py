@@ -152,10 +152,9 @@ class _SeeStepInRing(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
 
-@pytest.mark.parametrize("store", ["memory", "spill"])
 def test_each_step_is_copied_within_the_step_and_the_ring_stays_bounded(gpt2, store, tmp_path):
     batch = left_padded_batch()
-    with Recorder(gpt2, ring_slots=3, **({"spill_dir": tmp_path / "run"} if store == "spill" else {})) as rec:
+    with Recorder(gpt2, ring_slots=3, **(store.options())) as rec:
         probe = _SeeStepInRing(rec)
         gpt2.generate(
             **batch, logits_processor=[rec], stopping_criteria=StoppingCriteriaList([probe]),

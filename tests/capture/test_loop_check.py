@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
-from transformers_offload import Recorder, RecordingMismatchWarning, open_recording
+from transformers_offload import Recorder, RecordingMismatchWarning
 from transformers_offload.capture.loop_check import StepLog, check_beams, check_loop
 
 from ..helpers import assert_steps_equal, hf_reference, left_padded_batch, make_tiny
@@ -68,18 +68,13 @@ def _generate(model, rec, **options):
                           pad_token_id=0, **options)
 
 
-def _open(rec, spill):
-    return open_recording(rec.spill_dir) if spill else rec
-
-
-@pytest.mark.parametrize("spill", [False, True], ids=["memory", "spill"])
-def test_a_loop_run_twice_gives_two_generations_the_first_marked_superseded(tmp_path, spill):
+def test_a_loop_run_twice_gives_two_generations_the_first_marked_superseded(store):
     model = _as(TwiceThenSecond)
-    with Recorder(model, spill_dir=tmp_path / "rec" if spill else None) as rec:
+    with Recorder(model, **store.options()) as rec:
         rec.set_samples(["a", "b", "c"])
         with pytest.warns(RecordingMismatchWarning, match="another decoding loop"):
             out = _generate(model, rec)
-    run = _open(rec, spill)
+    run = store.reopen(rec)
     first, second = run.generations
     assert first.sample_ids == second.sample_ids == ("a", "b", "c")  # both loops ran over the call's prompts
     assert not first.complete and "RecordingMismatch" in first.error and "another decoding loop" in first.error
@@ -96,28 +91,26 @@ def test_a_loop_run_twice_gives_two_generations_the_first_marked_superseded(tmp_
     assert_steps_equal(run.scores(1), reference.scores, "scores")
 
 
-@pytest.mark.parametrize("spill", [False, True], ids=["memory", "spill"])
-def test_a_call_returning_an_earlier_loop_marks_the_last_one_incomplete(tmp_path, spill):
+def test_a_call_returning_an_earlier_loop_marks_the_last_one_incomplete(store):
     model = _as(TwiceThenFirst)
-    with Recorder(model, spill_dir=tmp_path / "rec" if spill else None) as rec:
+    with Recorder(model, **store.options()) as rec:
         with pytest.warns(RecordingMismatchWarning) as caught:
             _generate(model, rec)
     messages = [str(w.message) for w in caught]
     assert any("another decoding loop" in m for m in messages)
     assert any("differ from the recorded tokens" in m for m in messages)
-    run = _open(rec, spill)
+    run = store.reopen(rec)
     assert [g.complete for g in run.generations] == [False, False]
     assert "differ from the recorded tokens first at row" in run.generations[1].error
     assert run.generations[1].sequences is None
 
 
-@pytest.mark.parametrize("spill", [False, True], ids=["memory", "spill"])
-def test_returned_sequences_of_another_shape_mark_it_incomplete(tmp_path, spill):
+def test_returned_sequences_of_another_shape_mark_it_incomplete(store):
     model = _as(DropsLastToken)
-    with Recorder(model, spill_dir=tmp_path / "rec" if spill else None) as rec:
+    with Recorder(model, **store.options()) as rec:
         with pytest.warns(RecordingMismatchWarning, match="not the same rows and steps"):
             _generate(model, rec)
-    generation = _open(rec, spill).generation()
+    generation = store.reopen(rec).generation()
     assert not generation.complete and generation.num_steps == 5
 
 

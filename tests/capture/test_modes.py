@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from transformers_offload import Recorder, UnsupportedModeError, _compat, open_recording
+from transformers_offload import Recorder, UnsupportedModeError, _compat
 
 from ..helpers import (
     ENCODER_DECODERS,
@@ -82,16 +82,15 @@ def test_low_memory_beam_search(tiny_model, mode, record_property):
     _check(tiny_model, left_padded_batch(), max_new_tokens=6, low_memory=True, **kwargs)
 
 
-@pytest.mark.parametrize("reader", ["memory", "spill"])
 @pytest.mark.parametrize("case", sorted(IN_LIBRARY))
-def test_contrastive_search_and_dola(case, reader, tmp_path, record_property):
+def test_contrastive_search_and_dola(case, store, tmp_path, record_property):
     kwargs = IN_LIBRARY[case]
     mode = "dola_generation" if "dola_layers" in kwargs else "contrastive_search"
     if missing_options(kwargs):
         pytest.skip(f"transformers {TRANSFORMERS} has no {missing_options(kwargs)}")
     model = make_tiny("llama")
     batch = left_padded_batch()
-    options = {"spill_dir": tmp_path / "run", "shard_bytes": 3_000} if reader == "spill" else {}
+    options = store.options(shard_bytes=3_000)
     if mode not in _compat.SUPPORTED_MODES:
         record_property("outcome", "refused")  # for the support table (docs/support.md)
         with Recorder(model, **options) as rec:
@@ -104,8 +103,7 @@ def test_contrastive_search_and_dola(case, reader, tmp_path, record_property):
     reference = model.generate(**batch, **common, return_dict_in_generate=True, output_scores=True, **output_logits)
     with Recorder(model, **options) as rec:
         sequences = model.generate(**batch, logits_processor=[rec], **common)
-    if reader == "spill":
-        rec = open_recording(tmp_path / "run")
+    rec = store.reopen(rec)
     assert torch.equal(sequences, reference.sequences)
     assert rec.generation().mode == mode
     assert_steps_equal(rec.scores(), reference.scores, "scores")
@@ -167,9 +165,8 @@ def _assert_rows_hold_the_sequences(indices, sequences, prompt, tokens, parents)
                 assert hypotheses[step][row] == tuple(sequences[sequence, prompt : prompt + step].tolist())
 
 
-@pytest.mark.parametrize("reader", ["memory", "spill"])
 @pytest.mark.parametrize("case", sorted(GROUP_BEAM))
-def test_group_beam_search(case, reader, tiny_model, tmp_path, record_property):
+def test_group_beam_search(case, store, tiny_model, tmp_path, record_property):
     """Run inside the library up to 4.56: the processors run once per group of beams, on its rows."""
     kwargs = dict(GROUP_BEAM[case], max_new_tokens=8)
     batch = left_padded_batch()
@@ -182,12 +179,11 @@ def test_group_beam_search(case, reader, tiny_model, tmp_path, record_property):
         return
     torch.manual_seed(0)
     reference = hf_reference(tiny_model, **batch, **kwargs)
-    options = {"spill_dir": tmp_path / "run", "shard_bytes": 4_000} if reader == "spill" else {}
+    options = store.options(shard_bytes=4_000)
     with Recorder(tiny_model, **options) as rec:
         torch.manual_seed(0)
         sequences = tiny_model.generate(**batch, logits_processor=[rec], **kwargs)
-    if reader == "spill":
-        rec = open_recording(tmp_path / "run")
+    rec = store.reopen(rec)
     assert rec.generation().mode == "group_beam_search"
     assert torch.equal(sequences, reference.sequences)
     assert_steps_equal(rec.logits(), reference.logits, "logits")

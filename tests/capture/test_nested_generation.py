@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from transformers_offload import Recorder, UnsupportedModeError, open_recording
+from transformers_offload import Recorder, UnsupportedModeError
 
-from ..helpers import EOS, PAD, VOCAB, assert_steps_equal, hf_reference, left_padded_batch
+from ..helpers import EOS, PAD, VOCAB, assert_steps_equal, left_padded_batch
 
 NEW_TOKENS = 4
 
@@ -62,17 +62,12 @@ def _outer() -> PerStepInner:
     return model
 
 
-@pytest.mark.parametrize("store", ["memory", "spill"])
 @pytest.mark.parametrize("hand_down", [False, True])
-def test_the_outer_loop_is_recorded_exactly_and_each_inner_call_is_counted(tmp_path, store, hand_down):
+def test_the_outer_loop_is_recorded_exactly_and_each_inner_call_is_counted(recorded, hand_down):
     model = _outer()
     model.hand_down = hand_down
-    kwargs = {**left_padded_batch(), "max_new_tokens": NEW_TOKENS, "do_sample": False}
-    reference = hf_reference(model, **kwargs)
-    spill = {"spill_dir": tmp_path / "run"} if store == "spill" else {}
-    with Recorder(model, **spill) as rec:
-        out = model.generate(**kwargs, logits_processor=[rec])
-    recording = open_recording(tmp_path / "run") if store == "spill" else rec
+    call = recorded(model, **left_padded_batch(), max_new_tokens=NEW_TOKENS, do_sample=False)
+    reference, recording, out = call.reference, call.recording, call.sequences
     generation = recording.generation(0)
     assert len(recording.generations) == 1 and generation.complete, generation.error
     assert torch.equal(out, reference.sequences) and torch.equal(generation.sequences, out)

@@ -45,17 +45,16 @@ def _reference(model, batch):
     return found
 
 
-@pytest.mark.parametrize("store", ["memory", "spill"])
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_prompt_logprobs_equal_a_plain_forward_of_each_prompt(name, mode, store, tmp_path):
     model = make_tiny(name)
     batch = left_padded_batch()
-    options = {"spill_dir": tmp_path / "run"} if store == "spill" else {}
+    options = store.options()
     with Recorder(model, prompt_logprobs=4, prompt_chunk=3, **options) as rec:
         torch.manual_seed(0)
         model.generate(**batch, logits_processor=[rec], max_new_tokens=3, pad_token_id=0, **MODES[mode])
-    run = open_recording(tmp_path / "run") if store == "spill" else rec
+    run = store.reopen(rec)
     found = run.generation().prompt_tensors()
     width = batch["input_ids"].shape[1]
     assert {k: tuple(v.shape) for k, v in found.items()} == {

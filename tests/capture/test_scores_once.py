@@ -30,7 +30,6 @@ def _streams(root):
     return json.loads((root / "manifest.json").read_text())["generations"][-1]["streams"]
 
 
-@pytest.mark.parametrize("store", ["memory", "spill"])
 @pytest.mark.parametrize("call", sorted(CALLS))
 def test_scores_equal_to_the_logits_are_stored_once(call, store, tmp_path):
     model = make_tiny("gpt2")
@@ -39,15 +38,15 @@ def test_scores_equal_to_the_logits_are_stored_once(call, store, tmp_path):
     torch.manual_seed(0)
     reference = model.generate(**left_padded_batch(), max_new_tokens=4, min_length=0, return_dict_in_generate=True,
                                output_scores=True, pad_token_id=0, **kwargs)
-    options = {"spill_dir": tmp_path / "run"} if store == "spill" else {}
+    options = store.options()
     with Recorder(model, **options) as rec:
         torch.manual_seed(0)
         model.generate(**left_padded_batch(), max_new_tokens=4, min_length=0, logits_processor=[rec], pad_token_id=0, **kwargs)
-    run = open_recording(tmp_path / "run", verify=True) if store == "spill" else rec
+    run = store.reopen(rec, verify=True)
     assert_steps_equal(run.scores(), reference.scores, "scores")
     assert "scores" in run.generation().streams
     assert run.generation().encodings == ({"scores": "sparse"} if encoding == "sparse" else {})
-    if store == "spill":
+    if store.spill:
         assert _streams(tmp_path / "run")["scores"]["encoding"] == encoding
         described = run.describe()["generations"][0]["streams"]["scores"]
         assert (described["bytes"] == 0) == once

@@ -83,21 +83,19 @@ def test_no_stats_recorded_says_how_to_get_them(gpt2):
 
 
 @pytest.mark.filterwarnings("ignore:`num_hidden_layers` is deprecated:FutureWarning")
-@pytest.mark.parametrize("reader", ["memory", "spill"])
 @pytest.mark.parametrize("case", sorted(OTHER_MODES))
-def test_stats_in_every_other_mode(case, reader, tmp_path):
+def test_stats_in_every_other_mode(case, store, tmp_path):
     from transformers_offload import UnsupportedModeError
 
     model, batch, kwargs = other_mode(case)
-    options = {"spill_dir": tmp_path / "run", "shard_bytes": 3_000} if reader == "spill" else {}
+    options = store.options(shard_bytes=3_000)
     with Recorder(model, streams=("logits", "scores", "stats"), **options) as rec:
         torch.manual_seed(0)
         try:
             model.generate(**batch, logits_processor=[rec], **kwargs)
         except UnsupportedModeError:
             pytest.skip(f"transformers {TRANSFORMERS} does not run {case} in the library")
-    if reader == "spill":
-        rec = open_recording(tmp_path / "run")
+    rec = store.reopen(rec)
     generation = rec.generation()
     assert generation.complete and generation.num_steps > 0
     parents = generation.beam_parents() if generation.is_beam else None

@@ -127,26 +127,16 @@ def test_a_failure_in_the_last_steps_is_raised_by_flush(threaded):
     assert store.order == [0, 1]
 
 
-@pytest.mark.parametrize("store", ["memory", "spill"])
 @pytest.mark.parametrize("kwargs", [dict(), dict(do_sample=True, top_k=20), dict(num_beams=3)])
-def test_the_threaded_drain_records_what_generate_computed(kwargs, store, tmp_path, monkeypatch):
+def test_the_threaded_drain_records_what_generate_computed(kwargs, recorded, monkeypatch):
     # CUDA models drain in a thread; here that path runs on CPU, so it is tested without a GPU.
-    from transformers_offload import Recorder, open_recording
     from transformers_offload import recorder as recorder_module
 
-    from ..helpers import assert_steps_equal, hf_reference, left_padded_batch, make_tiny
+    from ..helpers import assert_steps_equal, left_padded_batch, make_tiny
 
     monkeypatch.setattr(recorder_module, "_on_cuda", lambda model: True)
-    model = make_tiny("llama")
-    batch = left_padded_batch()
-    torch.manual_seed(0)
-    reference = hf_reference(model, **batch, max_new_tokens=12, **kwargs)
-    options = {"spill_dir": tmp_path / "run", "shard_bytes": 5_000} if store == "spill" else {}
-    with Recorder(model, ring_slots=2, **options) as rec:
-        torch.manual_seed(0)
-        sequences = model.generate(**batch, logits_processor=[rec], max_new_tokens=12, **kwargs)
-    if store == "spill":
-        rec = open_recording(tmp_path / "run")
-    assert torch.equal(sequences, reference.sequences)
+    call = recorded(make_tiny("llama"), seed=0, recorder=dict(ring_slots=2), spill=dict(shard_bytes=5_000),
+                    **left_padded_batch(), max_new_tokens=12, **kwargs)
+    reference, rec = call.reference, call.recording
     assert_steps_equal(rec.logits(), reference.logits, "logits")
     assert_steps_equal(rec.scores(), reference.scores, "scores")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import GenerationConfig, LogitsProcessor, WhisperConfig, WhisperForConditionalGeneration
 
-from transformers_offload import Recorder, RecordingMismatchWarning, _compat, open_recording
+from transformers_offload import Recorder, RecordingMismatchWarning, _compat
 
 from ..helpers import HF_LOGITS_EXACT, assert_steps_equal
 
@@ -81,30 +81,22 @@ def _features(frames: int = 3000) -> torch.Tensor:
     return torch.randn(2, 8, frames, generator=torch.Generator().manual_seed(1))
 
 
-def _run(model, spill_dir, *, extra=(), **options):
+def _run(model, store=None, *, extra=(), **options):
     """The call recorded, and the same call with Hugging Face's own outputs (the same random state)."""
     torch.manual_seed(0)
     reference = model.generate(logits_processor=list(extra), return_dict_in_generate=True, output_scores=True,
                                **({"output_logits": True} if HF_LOGITS_EXACT else {}), **options)
-    with Recorder(model, spill_dir=spill_dir) as rec:
+    with Recorder(model, **(store.options() if store else {})) as rec:
         torch.manual_seed(0)
         out = model.generate(logits_processor=[rec, *extra], **options)
-    run = open_recording(spill_dir) if spill_dir is not None else rec
+    run = store.reopen(rec) if store else rec
     return reference, out, run
 
 
-SPILL = pytest.mark.parametrize("spill", [False, True], ids=["memory", "spill"])
-
-
-def _spill_dir(tmp_path, spill):
-    return tmp_path / "rec" if spill else None
-
-
 @TAPPED
-@SPILL
 @pytest.mark.parametrize("options", [{}, {"do_sample": True}], ids=["greedy", "sample"])
-def test_short_form_is_one_loop_equal_to_what_whisper_returns(tmp_path, spill, options):
-    reference, out, run = _run(whisper(), _spill_dir(tmp_path, spill), input_features=_features(), max_new_tokens=10,
+def test_short_form_is_one_loop_equal_to_what_whisper_returns(store, options):
+    reference, out, run = _run(whisper(), store, input_features=_features(), max_new_tokens=10,
                                **options)
     (generation,) = run.generations
     assert generation.complete, generation.error
@@ -118,9 +110,8 @@ def test_short_form_is_one_loop_equal_to_what_whisper_returns(tmp_path, spill, o
 
 
 @TAPPED
-@SPILL
-def test_beam_search_rows_are_the_running_beams_whisper_reselects_per_sequence(tmp_path, spill):
-    reference, out, run = _run(whisper(), _spill_dir(tmp_path, spill), input_features=_features(), max_new_tokens=10,
+def test_beam_search_rows_are_the_running_beams_whisper_reselects_per_sequence(store):
+    reference, out, run = _run(whisper(), store, input_features=_features(), max_new_tokens=10,
                                num_beams=3)
     (generation,) = run.generations
     assert generation.complete and generation.num_rows == 6
@@ -138,12 +129,11 @@ def test_beam_search_rows_are_the_running_beams_whisper_reselects_per_sequence(t
 
 
 @SEGMENTED
-@SPILL
-def test_temperature_fallback_records_every_attempt_and_which_prompts_it_kept(tmp_path, spill):
+def test_temperature_fallback_records_every_attempt_and_which_prompts_it_kept(store):
     model = whisper()
     # Prompt 0 repeats one token (its compression ratio fails the threshold at every temperature), prompt 1 does not.
     script = Script([[20] * 20, list(range(30, 50))], prompt_length=2)
-    reference, out, run = _run(model, _spill_dir(tmp_path, spill), extra=[script], input_features=_features(),
+    reference, out, run = _run(model, store, extra=[script], input_features=_features(),
                                max_new_tokens=20, temperature=(0.0, 0.2, 0.4), compression_ratio_threshold=1.5)
     first, second, last = run.generations
     assert [g.complete for g in run.generations] == [True, True, True]
@@ -185,14 +175,13 @@ def test_loops_whose_rows_repeat_a_prompt_are_not_given_its_id():
 
 @TAPPED
 @LOGGER_WARN
-@SPILL
-def test_long_form_records_a_loop_per_segment_equal_to_each_segments_result(tmp_path, spill):
+def test_long_form_records_a_loop_per_segment_equal_to_each_segments_result(store):
     model = whisper()
     mask = torch.ones(2, 6000, dtype=torch.long)
     mask[1, 4500:] = 0  # the second audio is 45 s long
     # A timestamp, a word, a closing timestamp: a single timestamp ending moves on by the whole segment.
     script = Script([[TIMESTAMP, 10, TIMESTAMP + 50]], prompt_length=1)
-    reference, out, run = _run(model, _spill_dir(tmp_path, spill), extra=[script], input_features=_features(6000),
+    reference, out, run = _run(model, store, extra=[script], input_features=_features(6000),
                                attention_mask=mask, return_timestamps=True, return_segments=True)
     loops = run.generations
     assert [g.complete for g in loops] == [True, True]
@@ -216,10 +205,9 @@ def test_long_form_records_a_loop_per_segment_equal_to_each_segments_result(tmp_
 
 
 @SEGMENTED
-@SPILL
-def test_short_form_timestamps_are_one_loop(tmp_path, spill):
+def test_short_form_timestamps_are_one_loop(store):
     script = Script([[TIMESTAMP, 10, 11, TIMESTAMP + 50]], prompt_length=1)
-    reference, out, run = _run(whisper(), _spill_dir(tmp_path, spill), extra=[script], input_features=_features(),
+    reference, out, run = _run(whisper(), store, extra=[script], input_features=_features(),
                                return_timestamps=True, return_segments=True)
     (generation,) = run.generations
     assert generation.complete, generation.error

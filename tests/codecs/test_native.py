@@ -28,7 +28,6 @@ CALLS = {"greedy": dict(do_sample=False), "top_k": dict(do_sample=True, top_k=20
          "temperature": dict(do_sample=True, temperature=0.7), "beam_search": dict(num_beams=3)}
 
 
-@pytest.mark.parametrize("store", ["memory", "spill"])
 @pytest.mark.parametrize("call", sorted(CALLS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_native_equals_hugging_face(dtype, call, store, tmp_path):
@@ -37,11 +36,11 @@ def test_native_equals_hugging_face(dtype, call, store, tmp_path):
     torch.manual_seed(0)
     reference = model.generate(**batch, max_new_tokens=5, return_dict_in_generate=True, output_scores=True,
                                pad_token_id=0, **({"output_logits": True} if HF_LOGITS_EXACT else {}), **CALLS[call])
-    options = {"spill_dir": tmp_path / "run"} if store == "spill" else {}
+    options = store.options()
     with Recorder(model, encodings={"logits": "native", "scores": "native"}, **options) as rec:
         torch.manual_seed(0)
         model.generate(**batch, logits_processor=[rec], max_new_tokens=5, pad_token_id=0, **CALLS[call])
-    run = open_recording(tmp_path / "run", verify=True) if store == "spill" else rec
+    run = store.reopen(rec, verify=True)
     assert_steps_equal(run.scores(), reference.scores, "scores")
     if HF_LOGITS_EXACT:
         assert_steps_equal(run.logits(), reference.logits, "logits")

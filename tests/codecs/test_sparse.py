@@ -84,28 +84,20 @@ def test_sparse_in_every_other_mode(case, tmp_path):
     assert_dense_equal(sparse.scores(), dense.scores())
 
 
-@pytest.mark.parametrize("store", ["memory", "spill"])
-def test_rows_over_the_capacity_are_fetched_whole_and_stay_exact(gpt2, store, tmp_path, monkeypatch):
+def test_rows_over_the_capacity_are_fetched_whole_and_stay_exact(gpt2, recorded, monkeypatch):
     """With room for 3 entries per row on the device, top_p rows hold 1 to many entries: those with
     more than 3 are fetched whole (and stored sparse from there), the others come from the device part,
     in the same step."""
     monkeypatch.setattr(_encodings, "SPARSE_CAPACITY", 3)
-    batch = left_padded_batch()
-    kwargs = dict(do_sample=True, top_p=0.5, max_new_tokens=8, min_new_tokens=8)
-    torch.manual_seed(SEED)
-    reference = hf_reference(gpt2, **batch, **kwargs)
-    options = {"spill_dir": tmp_path / "run", "shard_bytes": 2_000} if store == "spill" else {}
-    with Recorder(gpt2, streams=("scores",), encodings={"scores": "sparse"}, **options) as rec:
-        torch.manual_seed(SEED)
-        gpt2.generate(**batch, logits_processor=[rec], **kwargs)
-    if store == "spill":
-        rec = open_recording(tmp_path / "run")
+    call = recorded(gpt2, recorder=dict(streams=("scores",), encodings={"scores": "sparse"}), spill=dict(shard_bytes=2_000),
+                    **left_padded_batch(), do_sample=True, top_p=0.5, max_new_tokens=8, min_new_tokens=8)
+    reference, rec = call.reference, call.recording
     assert_dense_equal(rec.scores(), reference.scores)
     assert_entries_equal(rec.sparse(), reference.scores)
     counts = [int(c) for step in reference.scores for c in (step != NEG_INF).sum(-1)]
     assert any(c > 3 for c in counts) and any(c <= 3 for c in counts), counts  # both kinds of row ran
     records = rec.generation()._get("scores", None, None, "pt")  # noqa: SLF001 - the stored layout
-    marks = torch.cat([record[3 : 3 + len(batch["input_ids"])] for record in records]).tolist()
+    marks = torch.cat([record[3 : 3 + len(call.sequences)] for record in records]).tolist()
     assert marks == [-1 if 2 * c >= 128 else c for c in counts]
 
 
