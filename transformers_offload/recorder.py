@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import warnings
@@ -17,11 +16,11 @@ from .capture import layers as _layers
 from .capture import prompt_logprobs as _prompt_logprobs
 from .capture.capture import Capture
 from .capture.loop_check import RecordingMismatch
-from .capture.options import DEFAULT_STREAMS, RecorderOptions, created_by, device_type, model_info
+from .capture.options import DEFAULT_STREAMS, RecorderOptions, check_samples, created_by, device_type, model_info
 from .errors import DeviceAccumulationWarning, RecordingMismatchWarning, UnrecordedCallWarning, UnsupportedModeError
 from .read.generation import Generation, generation_of
 from .read.readable import Readable
-from .store.header import GenerationHeader, check_sample_ids
+from .store.header import GenerationHeader
 from .store.memory import MemoryStore
 from .store.spill import DEFAULT_SHARD_BYTES, Spill
 
@@ -243,23 +242,14 @@ class Recorder(Readable, LogitsProcessor):
             >>> [s["sample"] for s in rec.samples()]  # doctest: +SKIP
             ['q1', 'q2']
         """
-        ids = list(ids) if isinstance(ids, (list, tuple)) else ids
-        metadata = list(metadata) if isinstance(metadata, (list, tuple)) else metadata
-        problem = check_sample_ids(ids, metadata)
-        if problem is not None:
-            kind = ValueError if "distinct" in problem or "one per id" in problem else TypeError
-            raise kind(f"`set_samples`: {problem}.")
-        try:
-            metadata = None if metadata is None else json.loads(json.dumps(metadata, allow_nan=False))
-        except (TypeError, ValueError) as error:
-            raise TypeError(f"`metadata` must be JSON-serialisable (str keys; str, numbers, lists, dicts): {error}") from None
+        samples = check_samples(ids, metadata)
         with self._lock:
             if self._pending_samples is not None:
                 raise ValueError(
                     f"`set_samples` was already called with {self._pending_samples['sample_ids']!r}, and no "
                     "generate() call has taken them yet: call generate() between two `set_samples`."
                 )
-            self._pending_samples = {"sample_ids": tuple(ids), "sample_metadata": None if metadata is None else tuple(metadata)}
+            self._pending_samples = samples
 
     # -- called by the hooks ---------------------------------------------------------------------------
     def check_call(self, *, custom_generate: Any, attention_mask: Any, inputs: Any = None,
@@ -289,11 +279,7 @@ class Recorder(Readable, LogitsProcessor):
                 "into; remove the Recorder from `logits_processor` or drop `custom_generate`."
             )
         if self._active is not None:
-            raise RuntimeError(
-                "this Recorder is already recording a generate() call (in another thread, or one "
-                "that has not returned): one Recorder records one call at a time. Give each "
-                "concurrent call its own Recorder."
-            )
+            raise RuntimeError(_BUSY)
 
     def begin_call(self, *, assistant_model: Any, custom_generate: Any, attention_mask: Any,
                    inputs: Any = None, past_key_values: Any = None) -> Capture:
@@ -309,11 +295,7 @@ class Recorder(Readable, LogitsProcessor):
         kinds = _layers.kinds(self.streams, is_encoder_decoder)
         with self._lock:
             if self._active is not None:
-                raise RuntimeError(
-                    "this Recorder is already recording a generate() call (in another thread, or one "
-                    "that has not returned): one Recorder records one call at a time. Give each "
-                    "concurrent call its own Recorder."
-                )
+                raise RuntimeError(_BUSY)
             self._active = Capture(
                 self._options,
                 index=self._spill.next_index if self._spill is not None else len(self._generations),
@@ -404,6 +386,10 @@ class Recorder(Readable, LogitsProcessor):
             f"Recorder({self.model_name}, streams={self.streams}, ring_slots={self._options.ring_slots}, "
             f"{len(self._generations)} generation(s), {state})"
         )
+
+
+_BUSY = ("this Recorder is already recording a generate() call (in another thread, or one that has not returned): "
+         "one Recorder records one call at a time. Give each concurrent call its own Recorder.")
 
 
 def _on_cuda(model: Any) -> bool:

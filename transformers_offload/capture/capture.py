@@ -19,13 +19,11 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .. import _compat, _interrupts
-from ..codecs import packed as _packed
-from ..codecs.native import Native
-from ..codecs.sparse import Sparse
-from ..codecs.spec import NATIVE, SAME_AS_LOGITS, SPARSE, is_packed
+from ..codecs.encoders import encoders
+from ..codecs.spec import NATIVE, SAME_AS_LOGITS, SPARSE
 from ..codecs.stats import STATS_STREAM
 from ..store import layout as _layout
-from ..store.header import GenerationHeader
+from ..store.header import GenerationHeader, jsonable
 from ..store.stored import StoredGeneration
 from . import layers as _layers
 from .layer_capture import LayerCapture
@@ -57,14 +55,9 @@ class Capture:
         `encoding_generators`: the recorder's generators of the `"sample:N@T"` draws, per device."""
         self.streams = options.streams
         self.encodings = dict(options.encodings)  # logits/scores not recorded dense (`encodings`)
-        self._sparse_encoder = Sparse()
-        self._native_encoder = Native(model_dtype)
-        # Top-k and sampled encodings, per stream; `encoding_generators`: the recorder's, per device.
-        generators = {} if encoding_generators is None else encoding_generators
-        self._packed = {
-            name: _packed.encoder(encoding, model_dtype=model_dtype, generators=generators, seed=options.encoding_seed)
-            for name, encoding in self.encodings.items() if is_packed(encoding)
-        }
+        self._encoding = {"model_dtype": model_dtype, "seed": options.encoding_seed,
+                          "generators": {} if encoding_generators is None else encoding_generators}
+        self.encoders: dict[str, Any] = {}  # per stream in `encodings`, from `start`
         self.layer_tap = layer_tap  # attentions and hidden states, when the recorder records them
         self.layers: LayerCapture | None = None  # their recording, from `start`
         self._in_lists = 0  # > 0 while the processor or criteria list runs
@@ -91,7 +84,7 @@ class Capture:
         self.raw_scores: torch.Tensor | None = None  # this step's raw logits, with `scores_as_logits`
         self.num_beams = 1
         self.num_beam_groups = 1
-        self.num_rows = 0
+        self.num_rows = 0  # the loop's rows (batch x beams or return sequences)
         self.eos_ids: torch.Tensor | None = None
         self.kept_on_device: list[str] = []  # the call's own `output_*` options that keep steps on the device
         # What the generation's header (`GenerationHeader`, made at `start`) takes from the call's set-up:
@@ -105,11 +98,8 @@ class Capture:
         self._tokens_until = 0  # steps [0, _tokens_until) have their token recorded
         self.target_forward = False  # assisted decoding: the recorded model ran since the last check
         self.finished: torch.Tensor | None = None
-        self._no_beam_finished: torch.Tensor | None = None
         self._forward_logits: list[torch.Tensor] = []
         self._keeps_forward_logits = False  # whether on_forward copies the next-token logits
-        self.group_scores: torch.Tensor | None = None
-        self.previous_ids: torch.Tensor | None = None
         self._late_error: BaseException | None = None
         # What the loop appended, copied as seen (tiny per-step clones on the device, no host sync), for
         # the end-of-loop check (`loop_check`): the prompt and each step's tokens; in beam search also each
@@ -154,6 +144,7 @@ class Capture:
                 and sampling_masks(generation_config, self._vocab_size)):
             # Sampling through top-k, top-p...: a few finite scores per row, stored as those (lossless).
             self.encodings["scores"] = SPARSE
+        self.encoders = encoders(self.encodings, **self._encoding)
         # Greedy search or sampling with no processor (nor, 4.36-4.44, a warper list, not built yet):
         # the processed scores are the raw logits, the very tensor: `scores` is stored once, as them.
         self.scores_as_logits = (
@@ -174,12 +165,12 @@ class Capture:
             num_beams=self.num_beams,
             eos_token_id=tuple(eos_list),
             generation_config={
-                key: _jsonable(value)
+                key: jsonable(value)
                 for key, value in generation_config.to_diff_dict().items()
                 if not key.startswith("_")
             },
             prompt_lengths=None if mask is None else tuple(int(n) for n in mask.sum(-1).tolist()),
-            pad_token_id=_jsonable(generation_config.pad_token_id),
+            pad_token_id=jsonable(generation_config.pad_token_id),
             encodings={**self.encodings, **({"scores": SAME_AS_LOGITS} if self.scores_as_logits else {})},
             sample_ids=self.samples.get("sample_ids"),
             sample_metadata=self.samples.get("sample_metadata"),
@@ -294,24 +285,10 @@ class Capture:
         """Whether a step's raw logits are recorded (`logits`) or needed (per-token statistics)."""
         return "logits" in self.streams or self.stats is not None
 
-    def put_running_beams_finished(self, step: int, rows: int) -> None:
-        # Running beams never finish (finished hypotheses leave them): known on the host.
-        if self._no_beam_finished is None:
-            self._no_beam_finished = torch.zeros(rows, dtype=torch.bool)
-        self.ring.put(step, "finished", self._no_beam_finished)
-
     def put_full(self, step: int, name: str, tensor: torch.Tensor) -> None:
         """Put a `(rows, vocab)` stream (`logits`, `scores`) into the ring, encoded on its device first
         where the Recorder's `encodings` say so."""
-        encoding = self.encodings.get(name)
-        if encoding is None:
-            self.ring.put(step, name, tensor)
-        elif encoding == SPARSE:
-            self.ring.put(step, name, tensor, encoder=self._sparse_encoder)
-        elif encoding == NATIVE:
-            self.ring.put(step, name, tensor, encoder=self._native_encoder)
-        else:
-            self.ring.put(step, name, tensor, encoder=self._packed[name])
+        self.ring.put(step, name, tensor, encoder=self.encoders.get(name))
 
     def take_forward_logits(self) -> torch.Tensor:
         parts, self._forward_logits = self._forward_logits, []
@@ -370,33 +347,6 @@ class Capture:
         if is_done is not None:
             self.finished = self.finished | _compat.rows_done(is_done, token, self.eos_ids)
 
-    def record_ancestry(self, step: int, input_ids: torch.Tensor) -> None:
-        rows = input_ids.shape[0]
-        self.num_rows = rows
-        previous = self.previous_ids
-        self.previous_ids = input_ids
-        if self.seen_prompt is None:
-            self.seen_prompt = (input_ids if previous is None else previous)[:, : self.prompt_length].clone()
-        if previous is None:
-            return
-        # Row r of this step extends the row of the previous step that holds the same sequence. Only
-        # beams of one prompt are compared, and only the generated part (the prompt is shared).
-        batch = rows // self.num_beams
-        new = input_ids[:, self.prompt_length : -1].reshape(batch, self.num_beams, 1, -1)
-        old = previous[:, self.prompt_length :].reshape(batch, 1, self.num_beams, -1)
-        same = (new == old).all(dim=-1)  # (batch, new beam, old beam)
-        first = same.to(torch.int8).argmax(dim=-1)  # first matching old beam
-        offset = torch.arange(batch, device=input_ids.device).unsqueeze(1) * self.num_beams
-        # The ancestry of step t's rows is known at step t + 1: it is stored under step t.
-        parents = (first + offset).reshape(rows)
-        if self.steps.check_paths:  # group beam search is checked by its length only
-            self.seen_tokens.append(input_ids[:, -1])
-            self.seen_parents.append(parents)
-        self.ring.put(step - 1, "beam_parents", parents)
-        self.ring.put(step - 1, "tokens", input_ids[:, -1])
-        if self.stats is not None and self.stats.has(step - 1):
-            self.ring.put(step - 1, STATS_STREAM, self.stats.record(step - 1, input_ids[:, -1], parents))
-
     # -- the end ---------------------------------------------------------------------------------------
     def finish(self, output: Any, error: BaseException | None) -> StoredGeneration:
         self.close_taps()
@@ -409,8 +359,6 @@ class Capture:
             error = error if error is not None else late
         if error is None and _interrupts.pending():
             error = KeyboardInterrupt()  # Ctrl-C held while the call ended: it is raised next
-        self.previous_ids = None
-        self.group_scores = None
         self._forward_logits = []
         self.finished = None
         if self.stats is not None:
@@ -439,16 +387,3 @@ def _complete_steps(store: Any, names: list[str], steps: int) -> int:
         if not all(store.has(name, t) for name in names):
             return t
     return steps
-
-
-def _jsonable(value: Any) -> Any:
-    """`value` as plain JSON types (generate() keeps some config fields as tensors)."""
-    if isinstance(value, torch.Tensor):
-        return value.tolist()
-    if isinstance(value, dict):
-        return {str(key): _jsonable(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(item) for item in value]
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return value
-    return repr(value)

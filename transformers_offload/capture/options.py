@@ -1,8 +1,10 @@
 """A Recorder's options, checked once against its model (`RecorderOptions.check`) and handed whole to the
-capture of each call: what to record and how to encode and store it."""
+capture of each call: what to record and how to encode and store it; and the prompts' names a call is
+given (`check_samples`, for `Recorder.set_samples`)."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ from transformers import GenerationMixin
 from .. import _compat
 from ..codecs import spec as _spec
 from ..codecs.spec import NATIVE
+from ..store.header import check_sample_ids
 from . import layers as _layers
 from . import prompt_logprobs as _prompt_logprobs
 
@@ -150,3 +153,24 @@ def created_by() -> dict[str, str]:
         "safetensors": safetensors.__version__,
         "python": platform.python_version(),
     }
+
+
+def check_samples(ids: Any, metadata: Any) -> dict[str, Any]:
+    """`Recorder.set_samples`'s arguments checked (`store.header.check_sample_ids`) and copied, as the
+    header's `sample_ids` and `sample_metadata` (the metadata through JSON).
+
+    Raises:
+        TypeError: `ids` or `metadata` of the wrong types, or metadata that is not JSON.
+        ValueError: repeated ids, or a metadata list of another length.
+    """
+    ids = list(ids) if isinstance(ids, (list, tuple)) else ids
+    metadata = list(metadata) if isinstance(metadata, (list, tuple)) else metadata
+    problem = check_sample_ids(ids, metadata)
+    if problem is not None:
+        kind = ValueError if "distinct" in problem or "one per id" in problem else TypeError
+        raise kind(f"`set_samples`: {problem}.")
+    try:
+        metadata = None if metadata is None else json.loads(json.dumps(metadata, allow_nan=False))
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"`metadata` must be JSON-serialisable (str keys; str, numbers, lists, dicts): {error}") from None
+    return {"sample_ids": tuple(ids), "sample_metadata": None if metadata is None else tuple(metadata)}

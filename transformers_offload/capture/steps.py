@@ -112,20 +112,55 @@ class BeamSteps:
 
     def __init__(self, capture: Capture) -> None:
         self.capture = capture
+        self.previous_ids: torch.Tensor | None = None  # the rows the last step started from
+        self._none_finished: torch.Tensor | None = None  # `finished` of running beams: known on the host
 
     def on_raw(self, input_ids: torch.Tensor, scores: torch.Tensor, group: int | None) -> None:
         c = self.capture
         c.step += 1
         step = c.step
         # The previous step's token first: this step's first put may wait for a slot.
-        c.record_ancestry(step, input_ids)
+        self.record_ancestry(step, input_ids)
         if c.records_raw:
             raw = c.take_forward_logits()
             if "logits" in c.streams:
                 c.put_full(step, "logits", raw)
             if c.stats is not None:
                 c.stats.raw(step, raw)
-        c.put_running_beams_finished(step, input_ids.shape[0])
+        self.put_running_finished(step, input_ids.shape[0])
+
+    def put_running_finished(self, step: int, rows: int) -> None:
+        if self._none_finished is None:
+            self._none_finished = torch.zeros(rows, dtype=torch.bool)
+        self.capture.ring.put(step, "finished", self._none_finished)
+
+    def record_ancestry(self, step: int, input_ids: torch.Tensor) -> None:
+        """At step `step`, which row of the previous step each row extends: the previous step's parents
+        and tokens (stored under `step - 1`)."""
+        c = self.capture
+        rows = input_ids.shape[0]
+        c.num_rows = rows
+        previous, self.previous_ids = self.previous_ids, input_ids
+        if c.seen_prompt is None:
+            c.seen_prompt = (input_ids if previous is None else previous)[:, : c.prompt_length].clone()
+        if previous is None:
+            return
+        # Row r of this step extends the row of the previous step that holds the same sequence. Only
+        # beams of one prompt are compared, and only the generated part (the prompt is shared).
+        batch = rows // c.num_beams
+        new = input_ids[:, c.prompt_length : -1].reshape(batch, c.num_beams, 1, -1)
+        old = previous[:, c.prompt_length :].reshape(batch, 1, c.num_beams, -1)
+        same = (new == old).all(dim=-1)  # (batch, new beam, old beam)
+        first = same.to(torch.int8).argmax(dim=-1)  # first matching old beam
+        offset = torch.arange(batch, device=input_ids.device).unsqueeze(1) * c.num_beams
+        parents = (first + offset).reshape(rows)
+        if self.check_paths:
+            c.seen_tokens.append(input_ids[:, -1])
+            c.seen_parents.append(parents)
+        c.ring.put(step - 1, "beam_parents", parents)
+        c.ring.put(step - 1, "tokens", input_ids[:, -1])
+        if c.stats is not None and c.stats.has(step - 1):
+            c.ring.put(step - 1, STATS_STREAM, c.stats.record(step - 1, input_ids[:, -1], parents))
 
     def on_processed(self, input_ids: torch.Tensor, scores: torch.Tensor, group: int | None) -> None:
         self.capture.put_processed(self.capture.step, scores)
@@ -161,6 +196,10 @@ class GroupBeamSteps(BeamSteps):
     # It reorders its rows group by group: its returned sequences are checked by their length only.
     check_paths = False
 
+    def __init__(self, capture: Capture) -> None:
+        super().__init__(capture)
+        self.group_scores: torch.Tensor | None = None  # out.scores of the step: every group's, as they come
+
     def on_raw(self, input_ids: torch.Tensor, scores: torch.Tensor, group: int | None) -> None:
         c = self.capture
         if group:  # not the first group of a step
@@ -172,29 +211,28 @@ class GroupBeamSteps(BeamSteps):
             c.put_full(c.step, "logits", raw)
         if c.stats is not None:
             c.stats.raw(c.step, raw)
-        # out.scores of a step: every group's processed scores, in the model's dtype.
-        c.group_scores = torch.zeros_like(raw)
-        c.put_running_beams_finished(c.step, c.num_rows)
+        self.group_scores = torch.zeros_like(raw)  # in the model's dtype, as out.scores
+        self.put_running_finished(c.step, c.num_rows)
 
     def on_processed(self, input_ids: torch.Tensor, scores: torch.Tensor, group: int | None) -> None:
         c = self.capture
         size = c.num_beams // c.num_beam_groups
         start = (group or 0) * size
         end = min(start + size, c.num_beams)
-        beams = c.group_scores.view(-1, c.num_beams, c.group_scores.shape[-1])
+        beams = self.group_scores.view(-1, c.num_beams, self.group_scores.shape[-1])
         beams[:, start:end] = scores.view(beams.shape[0], end - start, -1)
         if end == c.num_beams and "scores" in c.streams:
-            c.put_full(c.step, "scores", c.group_scores)
+            c.put_full(c.step, "scores", self.group_scores)
         if end == c.num_beams and c.stats is not None:
-            c.stats.processed(c.step, c.group_scores)
+            c.stats.processed(c.step, self.group_scores)
 
     def on_stopping(self, input_ids: torch.Tensor, is_done: Any) -> None:
         c = self.capture
         # Every row, after every group appended its tokens: the rows the next step starts from.
-        if c.previous_ids is None:
-            c.previous_ids = input_ids[:, :-1]  # the prompt, the same in every beam
+        if self.previous_ids is None:
+            self.previous_ids = input_ids[:, :-1]  # the prompt, the same in every beam
         # A copy: the next step reorders these rows in place, group by group.
-        c.record_ancestry(c.step + 1, input_ids.clone())
+        self.record_ancestry(c.step + 1, input_ids.clone())
 
 
 def steps_for(mode: str, capture: Capture) -> PlainSteps | BeamSteps:

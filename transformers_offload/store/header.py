@@ -91,3 +91,17 @@ def check_sample_ids(ids: Any, metadata: Any) -> str | None:
         if len(metadata) != len(ids):
             return f"{len(metadata)} metadata dicts were given for {len(ids)} sample ids; give one per id"
     return None
+
+
+def jsonable(value: Any) -> Any:
+    """`value` as plain JSON types, for the header's `generation_config` (generate() keeps some of its
+    fields as tensors; a value of another type is kept as its `repr`)."""
+    if hasattr(value, "tolist"):  # a tensor or an array
+        return value.tolist()
+    if isinstance(value, dict):
+        return {str(key): jsonable(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(item) for item in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return repr(value)
