@@ -158,12 +158,27 @@ class Capture:
         if self.prompt is not None:
             rows_per_prompt = self.num_beams if self.is_beam else int(generation_config.num_return_sequences or 1)
             self.prompt.start(generation_config, mask, eos_list, rows_per_prompt)
-        self.header = GenerationHeader(
+        self.header = self._header(generation_config, mask, eos_list)
+        max_length = getattr(generation_config, "max_length", None)
+        max_steps = max(1, max_length - self.prompt_length) if isinstance(max_length, int) else 2**31
+        self.store = self.open_store(self.names, self.header, max_steps)
+        # Beam search adds a step's token and parent one step later, while its slot is still held.
+        slots = max(self.ring_slots, 2) if self.is_beam else self.ring_slots
+        self.ring = HostRing(slots, self.store.drain, threaded=self.threaded, keep=getattr(self.store, "keep", None))
+        if self.layer_tap is not None:
+            self.layers = LayerCapture(self.layer_tap, put=self.ring.put, add_streams=self.store.add_streams,
+                                       in_lists=lambda: self._in_lists > 0)
+            self.layers.start()
+        self.started = True
+
+    def _header(self, generation_config: Any, mask: torch.Tensor | None, eos: list[int]) -> GenerationHeader:
+        """The generation's header as known when its loop starts (`finish` adds the rest)."""
+        return GenerationHeader(
             index=self.index,
-            mode=mode,
+            mode=self.mode,
             prompt_length=self.prompt_length,
             num_beams=self.num_beams,
-            eos_token_id=tuple(eos_list),
+            eos_token_id=tuple(eos),
             generation_config={
                 key: jsonable(value)
                 for key, value in generation_config.to_diff_dict().items()
@@ -177,17 +192,6 @@ class Capture:
             loop=self.loop,
             # `layers` is set at the first forward, when attentions or hidden states are recorded.
         )
-        max_length = getattr(generation_config, "max_length", None)
-        max_steps = max(1, max_length - self.prompt_length) if isinstance(max_length, int) else 2**31
-        self.store = self.open_store(self.names, self.header, max_steps)
-        # Beam search adds a step's token and parent one step later, while its slot is still held.
-        slots = max(self.ring_slots, 2) if self.is_beam else self.ring_slots
-        self.ring = HostRing(slots, self.store.drain, threaded=self.threaded, keep=getattr(self.store, "keep", None))
-        if self.layer_tap is not None:
-            self.layers = LayerCapture(self.layer_tap, put=self.ring.put, add_streams=self.store.add_streams,
-                                       in_lists=lambda: self._in_lists > 0)
-            self.layers.start()
-        self.started = True
 
     @property
     def names(self) -> list[str]:
