@@ -77,10 +77,27 @@ class RecordingMismatchWarning(UserWarning):
     loop ran more than once, a step's processors never ran, the returned sequences are not the recorded
     tokens): the generation is marked incomplete (`complete=False`) with the disagreement as its `error`."""
 
+    @classmethod
+    def about(cls, index: int, mismatch: str) -> RecordingMismatchWarning:
+        """The warning for generation `index`, incomplete because of `mismatch`."""
+        return cls(f"transformers-offload: generation {index} of this Recorder is marked incomplete: {mismatch}. "
+                   "Its recorded steps stay readable; they may not be what this call returned (docs/support.md "
+                   "lists the paths recorded exactly).")
+
 
 class DeviceAccumulationWarning(UserWarning):
     """`generate()` was also asked to return per-step outputs (scores, logits, attentions, hidden
     states), which it keeps on the device until it returns."""
+
+    @classmethod
+    def about(cls, flags: list[str]) -> DeviceAccumulationWarning:
+        """The warning for a call that ran with generate()'s own per-step outputs `flags` on."""
+        named = ", ".join(f"`{flag}`" for flag in flags)
+        return cls(f"this generate() call ran with `return_dict_in_generate=True` and {named} (from its arguments, "
+                   "the model's generation_config, or the model's own generate(): Whisper asks for them with "
+                   "`logprob_threshold` or `return_token_timestamps`), so generate() also kept those outputs of every "
+                   "step on the device until it returned. The Recorder records what its `streams` name without "
+                   "them: drop those options where they are yours to keep device memory flat.")
 
 
 class UnrecordedCallWarning(UserWarning):

@@ -11,6 +11,7 @@ from typing import Any, Sequence
 import torch
 from transformers.generation import LogitsProcessor
 
+from .capture import continuous as _continuous
 from .capture import hooks as _hooks
 from .capture import layers as _layers
 from .capture import prompt_logprobs as _prompt_logprobs
@@ -35,18 +36,13 @@ class Recorder(Readable, LogitsProcessor):
     beam's parent. Each step's tensors leave the device within the step (a ring of `ring_slots` host
     slots), into host memory or, with `spill_dir`, safetensors shards (`open_recording(spill_dir)`).
 
-    With `"attentions"` or `"hidden_states"` in `streams` it also records what `output_attentions=True` /
-    `output_hidden_states=True` would add to `generate()`'s output, asking the model's forward for them
-    itself. Each `generate()` call that carries the recorder is one `Generation` in `generations`;
-    `logits()`, `scores()`... read the latest unless `generation=` picks another. Calls without it are
-    neither recorded nor affected.
+    Each `generate()` call that carries the recorder is one `Generation` in `generations`; `logits()`,
+    `scores()`... read the latest unless `generation=` picks another. Calls without it are neither
+    recorded nor affected. Continuous batching: `generate_batch(..., logits_processor=[rec])`, `attach`.
 
-    Greedy search, sampling, beam search and beam sampling, assisted decoding and prompt lookup, and
-    (up to 4.56) contrastive search, DoLa and group beam search are recorded, for decoder-only and
-    encoder-decoder models; another mode raises `UnsupportedModeError` before its loop starts
-    (docs/support.md lists each mode and model family). When a loop ends, the recording is checked
-    against what it returned: a disagreement marks the generation incomplete and warns
-    `RecordingMismatchWarning`; it is never `complete=True` with content that differs from the call.
+    A mode it cannot record raises `UnsupportedModeError` before its loop starts (docs/support.md lists
+    each mode and model family). When a loop ends, the recording is checked against what it returned:
+    a disagreement marks the generation incomplete and warns `RecordingMismatchWarning`.
 
     Args:
         model (`transformers.GenerationMixin`): the model whose `generate()` calls are recorded. The
@@ -54,8 +50,8 @@ class Recorder(Readable, LogitsProcessor):
             `close()`.
         streams (`tuple[str, ...]`, *optional*, defaults to `("logits", "scores")`): what to record besides
             the tokens and the finished mask: `"logits"`, `"scores"` (`(rows, vocab_size)` per step),
-            `"attentions"` (an eager-attention model), `"hidden_states"`, `"stats"` (per-token statistics,
-            36 bytes a row and step). docs/recording.md describes each.
+            `"attentions"` (eager attention), `"hidden_states"` (as `output_attentions` /
+            `output_hidden_states` add them), `"stats"` (per-token statistics); see docs/recording.md.
         layers (`Sequence[int]`, *optional*), heads (`Sequence[int]`, *optional*): with attentions or
             hidden states, the layers (hidden states count the embeddings as entry 0) and heads to keep,
             negative from the end; default all.
@@ -83,19 +79,17 @@ class Recorder(Readable, LogitsProcessor):
         prompt_chunk (`int`, *optional*): with `prompt_logprobs`, prompt positions scored at once (about
             `9 x prompts x prompt_chunk x vocab_size` bytes of device memory); default: one chunk's
             logits within 2**24 values.
+        every_call (`bool`, *optional*, defaults to False): also record the model's `generate()` and
+            `generate_batch()` calls that were not given the recorder (code you do not call yourself).
 
     Raises:
-        TypeError: `model` has no `generate()` from transformers' `GenerationMixin`, or an option has
-            the wrong type.
-        ValueError: an option has a wrong value, or `"attentions"` is asked of a model whose attention
-            implementation is not eager (also raised by `generate()`, before it runs, if that changed).
-        IndexError: `layers` or `heads` is out of range for the model's config.
-        FileExistsError: `spill_dir` exists and is not an empty directory (nor, with `append`, a recording).
-        RecordingError: with `append`, the recording in `spill_dir` is damaged.
-        BlockingIOError: another process is writing the recording in `spill_dir`.
-        OSError: `spill_dir` cannot be created or written.
-        UnsupportedModeError: raised by a `generate()` call in a mode it cannot record (see above),
-            before the call runs.
+        TypeError, ValueError: an option of the wrong type or value (`generate()` raises ValueError too,
+            before it runs, when `"attentions"` meets a model whose attention is not eager).
+        IndexError: `layers` or `heads` out of range for the model's config.
+        FileExistsError: `spill_dir` exists and is neither empty nor (with `append`) a recording.
+        RecordingError, BlockingIOError, OSError: with `append`, the recording in `spill_dir` is damaged;
+            another process writes it; it cannot be created or written.
+        UnsupportedModeError: raised by a `generate()` call it cannot record, before the call runs.
 
     Warns:
         RecordingMismatchWarning: a call's recording disagrees with what it returned (above).
@@ -125,11 +119,13 @@ class Recorder(Readable, LogitsProcessor):
         prompt_logprobs: bool | int = False,
         prompt_chunk: int | None = None,
         encoding_seed: int = 0,
+        every_call: bool = False,
     ) -> None:
         options = RecorderOptions.check(
             model, streams=streams, layers=layers, heads=heads, newest_position_only=newest_position_only,
             ring_slots=ring_slots, spill_dir=spill_dir, shard_bytes=shard_bytes, encodings=encodings, append=append,
             prompt_logprobs=prompt_logprobs, prompt_chunk=prompt_chunk, encoding_seed=encoding_seed,
+            every_call=every_call,
         )
         self._options = options
         self._encoding_generators: dict[torch.device, torch.Generator] = {}  # per device, made on first use
@@ -146,6 +142,7 @@ class Recorder(Readable, LogitsProcessor):
         name_or_path = getattr(model, "name_or_path", "")
         self.model_name = type(model).__name__ + (f" {name_or_path!r}" if name_or_path else "")
         self.streams = options.streams
+        self.every_call = options.every_call
         self._generations: list[Generation] = []  # oldest first
         self._lock = threading.Lock()
         self._active: Capture | None = None
@@ -154,6 +151,7 @@ class Recorder(Readable, LogitsProcessor):
         self._closed = False
         self._began = 0  # generate() calls that carried this recorder
         self._ran_without = 0  # the model's generate() calls that did not
+        self._continuous = _continuous.ContinuousCapture(self._on_request)
         _hooks.attach(model, self)
 
     # -- lifecycle ---------------------------------------------------------------------------------------
@@ -162,6 +160,7 @@ class Recorder(Readable, LogitsProcessor):
         if not self._closed:
             self._closed = True
             _hooks.detach(self._model, self)
+            self._continuous.closed = True
             if self._spill is not None:
                 self._spill.close()
             if not self._began and self._ran_without:
@@ -203,9 +202,8 @@ class Recorder(Readable, LogitsProcessor):
         return None if self._spill is None else self._spill.root
 
     def clear(self) -> None:
-        """Forget every recorded generation, freeing their host memory: all of it once you hold none of
-        their tensors. A step's tensor you keep keeps the block of neighbouring steps it was stored in
-        (up to 64 MiB) until you drop it; `.clone()` the steps you keep to hold only their own bytes.
+        """Forget every recorded generation, freeing their host memory once you hold none of their tensors
+        (a step you keep holds its block of up to 64 MiB: `.clone()` it to hold only its own bytes).
 
         Raises:
             ValueError: the recorder writes to `spill_dir`, whose recording stays on disk.
@@ -219,13 +217,10 @@ class Recorder(Readable, LogitsProcessor):
             self._generations.clear()
 
     def set_samples(self, ids: Sequence[str | int], *, metadata: Sequence[dict[str, Any]] | None = None) -> None:
-        """Name the prompts of the next recorded `generate()` call: your ids (dataset row ids, say) and,
-        optionally, metadata per prompt, kept in the recording's manifest.
-
-        The next call that carries this recorder takes them (also when it then fails); `samples()`,
-        the per-token table's `sample` column and the viewer show them. A call without them numbers
-        its prompts by their position among the recording's prompts (which can repeat an int id given
-        to another call: name every call's prompts, or none).
+        """Name the prompts of the next recorded `generate()` call (which takes them, also when it fails):
+        your ids and, optionally, metadata per prompt, kept in the manifest; `samples()`, the table's `sample`
+        column and the viewer show them. A call without them numbers its prompts by their position among
+        the recording's prompts (docs/answers.md#your-ids-and-a-per-token-table).
 
         Args:
             ids (`Sequence[str | int]`): one id per prompt of the call's batch, in batch order, distinct.
@@ -235,12 +230,6 @@ class Recorder(Readable, LogitsProcessor):
             TypeError: `ids` or `metadata` are not lists of the types above, or metadata is not JSON.
             ValueError: repeated ids, a metadata list of another length, or ids still waiting for a call;
                 the next `generate()` raises ValueError, before it runs, when its batch has another size.
-
-        Example:
-            >>> rec.set_samples(["q1", "q2"], metadata=[{"split": "test"}, {"split": "test"}])  # doctest: +SKIP
-            >>> model.generate(**batch_of_two, logits_processor=[rec])  # doctest: +SKIP
-            >>> [s["sample"] for s in rec.samples()]  # doctest: +SKIP
-            ['q1', 'q2']
         """
         samples = check_samples(ids, metadata)
         with self._lock:
@@ -318,29 +307,13 @@ class Recorder(Readable, LogitsProcessor):
             if capture.started:
                 if capture.kept_on_device and not self._warned_accumulation:
                     self._warned_accumulation = True
-                    flags = ", ".join(f"`{flag}`" for flag in capture.kept_on_device)
-                    warnings.warn(
-                        f"this generate() call ran with `return_dict_in_generate=True` and {flags} (from its "
-                        "arguments, the model's generation_config, or the model's own generate(): Whisper asks "
-                        "for them with `logprob_threshold` or `return_token_timestamps`), so generate() also "
-                        "kept those outputs of every step on the device until it returned. The Recorder "
-                        "records what its `streams` name without them: drop those options where they are "
-                        "yours to keep device memory flat.",
-                        DeviceAccumulationWarning,
-                        stacklevel=3,
-                    )
+                    warnings.warn(DeviceAccumulationWarning.about(capture.kept_on_device), stacklevel=3)
                 generation = generation_of(capture.finish(output, error))
                 with self._lock:
                     self._generations.append(generation)
                 mismatch = capture.mismatch or (str(error) if isinstance(error, RecordingMismatch) else None)
                 if mismatch is not None:
-                    warnings.warn(
-                        f"transformers-offload: generation {generation.index} of this Recorder is marked "
-                        f"incomplete: {mismatch}. Its recorded steps stay readable; they may not be "
-                        "what this call returned (docs/support.md lists the paths recorded exactly).",
-                        RecordingMismatchWarning,
-                        stacklevel=3,
-                    )
+                    warnings.warn(RecordingMismatchWarning.about(generation.index, mismatch), stacklevel=3)
                 if error is None and capture.failure is not None:
                     raise capture.failure
             elif error is None:
@@ -353,6 +326,33 @@ class Recorder(Readable, LogitsProcessor):
             capture.close_taps()
             with self._lock:
                 self._active = None
+
+    def attach(self, manager: Any) -> None:
+        """Record the requests of a continuous batching manager (`model.init_continuous_batching()`), each
+        as a `Generation` of one row whose sample id is its request id, when `manager.get_result()` hands
+        out its finished result (until `close()`); `generate_batch(..., logits_processor=[rec])` attaches itself.
+        docs/recording.md#continuous-batching says what is recorded.
+
+        Raises:
+            UnsupportedModeError: the manager batches asynchronously, replays CUDA graphs or compiles its
+                forward, or this recorder records what continuous batching does not give (attentions,
+                hidden states, statistics, encodings other than dense, prompt logprobs).
+        """
+        self._continuous.attach(manager, self._options)
+        self._began += 1
+
+    def record_batch(self, generate_batch: Any, *args: Any, **kwargs: Any) -> Any:  # `generate_batch(..., [rec])`
+        return _continuous.run_recorded(self._model, generate_batch, args, kwargs, self.attach)
+
+    def _on_request(self, result: Any, steps: Any, generation_config: Any) -> None:
+        with self._lock:
+            index = self._spill.next_index if self._spill is not None else len(self._generations)
+            stored, mismatch = _continuous.store_request(result, steps, generation_config, index=index,
+                                                         open_store=self._open_store, streams=self.streams)
+            generation = generation_of(stored)
+            self._generations.append(generation)
+        if mismatch is not None:
+            warnings.warn(RecordingMismatchWarning.about(generation.index, mismatch), stacklevel=4)
 
     def _open_store(self, names: list[str], header: GenerationHeader, max_steps: int) -> Any:
         if self._spill is None:

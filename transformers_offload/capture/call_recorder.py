@@ -19,12 +19,14 @@ class CallRecorder(Protocol):
         generations (`tuple`): what it recorded so far (a delegating call must add one).
         streams (`tuple[str, ...]`): what it records (the mode check needs it).
         model_name (`str`): the model it is attached to, for error messages.
+        every_call (`bool`): it records the model's calls that were not given it, too.
     """
 
     closed: bool
     generations: tuple
     streams: tuple[str, ...]
     model_name: str
+    every_call: bool
 
     def begin_call(self, *, assistant_model: Any, custom_generate: Any, attention_mask: torch.Tensor | None,
                    inputs: torch.Tensor | None = None, past_key_values: Any = None) -> Capture:
@@ -46,4 +48,9 @@ class CallRecorder(Protocol):
                    inputs: torch.Tensor | None = None, past_key_values: Any = None) -> None:
         """What `begin_call` would refuse, raised before the call runs, for a call whose capture
         begins only when its own loop starts (a model with generating children)."""
+        ...
+
+    def record_batch(self, generate_batch: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run `generate_batch(*args, **kwargs)` (the model's continuous batching, given this recorder in
+        its `logits_processor`, now taken out) recording each request; returns what it returns."""
         ...

@@ -2,7 +2,7 @@
 
 Attaching a recorder shadows, in the instance's `__dict__` (never on the class), `generate`, the private
 `_get_logits_processor` and `_get_stopping_criteria` (and `_get_logits_warper` where it exists;
-`generate_batch`, to refuse continuous batching; a Whisper model's methods around its decoding loops,
+`generate_batch`, to record continuous batching; a Whisper model's methods around its decoding loops,
 `loops.loop_tap_wrappers`), and registers forward hooks that ask the forward for attentions or hidden
 states when the recorder records them. A call whose `logits_processor` holds no recorder runs the
 original methods untouched; detaching the last recorder removes every wrapper and hook.
@@ -34,7 +34,7 @@ from .loops import active_calls as _active_calls
 from .loops import active_capture as _active_capture
 from .loops import arguments_of as _bind
 from .loops import calls_on as _active
-from .modes import check_mode, check_own_loop, refuse_continuous_batching
+from .modes import check_mode, check_own_loop
 from .tapped_lists import TappedCriteriaList, TappedProcessorList
 
 _ABSENT = object()
@@ -189,20 +189,18 @@ class ModelHooks:
                     )
             return output
 
-        generate.__wrapped__ = original  # type: ignore[attr-defined]
-        generate.__doc__ = original.__doc__
-        return generate
+        return functools.update_wrapper(generate, original)
 
     def _wrap_generate_batch(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def generate_batch(*args: Any, **kwargs: Any) -> Any:
-            processors = kwargs.get("logits_processor") or ()
-            if _is_recorder(processors) or any(_is_recorder(p) for p in _as_list(processors)):
-                refuse_continuous_batching()
-            return original(*args, **kwargs)
+            processors = _as_list(kwargs.get("logits_processor") or ())
+            recorder = next((p for p in processors if _is_recorder(p)), None) or self._recorder_of_call({})
+            if recorder is None:
+                return original(*args, **kwargs)
+            kwargs["logits_processor"] = [p for p in processors if p is not recorder]  # left as it would be
+            return recorder.record_batch(original, *args, **kwargs)
 
-        generate_batch.__wrapped__ = original  # type: ignore[attr-defined]
-        generate_batch.__doc__ = original.__doc__
-        return generate_batch
+        return functools.update_wrapper(generate_batch, original)
 
     def _wrap_processor_list(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def _get_logits_processor(*args: Any, **kwargs: Any) -> Any:
@@ -283,7 +281,7 @@ class ModelHooks:
                     "`logits_processor`: pass `logits_processor=[rec]` (it needs no place in "
                     "`stopping_criteria`)."
                 )
-            return None
+            return next((r for r in self.recorders if r.every_call and not r.closed), None)
         if len(found) > 1:
             raise ValueError(
                 f"`logits_processor` holds {len(found)} Recorders; a generate() call records into one. "

@@ -19,12 +19,11 @@ LAYER_MODES = ("greedy_search", "sample", "beam_search", "beam_sample")
 
 
 CONTINUOUS_BATCHING_REFUSED = (
-    "continuous batching (`generate_batch`, `generate(..., cache_implementation=\"paged\")`, the manager "
-    "behind `transformers serve`) runs its processors on packed requests in its own scheduler, not in the "
-    "per-step decoding loop the Recorder taps, and leaves a `logits_processor` it is given unused: it cannot "
-    "be recorded exactly (transformers {version}). Record with `model.generate(**batch, "
-    "logits_processor=[rec])` (a left-padded batch), or `python -m transformers_offload record` for a dataset; "
-    "or run continuous batching without the Recorder."
+    "`generate(..., cache_implementation=\"paged\")` hands the call to continuous batching, which runs its "
+    "own processors on packed requests and leaves the call's `logits_processor` unused (transformers {version}). "
+    "Record continuous batching with `model.generate_batch(inputs, logits_processor=[rec])` or "
+    "`rec.attach(model.init_continuous_batching())`; or record `model.generate(**batch, logits_processor=[rec])` "
+    "without the paged cache."
 )
 
 

@@ -45,6 +45,9 @@ class RecorderOptions:
         encoding_seed (`int`): the seed of the `"sample:N@T"` draws.
         spill_dir (`pathlib.Path | None`), shard_bytes (`int | None`), append (`bool`): where and how the
             recording is written; None for host memory.
+        named_encodings (`tuple[str, ...]`): the streams whose encoding the user named.
+        every_call (`bool`): record every generate() and generate_batch() call of the model, not only
+            those given the recorder in `logits_processor`.
     """
 
     streams: tuple[str, ...]
@@ -58,12 +61,14 @@ class RecorderOptions:
     spill_dir: Path | None
     shard_bytes: int | None
     append: bool
+    named_encodings: tuple[str, ...] = ()
+    every_call: bool = False
 
     @classmethod
     def check(cls, model: Any, *, streams: Sequence[str], layers: Sequence[int] | None, heads: Sequence[int] | None,
               newest_position_only: bool, ring_slots: int, spill_dir: str | os.PathLike | None,
               shard_bytes: int | None, encodings: dict[str, str] | None, append: bool, prompt_logprobs: bool | int,
-              prompt_chunk: int | None, encoding_seed: int) -> RecorderOptions:
+              prompt_chunk: int | None, encoding_seed: int, every_call: bool = False) -> RecorderOptions:
         """The Recorder's arguments, checked against `model`.
 
         Raises:
@@ -88,6 +93,8 @@ class RecorderOptions:
             if spill_dir is None:
                 raise ValueError("`shard_bytes` sizes the shards written to `spill_dir`; pass `spill_dir` too.")
             _check_int(shard_bytes, "shard_bytes", "bytes", least=1, unit=" (byte)")
+        if not isinstance(every_call, bool):
+            raise TypeError(f"`every_call` must be True or False, got {every_call!r}.")
         if isinstance(encoding_seed, bool) or not isinstance(encoding_seed, int):
             raise TypeError(f"`encoding_seed` must be an int (the seed of the `sample:N` draws), got {encoding_seed!r}.")
         streams = tuple(streams)
@@ -114,6 +121,8 @@ class RecorderOptions:
             spill_dir=None if spill_dir is None else Path(spill_dir),
             shard_bytes=shard_bytes,
             append=bool(append),
+            named_encodings=tuple(named),
+            every_call=every_call,
         )
 
 

@@ -1,0 +1,284 @@
+"""Continuous batching recorded per request: transformers' `generate_batch` and the manager behind it
+(`init_continuous_batching`, `add_request`, `get_result`; `transformers serve` and TRL's trainers run on it).
+
+The manager's model runner packs the requests of a batch into one forward, computes float32 logits at
+each request's next-token position, runs the processor list over those rows and samples. The capture
+taps two of the runner's calls, for the manager it is attached to only: the processor list (what it
+receives, copied to the host before any processor runs: the raw logits) and the sampling (what it samples
+from: the processed scores, and the tokens it wrote). Row i of a batch is the i-th request of the batch
+that predicts a token (`has_new_token`), as the manager reads its tokens back. Each step's rows leave the
+device within the step; a request's steps are handed to the recorder (`on_request`) when the manager
+hands out its finished result, and checked against it there.
+
+Not recorded, refused with a reason: asynchronous batching, CUDA graphs and a compiled forward (the
+runner's Python code does not run at each step).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .. import _compat
+from ..errors import UnsupportedModeError
+
+MODE = "continuous_batching"  # the generations' `mode`
+
+
+@dataclass
+class RequestSteps:
+    """One request's recorded steps, on the host: per step its raw logits and processed scores
+    `(vocab,)` float32 (`scores` is None where no processor ran: they are the raw logits) and its token."""
+
+    logits: list[torch.Tensor] = field(default_factory=list)
+    scores: list[torch.Tensor | None] = field(default_factory=list)
+    tokens: list[torch.Tensor] = field(default_factory=list)
+
+
+# Called, in the thread that reads a finished result, with the result (transformers' `GenerationOutput`),
+# its recorded steps and the manager's generation config.
+OnRequest = Callable[[Any, RequestSteps, Any], None]
+
+
+def _to_host(x: torch.Tensor) -> torch.Tensor:
+    """A host copy of `x` that does not make the host wait (pinned and non-blocking on CUDA: read once
+    the manager has synchronised to read the step's tokens, before the result is handed out)."""
+    if x.is_cuda:
+        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        return host.copy_(x, non_blocking=True)
+    return x.detach().clone()
+
+
+class _TappedProcessors:
+    """The runner's processor list, unchanged, with what it receives copied first (the raw logits)."""
+
+    def __init__(self, processors: Any) -> None:
+        self._processors = processors
+        self.raw: torch.Tensor | None = None  # what the list received at this step, on the host
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._processors, name)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.raw = _to_host(scores)
+        return self._processors(input_ids, scores, *args, **kwargs)
+
+
+def refusal(config: Any, use_async_batching: bool = False) -> str | None:
+    """Why a manager of continuous batching `config` cannot be recorded (None: it can, as far as `config`
+    says; transformers resolves what it leaves unset when the manager starts, checked again then)."""
+    if use_async_batching or getattr(config, "use_async_batching", None):
+        return ("asynchronous batching overlaps a batch's forward with the previous batch's update, which the "
+                "Recorder does not follow; set `ContinuousBatchingConfig(use_async_batching=False)`")
+    graphs = getattr(config, "use_cuda_graph", None)
+    if graphs is True or (isinstance(graphs, tuple) and any(graphs)):
+        return ("with CUDA graphs the runner's step replays a graph, past the Recorder's taps; set "
+                "`ContinuousBatchingConfig(use_cuda_graph=False)`")
+    for name in ("varlen_compile_config", "decode_compile_config"):
+        if getattr(config, name, None) is not None:
+            return f"a compiled forward (`{name}`) runs past the Recorder's taps; leave `{name}` unset"
+    return None
+
+
+def runner_known() -> bool:
+    """Whether this transformers release's continuous batching runs the model runner the capture taps (a
+    `ModelRunner` whose `_forward_process_and_sample` calls its processor list and `_sample`: 5.x)."""
+    try:
+        from transformers.generation.continuous_batching.model_runner import ModelRunner
+    except ImportError:
+        return False
+    return all(hasattr(ModelRunner, name) for name in ("_forward_process_and_sample", "_sample", "compute_batch"))
+
+
+def _unknown_runner() -> UnsupportedModeError:
+    return UnsupportedModeError(
+        f"transformers {_compat.TRANSFORMERS_VERSION} runs continuous batching through a runner the Recorder "
+        "does not know (it records the `ModelRunner` of 5.x); record `model.generate(**batch, "
+        "logits_processor=[rec])` on a left-padded batch instead, or upgrade transformers.")
+
+
+class ContinuousCapture:
+    """Records the requests a continuous batching manager runs, one `RequestSteps` per request id."""
+
+    def __init__(self, on_request: OnRequest) -> None:
+        self._on_request = on_request
+        self._lock = threading.Lock()
+        self._pending: dict[tuple[int, str], RequestSteps] = {}  # per (manager, request id)
+        self.closed = False  # the recorder closed: results handed out later are not recorded
+
+    def attach(self, manager: Any, options: Any) -> None:
+        """Tap `manager`'s next batch processor (made when it starts) and its finished results, for a
+        recorder of `options` (`RecorderOptions`).
+
+        Raises:
+            UnsupportedModeError: `manager` runs in a way that cannot be recorded (`refusal`), or `options`
+                ask for what continuous batching does not give.
+        """
+        unsupported = [name for name in options.streams if name not in ("logits", "scores")]
+        unsupported += [f"encodings={options.encodings}"] * bool(options.named_encodings)
+        unsupported += ["prompt_logprobs"] * (options.prompt_scoring is not None)
+        if unsupported:
+            raise UnsupportedModeError(
+                f"continuous batching is recorded as dense logits and scores, tokens and finished; this Recorder also "
+                f"asks for {', '.join(unsupported)}. Record it with `Recorder(model)` (or streams=('logits', 'scores')).")
+        if not runner_known() or not hasattr(manager, "_create_batch_processor"):
+            raise _unknown_runner()
+        problem = refusal(getattr(manager, "continuous_batching_config", None))
+        if problem is not None:
+            raise UnsupportedModeError(f"this continuous batching manager cannot be recorded: {problem}.")
+        create, get_result = manager._create_batch_processor, manager.get_result
+
+        def create_batch_processor(*args: Any, **kwargs: Any) -> Any:
+            processor = create(*args, **kwargs)
+            problem = refusal(manager.continuous_batching_config, getattr(processor, "use_async_batching", False))
+            if problem is not None:
+                raise UnsupportedModeError(f"this continuous batching manager cannot be recorded: {problem}.")
+            self._tap(processor.model_runner, id(manager))
+            return processor
+
+        def tapped_get_result(*args: Any, **kwargs: Any) -> Any:
+            result = get_result(*args, **kwargs)
+            if result is not None and result.is_finished():
+                self.finish(result, manager.generation_config, id(manager))
+            return result
+
+        manager._create_batch_processor = create_batch_processor
+        manager.get_result = tapped_get_result
+
+    def _tap(self, runner: Any, manager: int) -> None:
+        if isinstance(runner.logit_processor, _TappedProcessors):
+            return  # a manager reuses its batch processor (made at warm-up, then at start)
+        if getattr(runner, "use_cuda_graph_varlen", False) or getattr(runner, "use_cuda_graph_decode", False):
+            raise UnsupportedModeError("the continuous batching runner replays CUDA graphs, past the Recorder's "
+                                       "taps; set `ContinuousBatchingConfig(use_cuda_graph=False)`.")
+        if getattr(runner, "_compiled_varlen", None) is not None or getattr(runner, "_compiled_decode", None) is not None:
+            raise UnsupportedModeError("the continuous batching runner's forward is compiled, past the Recorder's "
+                                       "taps; leave its compile configs unset.")
+        runner.logit_processor = _TappedProcessors(runner.logit_processor)
+        sample = runner._sample
+
+        def tapped_sample(scores: torch.Tensor, output_ids: torch.Tensor) -> None:
+            sample(scores, output_ids)
+            self._on_sample(runner, manager, scores, output_ids)
+
+        runner._sample = tapped_sample
+
+    def _on_sample(self, runner: Any, manager: int, scores: torch.Tensor, output_ids: torch.Tensor) -> None:
+        """After a batch's sampling, in the manager's thread: each predicting request's row, to the host."""
+        ids = [future.state.request_id for future in runner.inputs_and_outputs.requests_in_batch
+               if future.has_new_token]
+        rows = len(ids)
+        processors = runner.logit_processor
+        processed = processors.do_processing
+        raw, processors.raw = processors.raw, None
+        logits = raw[:rows] if processed else _to_host(scores[0, :rows])
+        kept = _to_host(scores[0, :rows]) if processed else None
+        tokens = _to_host(output_ids[0, :rows])
+        with self._lock:
+            for row, request_id in enumerate(ids):
+                steps = self._pending.setdefault((manager, request_id), RequestSteps())
+                steps.logits.append(logits[row])
+                steps.scores.append(None if kept is None else kept[row])
+                steps.tokens.append(tokens[row])
+
+    def finish(self, result: Any, generation_config: Any, manager: int) -> None:
+        """A request's result was handed out by `manager` (its `id`): its steps go to the recorder."""
+        with self._lock:
+            steps = self._pending.pop((manager, result.request_id), RequestSteps())
+            if self.closed:
+                return
+        self._on_request(result, steps, generation_config)
+
+
+def check_tokens(result: Any, steps: RequestSteps) -> str | None:
+    """What disagrees between a request's recorded tokens and its result's `generated_tokens` (None: they are equal)."""
+    generated = [int(token) for token in result.generated_tokens]
+    recorded = [int(token) for token in steps.tokens[: len(generated)]]
+    if recorded == generated:
+        return None
+    first = next((t for t, (a, b) in enumerate(zip(recorded, generated)) if a != b), min(len(recorded), len(generated)))
+    return (f"request {result.request_id!r} returned {len(generated)} generated token(s) and {len(steps.tokens)} "
+            f"were recorded; they differ first at step {first}")
+
+
+def store_request(result: Any, steps: RequestSteps, generation_config: Any, *, index: int, open_store: Any,
+                  streams: tuple[str, ...]) -> tuple[Any, str | None]:
+    """Write one finished request as a generation of one row (its `sample_ids` its request id) through
+    `open_store` (the recorder's), checked against `result`; returns the store's `StoredGeneration` and
+    what disagreed, if anything (the generation is then incomplete)."""
+    from dataclasses import replace
+
+    from ..codecs.spec import SAME_AS_LOGITS
+    from ..store.header import GenerationHeader, jsonable
+    from .loop_check import RecordingMismatch
+
+    mismatch = check_tokens(result, steps)
+    error: BaseException | None = None
+    if getattr(result, "error", None):
+        error = RuntimeError(f"the continuous batching manager failed this request: {result.error}")
+    elif mismatch is not None:
+        error = RecordingMismatch(mismatch)
+    num_steps = len(result.generated_tokens) if mismatch is None else min(len(steps.tokens), len(result.generated_tokens))
+    once = all(kept is None for kept in steps.scores)  # no processor ran: the scores are the raw logits
+    names = [name for name in ("logits", "scores") if name in streams and not (name == "scores" and once)]
+    eos = jsonable(getattr(generation_config, "eos_token_id", None))
+    header = GenerationHeader(
+        index=index, mode=MODE, prompt_length=len(result.prompt_ids), num_beams=1,
+        eos_token_id=tuple(e for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int) and e >= 0),  # -1: none
+        generation_config={key: jsonable(value) for key, value in generation_config.to_diff_dict().items()
+                           if not key.startswith("_")},
+        prompt_lengths=None, pad_token_id=jsonable(getattr(generation_config, "pad_token_id", None)),
+        encodings={"scores": SAME_AS_LOGITS} if once and "scores" in streams and "logits" in streams else {},
+        sample_ids=(result.request_id,), sample_metadata=None, loop=None,
+    )
+    store = open_store([*names, "tokens", "finished"], header, max(num_steps, 1))
+    not_finished = torch.zeros(1, dtype=torch.bool)
+    for t in range(num_steps):
+        tensors = {"tokens": steps.tokens[t].reshape(1).long(), "finished": not_finished}
+        if "logits" in names:
+            tensors["logits"] = steps.logits[t][None]
+        if "scores" in names:
+            tensors["scores"] = (steps.logits[t] if steps.scores[t] is None else steps.scores[t])[None]
+        store.drain(t, tensors)
+    sequences = None
+    if error is None:
+        sequences = torch.tensor([[*result.prompt_ids, *result.generated_tokens]], dtype=torch.long)
+    stored = store.finish(num_steps, replace(header, num_rows=1), sequences, error, ring_waits=0)
+    return stored, None if error is None or mismatch is None else mismatch
+
+
+def run_recorded(model: Any, generate_batch: Any, args: tuple, kwargs: dict, attach: Callable[[Any], None]) -> Any:
+    """Run `generate_batch(*args, **kwargs)` with `attach` called on the continuous batching manager
+    it creates (through `model.init_continuous_batching`, wrapped on this instance for the call).
+
+    Raises:
+        UnsupportedModeError: this release's continuous batching is not recorded; before it runs.
+        RuntimeError: the call made no manager through `init_continuous_batching`, so nothing was recorded.
+    """
+    if not runner_known():
+        raise _unknown_runner()
+    init, own = model.init_continuous_batching, model.__dict__.get("init_continuous_batching")
+    attached = []
+
+    def init_continuous_batching(*init_args: Any, **init_kwargs: Any) -> Any:
+        manager = init(*init_args, **init_kwargs)
+        attach(manager)
+        attached.append(manager)
+        return manager
+
+    model.init_continuous_batching = init_continuous_batching
+    try:
+        output = generate_batch(*args, **kwargs)
+    finally:
+        if own is None:
+            del model.init_continuous_batching  # the class's method again
+        else:
+            model.init_continuous_batching = own
+    if not attached and (args[0] if args else kwargs.get("inputs")):  # generate_batch([]) makes none
+        raise RuntimeError("generate_batch() returned without making a continuous batching manager through "
+                           "`init_continuous_batching`, so nothing was recorded; please report this with your "
+                           "transformers version.")
+    return output
