@@ -160,7 +160,7 @@ class Recorder(Readable, LogitsProcessor):
         if not self._closed:
             self._closed = True
             _hooks.detach(self._model, self)
-            self._continuous.closed = True
+            self._continuous.close()
             if self._spill is not None:
                 self._spill.close()
             if not self._began and self._ran_without:
@@ -334,6 +334,8 @@ class Recorder(Readable, LogitsProcessor):
         docs/recording.md#continuous-batching says what is recorded.
 
         Raises:
+            TypeError: `manager` is not one; RuntimeError: this recorder is closed, the manager runs already,
+                or another recorder is attached to it (attaching again is a no-op).
             UnsupportedModeError: the manager batches asynchronously, replays CUDA graphs or compiles its
                 forward, or this recorder records what continuous batching does not give (attentions,
                 hidden states, statistics, encodings other than dense, prompt logprobs).

@@ -4,6 +4,8 @@ against the result transformers returns; what the runner does past the Recorder'
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from transformers import GenerationConfig, TemperatureLogitsWarper, TopKLogitsWarper
@@ -238,3 +240,100 @@ def test_on_cuda_each_step_leaves_the_device_without_a_synchronising_call(monkey
         generation = recording[request_id]
         assert generation.complete and [int(t) for t in torch.cat(generation.tokens())] == result.generated_tokens
         assert all(not step.is_cuda for step in generation.logits() + generation.scores())
+
+
+@RECORDED
+def test_a_persistent_manager_is_recorded_once_per_request_and_left_untapped_when_the_recorder_closes():
+    model = make_tiny("llama")
+    config = GenerationConfig(**GREEDY)
+    with Recorder(model) as rec:
+        for _ in range(3):  # the same manager each time: attaching again is a no-op
+            results = model.generate_batch(PROMPTS[:2], generation_config=config, logits_processor=[rec],
+                                           progress_bar=False, persistent_manager=True)
+    assert len(rec.generations) == 6 and all(g.complete and g.num_steps == 5 for g in rec.generations)
+    with Recorder(model) as again:  # the first recorder's taps are gone: the next one records the same manager
+        results = model.generate_batch(PROMPTS[:2], generation_config=config, logits_processor=[again],
+                                       progress_bar=False, persistent_manager=True)
+    assert len(again.generations) == 2 and all(g.complete for g in again.generations)
+    for request_id, result in results.items():
+        assert [int(t) for t in torch.cat(_by_request(again.generations)[request_id].tokens())] == result.generated_tokens
+
+
+@RECORDED
+def test_a_manager_is_recorded_by_one_recorder_attached_before_it_starts():
+    model = make_tiny("llama")
+    manager = model.init_continuous_batching(generation_config=GenerationConfig(**GREEDY))
+    with Recorder(model) as first, Recorder(model) as second:
+        first.attach(manager)
+        first.attach(manager)  # no-op
+        with pytest.raises(RuntimeError, match="another Recorder"):
+            second.attach(manager)
+        manager.start()
+        try:
+            with pytest.raises(RuntimeError, match="before `manager.start\\(\\)`"):
+                Recorder(model).attach(manager)
+            manager.add_request(PROMPTS[0], request_id="q")
+            result = None
+            while result is None:
+                result = manager.get_result(timeout=5)
+        finally:
+            manager.stop(block=True)
+    assert len(first.generations) == 1 and first.generations[0].complete and second.generations == ()
+    with pytest.raises(RuntimeError, match="closed"):
+        first.attach(manager)
+    with pytest.raises(TypeError, match="continuous batching manager"):
+        Recorder(model).attach(object())
+
+
+@RECORDED
+def test_num_return_sequences_gives_a_one_row_generation_per_returned_sequence():
+    model = make_tiny("llama")
+    with Recorder(model) as rec:
+        results = _batch(model, rec, {**SAMPLED, "num_return_sequences": 2})
+    assert len(results) == 2 * len(PROMPTS) == len(rec.generations)
+    for sample in rec.samples():
+        assert sample["rows"] == [0] and sample["sequences"] == [0] and sample["prompt_length"] > 0
+    for request_id, result in results.items():
+        assert [int(t) for t in torch.cat(_by_request(rec.generations)[request_id].tokens())] == result.generated_tokens
+
+
+@RECORDED
+def test_a_bare_recorder_is_refused_and_other_processors_are_named_as_not_run():
+    from transformers import LogitsProcessor
+
+    class Boost(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            return scores + 100 * (torch.arange(scores.shape[-1]) == 7)
+
+    model = make_tiny("llama")
+    config = GenerationConfig(**GREEDY)
+    with Recorder(model) as rec:
+        with pytest.raises(TypeError, match="must be a list"):
+            model.generate_batch(PROMPTS[:1], generation_config=config, logits_processor=rec, progress_bar=False)
+        with pytest.warns(UserWarning, match="does not run the `logits_processor` it is given \\(Boost\\)"):
+            model.generate_batch(PROMPTS[:1], generation_config=config, logits_processor=[Boost(), rec],
+                                 progress_bar=False)
+    (generation,) = rec.generations
+    assert generation.complete and all(torch.equal(a, b) for a, b in zip(generation.logits(), generation.scores()))
+
+
+@RECORDED
+def test_requests_not_handed_out_before_close_are_named_and_their_steps_dropped():
+    from transformers_offload.errors import UnrecordedCallWarning
+
+    model = make_tiny("llama")
+    manager = model.init_continuous_batching(generation_config=GenerationConfig(**{**GREEDY, "max_new_tokens": 3}))
+    rec = Recorder(model)
+    rec.attach(manager)
+    manager.start()
+    try:
+        manager.add_request(PROMPTS[0], request_id="never-read")
+        deadline = time.monotonic() + 60
+        while not rec._continuous._pending and time.monotonic() < deadline:  # noqa: SLF001 - a step recorded
+            time.sleep(0.01)
+    finally:
+        manager.stop(block=True)
+    with pytest.warns(UnrecordedCallWarning, match="never-read"):
+        rec.close()
+    assert rec.generations == () and not rec._continuous._pending  # noqa: SLF001
+    assert "get_result" not in vars(manager)

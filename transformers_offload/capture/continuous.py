@@ -17,13 +17,14 @@ runner's Python code does not run at each step).
 from __future__ import annotations
 
 import threading
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from .. import _compat
-from ..errors import UnsupportedModeError
+from ..errors import UnrecordedCallWarning, UnsupportedModeError
 
 MODE = "continuous_batching"  # the generations' `mode`
 
@@ -100,23 +101,45 @@ def _unknown_runner() -> UnsupportedModeError:
         "logits_processor=[rec])` on a left-padded batch instead, or upgrade transformers.")
 
 
+_CAPTURE = "_transformers_offload_capture"  # the manager's attribute naming the capture attached to it
+
+
 class ContinuousCapture:
-    """Records the requests a continuous batching manager runs, one `RequestSteps` per request id."""
+    """Records the requests of the continuous batching managers it is attached to, one `RequestSteps` per
+    request, until `close`."""
 
     def __init__(self, on_request: OnRequest) -> None:
         self._on_request = on_request
         self._lock = threading.Lock()
         self._pending: dict[tuple[int, str], RequestSteps] = {}  # per (manager, request id)
-        self.closed = False  # the recorder closed: results handed out later are not recorded
+        self._managers: list[Any] = []  # attached, with their taps to remove at `close`
+        self.closed = False
 
     def attach(self, manager: Any, options: Any) -> None:
-        """Tap `manager`'s next batch processor (made when it starts) and its finished results, for a
-        recorder of `options` (`RecorderOptions`).
+        """Tap `manager`'s batch processor (now if it has one, else when it makes it) and its finished
+        results, for a recorder of `options` (`RecorderOptions`). Attaching again is a no-op.
 
         Raises:
+            TypeError: `manager` is not a continuous batching manager.
+            RuntimeError: this capture is closed; `manager` is running already, or another recorder is
+                attached to it.
             UnsupportedModeError: `manager` runs in a way that cannot be recorded (`refusal`), or `options`
                 ask for what continuous batching does not give.
         """
+        if not all(callable(getattr(manager, name, None)) for name in ("add_request", "get_result", "start")):
+            raise TypeError(f"`attach` takes a continuous batching manager (`model.init_continuous_batching()`), "
+                            f"got {type(manager).__name__}.")
+        if self.closed:
+            raise RuntimeError("this Recorder is closed; create a new `Recorder(model)` to record this manager.")
+        owner = getattr(manager, _CAPTURE, None)
+        if owner is self:
+            return
+        if callable(getattr(manager, "is_running", None)) and manager.is_running():
+            raise RuntimeError("this continuous batching manager is running: attach the Recorder before "
+                               "`manager.start()`, so that every step of its requests is recorded.")
+        if owner is not None:
+            raise RuntimeError("another Recorder is attached to this continuous batching manager: one records it at "
+                               "a time; close that one first.")
         unsupported = [name for name in options.streams if name not in ("logits", "scores")]
         unsupported += [f"encodings={options.encodings}"] * bool(options.named_encodings)
         unsupported += ["prompt_logprobs"] * (options.prompt_scoring is not None)
@@ -132,12 +155,7 @@ class ContinuousCapture:
         create, get_result = manager._create_batch_processor, manager.get_result
 
         def create_batch_processor(*args: Any, **kwargs: Any) -> Any:
-            processor = create(*args, **kwargs)
-            problem = refusal(manager.continuous_batching_config, getattr(processor, "use_async_batching", False))
-            if problem is not None:
-                raise UnsupportedModeError(f"this continuous batching manager cannot be recorded: {problem}.")
-            self._tap(processor.model_runner, id(manager))
-            return processor
+            return self._tap(manager, create(*args, **kwargs))
 
         def tapped_get_result(*args: Any, **kwargs: Any) -> Any:
             result = get_result(*args, **kwargs)
@@ -147,10 +165,19 @@ class ContinuousCapture:
 
         manager._create_batch_processor = create_batch_processor
         manager.get_result = tapped_get_result
+        setattr(manager, _CAPTURE, self)
+        self._managers.append(manager)
+        if getattr(manager, "batch_processor", None) is not None:  # kept from an earlier run (`persistent_manager`)
+            self._tap(manager, manager.batch_processor)
 
-    def _tap(self, runner: Any, manager: int) -> None:
+    def _tap(self, manager: Any, processor: Any) -> Any:
+        """Tap the model runner of `manager`'s batch `processor` (once); returns `processor`."""
+        problem = refusal(manager.continuous_batching_config, getattr(processor, "use_async_batching", False))
+        if problem is not None:
+            raise UnsupportedModeError(f"this continuous batching manager cannot be recorded: {problem}.")
+        runner = processor.model_runner
         if isinstance(runner.logit_processor, _TappedProcessors):
-            return  # a manager reuses its batch processor (made at warm-up, then at start)
+            return processor  # a manager reuses its batch processor (made at warm-up, then at start)
         if getattr(runner, "use_cuda_graph_varlen", False) or getattr(runner, "use_cuda_graph_decode", False):
             raise UnsupportedModeError("the continuous batching runner replays CUDA graphs, past the Recorder's "
                                        "taps; set `ContinuousBatchingConfig(use_cuda_graph=False)`.")
@@ -158,13 +185,14 @@ class ContinuousCapture:
             raise UnsupportedModeError("the continuous batching runner's forward is compiled, past the Recorder's "
                                        "taps; leave its compile configs unset.")
         runner.logit_processor = _TappedProcessors(runner.logit_processor)
-        sample = runner._sample
+        sample, key = runner._sample, id(manager)
 
         def tapped_sample(scores: torch.Tensor, output_ids: torch.Tensor) -> None:
             sample(scores, output_ids)
-            self._on_sample(runner, manager, scores, output_ids)
+            self._on_sample(runner, key, scores, output_ids)
 
         runner._sample = tapped_sample
+        return processor
 
     def _on_sample(self, runner: Any, manager: int, scores: torch.Tensor, output_ids: torch.Tensor) -> None:
         """After a batch's sampling, in the manager's thread: each predicting request's row, to the host."""
@@ -191,6 +219,28 @@ class ContinuousCapture:
             if self.closed:
                 return
         self._on_request(result, steps, generation_config)
+
+    def close(self) -> None:
+        """Remove the taps from every attached manager (its kept batch processor's too) and drop the steps of
+        requests whose result was not handed out (read another way than `get_result`, cancelled, or still
+        running), warning `UnrecordedCallWarning` with their ids."""
+        with self._lock:
+            self.closed = True
+            dropped = sorted({request_id for _, request_id in self._pending})
+            self._pending.clear()
+        for manager in self._managers:
+            for name in ("_create_batch_processor", "get_result", _CAPTURE):
+                manager.__dict__.pop(name, None)
+            runner = getattr(getattr(manager, "batch_processor", None), "model_runner", None)
+            if runner is not None and isinstance(runner.logit_processor, _TappedProcessors):
+                runner.logit_processor = runner.logit_processor._processors
+                runner.__dict__.pop("_sample", None)
+        self._managers.clear()
+        if dropped:
+            warnings.warn(UnrecordedCallWarning(
+                f"continuous batching requests {dropped} were not recorded: their results were not handed out "
+                "through `manager.get_result()` before the Recorder closed (cancelled, still running, or read "
+                "another way)."), stacklevel=3)
 
 
 def check_tokens(result: Any, steps: RequestSteps) -> str | None:
@@ -229,8 +279,8 @@ def store_request(result: Any, steps: RequestSteps, generation_config: Any, *, i
         index=index, mode=MODE, prompt_length=len(result.prompt_ids), num_beams=1,
         eos_token_id=tuple(e for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int) and e >= 0),  # -1: none
         generation_config={key: jsonable(value) for key, value in generation_config.to_diff_dict().items()
-                           if not key.startswith("_")},
-        prompt_lengths=None, pad_token_id=jsonable(getattr(generation_config, "pad_token_id", None)),
+                           if not key.startswith("_") and key != "num_return_sequences"},  # a request is one row
+        prompt_lengths=(len(result.prompt_ids),), pad_token_id=jsonable(getattr(generation_config, "pad_token_id", None)),
         encodings={"scores": SAME_AS_LOGITS} if once and "scores" in streams and "logits" in streams else {},
         sample_ids=(result.request_id,), sample_metadata=None, loop=None,
     )
@@ -260,6 +310,11 @@ def run_recorded(model: Any, generate_batch: Any, args: tuple, kwargs: dict, att
     """
     if not runner_known():
         raise _unknown_runner()
+    if kwargs.get("logits_processor"):
+        names = ", ".join(type(p).__name__ for p in kwargs["logits_processor"])
+        warnings.warn(f"generate_batch() does not run the `logits_processor` it is given ({names}): continuous "
+                      "batching builds its processors from the generation config. The Recorder records what it ran.",
+                      UserWarning, stacklevel=4)
     init, own = model.init_continuous_batching, model.__dict__.get("init_continuous_batching")
     attached = []
 

@@ -193,6 +193,8 @@ class ModelHooks:
 
     def _wrap_generate_batch(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def generate_batch(*args: Any, **kwargs: Any) -> Any:
+            if _is_recorder(kwargs.get("logits_processor")):
+                raise TypeError("`logits_processor` must be a list: pass `logits_processor=[rec]`.")
             processors = _as_list(kwargs.get("logits_processor") or ())
             recorder = next((p for p in processors if _is_recorder(p)), None) or self._recorder_of_call({})
             if recorder is None:
