@@ -149,7 +149,9 @@ def test_spilling_every_layers_attentions_keeps_peak_memory_flat(real_model):
 
     A decode step t holds 30 layers x 4 rows x 9 heads x (prompt + t) keys x 4 bytes (about 0.6 MiB
     here, one more key per step); the spilling recorder may add its three shard buffers over stock
-    generate(), the in-memory store grows by every late step's attentions.
+    generate(), each up to twice the shard's size for a stream whose steps grow (a ragged stream's flat
+    buffer grows by doubling, `store.shard_buffer.ShardBuffer.put_ragged`), whatever the number of steps;
+    the in-memory store grows by every late step's attentions.
     """
     steps, checkpoint, shard_mib = 160, 32, 4
 
@@ -165,8 +167,9 @@ def test_spilling_every_layers_attentions_keeps_peak_memory_flat(real_model):
     stock, spill, memory = runs["none"], runs["spill"], runs["memory"]
     prompt = memory["prompt_length"]  # of the left-padded batch
     late_mib = sum(30 * BATCH * 9 * (prompt + t) * 4 for t in range(checkpoint, steps)) / 2**20
-    assert late_mib > 2 * 3 * shard_mib  # the bound below tells the two stores apart
-    assert spill["growth_mib"] <= stock["growth_mib"] + 3 * shard_mib, (stock, spill)
+    ragged_buffers_mib = 3 * 2 * shard_mib  # measured over stock: 12.4 to 16.5 MiB (least of 3 runs)
+    assert late_mib > 2 * ragged_buffers_mib  # the bound below tells the two stores apart
+    assert spill["growth_mib"] <= stock["growth_mib"] + ragged_buffers_mib, (stock, spill)
     assert memory["growth_mib"] >= stock["growth_mib"] + 0.9 * late_mib, (stock, memory, late_mib)
     assert spill["bytes_written"] > late_mib * 2**20
 
