@@ -19,8 +19,6 @@ from transformers import (
     GenerationConfig,
     GPT2Config,
     GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
     LogitsProcessor,
     PreTrainedTokenizerFast,
     RepetitionPenaltyLogitsProcessor,
@@ -47,6 +45,10 @@ TRANSFORMERS = transformers.__version__  # for messages; release facts live in _
 # `_compat.HF_RAW_LOGITS_EXACT`); before that the reference is a clean capture of the forward output.
 HAS_OUTPUT_LOGITS = hasattr(GenerationConfig(), "output_logits")
 HF_LOGITS_EXACT = _compat.HF_RAW_LOGITS_EXACT
+# Llama arrives in 4.28; `attn_implementation` (eager, sdpa...) in 4.36, before which these families'
+# attention is eager (the weights are returned) with no other to choose.
+HAS_LLAMA = hasattr(transformers, "LlamaConfig")
+HAS_ATTN_IMPLEMENTATION = _compat.Version(TRANSFORMERS) >= _compat.Version("4.36.0")
 
 
 def missing_options(kwargs: dict) -> list[str]:
@@ -269,12 +271,33 @@ class Reference:
     beam_indices: torch.Tensor | None  # (returned, generated length): 4.50's layout on every release
 
 
+def refused_here(kwargs: dict) -> str | None:
+    """The mode `generate(**kwargs)` runs, where this release's Recorder refuses it (beam sampling before
+    4.35, assisted decoding before 4.36: `_compat.SUPPORTED_MODES`); None where it is recorded."""
+    if kwargs.get("num_beams", 1) > 1 and kwargs.get("do_sample") and "beam_sample" not in _compat.SUPPORTED_MODES:
+        return "beam_sample"
+    assisted = kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens")
+    if assisted and "assisted_generation" not in _compat.SUPPORTED_MODES:
+        return "assisted_generation"
+    return None
+
+
+def skip_if_refused(kwargs: dict) -> None:
+    """Skip the test where this release's Recorder refuses the mode `generate(**kwargs)` runs (`refused_here`)."""
+    refused = refused_here(kwargs)
+    if refused:
+        pytest.skip(f"transformers {TRANSFORMERS}: the Recorder refuses {refused!r} (its refusal is tested)")
+
+
 def hf_reference(model, **kwargs) -> Reference:
     """Run `model.generate(**kwargs)` with Hugging Face's own per-step outputs, as the reference.
 
     The model's next-token logits are also captured from its forward output, which is what a
     processor list receives before any processor runs; from 4.40 they must equal `out.logits`.
+    A mode this release's Recorder refuses skips the test (`refused_here`; the main tests check the
+    refusal itself).
     """
+    skip_if_refused(kwargs)
     captured = []
 
     def capture(module, args, output):
@@ -330,12 +353,14 @@ def _tiny_gpt2() -> torch.nn.Module:
 
 
 def _tiny_llama() -> torch.nn.Module:
-    config = LlamaConfig(
+    if not HAS_LLAMA:
+        pytest.skip(f"transformers {TRANSFORMERS} has no Llama (it arrives in 4.28)")
+    config = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
         bos_token_id=2, eos_token_id=EOS, pad_token_id=PAD,
     )
-    return LlamaForCausalLM(config)
+    return transformers.LlamaForCausalLM(config)
 
 
 def _tiny_t5() -> torch.nn.Module:
@@ -361,15 +386,25 @@ TINY_MODELS = {"gpt2": _tiny_gpt2, "llama": _tiny_llama}
 ENCODER_DECODERS = {"t5": _tiny_t5, "bart": _tiny_bart}
 
 
+def attention(attn_implementation: str | None) -> dict[str, str]:
+    """The keywords that load a model with `attn_implementation` on this release: none before 4.36,
+    where attention is eager only (the test is skipped for any other)."""
+    if attn_implementation is None or HAS_ATTN_IMPLEMENTATION:
+        return {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    if attn_implementation != "eager":
+        pytest.skip(f"transformers {TRANSFORMERS} has eager attention only (`attn_implementation` arrives in 4.36)")
+    return {}
+
+
 def make_tiny(name: str, seed: int = 0, attn_implementation: str | None = None) -> torch.nn.Module:
     """A tiny model from `TINY_MODELS` or `ENCODER_DECODERS`, seeded; `attn_implementation` as in
     `from_pretrained` (default: the release's own default)."""
     build = {**TINY_MODELS, **ENCODER_DECODERS}[name]
     torch.manual_seed(seed)
     model = build()
-    if attn_implementation is not None:
+    if attention(attn_implementation):
         torch.manual_seed(seed)
-        model = type(model)._from_config(model.config, attn_implementation=attn_implementation)
+        model = type(model)._from_config(model.config, **attention(attn_implementation))
     model = model.eval()
     # Random weights give near-uniform logits; sharpen them so greedy and beam choices are not ties.
     with torch.no_grad():

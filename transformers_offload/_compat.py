@@ -86,8 +86,17 @@ LIST_BUILDERS = ("_get_logits_processor", "_get_stopping_criteria") + (
 CONTRASTIVE_IN_LIBRARY = hasattr(GenerationMixin, "_contrastive_search") or hasattr(GenerationMixin, "contrastive_search")
 DOLA_IN_LIBRARY = hasattr(GenerationMixin, "_dola_decoding")  # 4.43-4.56
 GROUP_BEAM_IN_LIBRARY = hasattr(GenerationMixin, "_group_beam_search") or hasattr(GenerationMixin, "group_beam_search")
+_VERSION = Version(TRANSFORMERS_VERSION)
+# Before 4.35 beam sampling samples from the warpers run on the processed scores plus the running beam
+# scores, and returns in `out.scores` the warpers run again on the processed scores alone (a second call,
+# made only with `output_scores`); before 4.36 assisted decoding's recorded scores differed from
+# `out.scores` by up to 4.8e-7 (4.34.1, a tiny Llama): neither is recorded there.
+BEAM_SAMPLE_RECORDED = _VERSION >= Version("4.35.0")
+ASSISTED_RECORDED = _VERSION >= Version("4.36.0")
 SUPPORTED_MODES = (
-    ("greedy_search", "sample", "beam_search", "beam_sample", "assisted_generation")
+    ("greedy_search", "sample", "beam_search")
+    + (("beam_sample",) if BEAM_SAMPLE_RECORDED else ())
+    + (("assisted_generation",) if ASSISTED_RECORDED else ())
     + (("contrastive_search",) if CONTRASTIVE_IN_LIBRARY else ())
     + (("dola_generation",) if DOLA_IN_LIBRARY else ())
     + (("group_beam_search",) if GROUP_BEAM_IN_LIBRARY else ())
@@ -100,6 +109,9 @@ UNSUPPORTED_BECAUSE = {
     "contrastive_search": _FROM_THE_HUB,
     "dola_generation": _FROM_THE_HUB,
     "group_beam_search": _FROM_THE_HUB,
+    "beam_sample": "before 4.35 it samples from the warpers run on the scores plus each beam's running score, "
+    "and returns in `out.scores` the warpers run again without them, a call the loop does not make while recording",
+    "assisted_generation": "before 4.36 its recorded scores are not bit-equal to `out.scores`",
     "constrained_beam_search": "its `out.scores` add each beam's running score to the processed scores, "
     "which the recorder cannot see",
 }
@@ -359,10 +371,10 @@ def _chunked_padded_forward() -> bool:
     # out of range for a forward of several new positions over a cache when a row is left-padded; 4.37 rewrote it.
     try:
         from transformers.modeling_attn_mask_utils import AttentionMaskConverter
-    except ImportError:  # pragma: no cover - a release without the converter builds masks otherwise
-        return True
+    except ImportError:  # before 4.36: Llama's rotary table holds only as many positions as keys so far, so a
+        return False     # left-padded row's position 1 is out of range in a first chunk of one position
     unmask = getattr(AttentionMaskConverter, "_unmask_unattended", None)
     return unmask is None or "unmasked_value" not in inspect.signature(unmask).parameters
 
 
-CHUNKED_PADDED_FORWARD = _chunked_padded_forward()  # False on 4.36 (with SDPA attention)
+CHUNKED_PADDED_FORWARD = _chunked_padded_forward()  # False up to 4.36 (with SDPA attention on 4.36)

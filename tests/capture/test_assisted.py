@@ -23,6 +23,7 @@ from ..helpers import (
     assisted_source,
     make_tiny,
     missing_options,
+    refused_here,
 )
 
 SEED = 11
@@ -45,13 +46,20 @@ class CountRawCalls:
 
 @pytest.mark.parametrize("config", sorted(ASSISTED_CONFIGS))
 @pytest.mark.parametrize("source", ASSISTED_SOURCES)
-def test_assisted_recording_equals_hugging_face(source, config, store, tmp_path, monkeypatch):
+def test_assisted_recording_equals_hugging_face(source, config, store, tmp_path, monkeypatch, record_property):
     model = make_tiny("llama")  # untied embeddings: a random GPT-2 drafts exactly what its target picks
     kwargs, processors = ASSISTED_CONFIGS[config]
     extra = assisted_source(source)
     if source == "prompt_lookup" and missing_options(extra):
         pytest.skip(f"transformers {TRANSFORMERS} has no {missing_options(extra)}")
     common = dict(max_new_tokens=NEW_TOKENS, **kwargs, **extra)
+    if refused_here(common):  # before 4.36: before generation, naming the mode
+        record_property("outcome", "refused")  # for the support table (docs/support.md)
+        with Recorder(model, **store.options(shard_bytes=1_500)) as rec:
+            with pytest.raises(UnsupportedModeError, match="assisted_generation"):
+                model.generate(**ASSISTED_PROMPT, logits_processor=[rec], **common)
+        assert rec.generations == ()
+        return
     torch.manual_seed(SEED)
     output_logits = {"output_logits": True} if HAS_OUTPUT_LOGITS else {}
     reference = model.generate(**ASSISTED_PROMPT, **common, return_dict_in_generate=True, output_scores=True, **output_logits)

@@ -16,7 +16,7 @@ from transformers import (
 from transformers_offload import Recorder
 from transformers_offload.capture.hooks import is_hooked
 
-from ..helpers import HF_LOGITS_EXACT, assert_steps_equal
+from ..helpers import HF_LOGITS_EXACT, assert_steps_equal, attention
 
 IMAGE_TOKEN = 98
 
@@ -31,9 +31,9 @@ def blip2(attn_implementation: str | None = None) -> Blip2ForConditionalGenerati
     config = Blip2Config(vision_config=vision.to_dict(), qformer_config=qformer.to_dict(), text_config=text.to_dict(),
                          num_query_tokens=4, image_token_index=IMAGE_TOKEN)
     torch.manual_seed(0)
-    if attn_implementation is None:
+    if not attention(attn_implementation):
         return Blip2ForConditionalGeneration(config).eval()
-    return Blip2ForConditionalGeneration._from_config(config, attn_implementation=attn_implementation).eval()
+    return Blip2ForConditionalGeneration._from_config(config, **attention(attn_implementation)).eval()
 
 
 def _inputs() -> dict:

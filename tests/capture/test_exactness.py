@@ -16,7 +16,7 @@ from transformers.generation import (
     TopPLogitsWarper,
 )
 
-from transformers_offload import DeviceAccumulationWarning, Recorder, open_recording
+from transformers_offload import DeviceAccumulationWarning, Recorder, UnsupportedModeError, open_recording
 
 from ..helpers import (
     CASES,
@@ -33,6 +33,7 @@ from ..helpers import (
     left_padded_batch,
     make_tiny,
     missing_options,
+    refused_here,
     resolve_eos,
 )
 
@@ -78,8 +79,18 @@ def _run_pair(model, case, user_processors, placement, spill_dir=None):
 
 @pytest.mark.parametrize("reader", READERS)
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_recording_equals_hugging_face(tiny_model, case, reader, tmp_path):
+def test_recording_equals_hugging_face(tiny_model, case, reader, tmp_path, record_property):
     spill_dir = None if reader == "memory" else tmp_path / "run"
+    refused = refused_here(CASES[case])
+    if refused:  # before generation, naming the mode; nothing recorded
+        record_property("outcome", "refused")  # for the support table (docs/support.md)
+        batch = left_padded_batch()
+        kwargs, _ = resolve_eos(tiny_model, batch, CASES[case])
+        with Recorder(tiny_model) as rec:
+            with pytest.raises(UnsupportedModeError, match=refused):
+                tiny_model.generate(**batch, logits_processor=[rec], max_new_tokens=NEW_TOKENS, **kwargs)
+        assert rec.generations == ()
+        return
     batch, kwargs, eos_ids, reference, sequences, rec = _run_pair(tiny_model, case, [], 0, spill_dir)
     prompt = batch["input_ids"].shape[1]
     if reader == "open_recording":

@@ -10,7 +10,18 @@ import torch
 
 from transformers_offload import Recorder, UnsupportedModeError, _compat, open_recording
 
-from ..helpers import ENCODER_DECODERS, TINY_MODELS, TRANSFORMERS, Boom, FailAtStep, left_padded_batch, make_tiny, missing_options
+from ..helpers import (
+    ENCODER_DECODERS,
+    TINY_MODELS,
+    TRANSFORMERS,
+    Boom,
+    FailAtStep,
+    attention,
+    left_padded_batch,
+    make_tiny,
+    missing_options,
+    skip_if_refused,
+)
 
 NEW_TOKENS = 7
 LAYER_STREAMS = ("logits", "scores", "attentions", "hidden_states")
@@ -58,6 +69,7 @@ def _skip_missing(kwargs):
 
 def _both(name, mode, reader, tmp_path):
     """An eager tiny model, Hugging Face's outputs of a call in `mode`, and the recording of the same call."""
+    skip_if_refused(MODES[mode])
     model = make_tiny(name, attn_implementation="eager")
     batch = left_padded_batch()
     kwargs = dict(MODES[mode], max_new_tokens=NEW_TOKENS)
@@ -487,7 +499,7 @@ def test_encoder_and_decoder_with_different_head_counts(tmp_path):
         pad_token_id=0, eos_token_id=1, bos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None,
     )
     torch.manual_seed(0)
-    model = BartForConditionalGeneration._from_config(config, attn_implementation="eager").eval()
+    model = BartForConditionalGeneration._from_config(config, **attention("eager")).eval()
     batch = left_padded_batch()
     reference = _reference(model, batch, max_new_tokens=4)
     _, rec = _record(model, batch, "open_recording", tmp_path, options={"heads": [1, -1]}, max_new_tokens=4)

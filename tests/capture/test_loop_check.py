@@ -10,7 +10,7 @@ from transformers import GPT2LMHeadModel
 from transformers_offload import Recorder, RecordingMismatchWarning
 from transformers_offload.capture.loop_check import StepLog, check_beams, check_loop
 
-from ..helpers import assert_steps_equal, hf_reference, left_padded_batch, make_tiny
+from ..helpers import assert_steps_equal, hf_reference, left_padded_batch, make_tiny, skip_if_refused
 
 
 class TwiceThenSecond(GPT2LMHeadModel):
@@ -144,6 +144,7 @@ def test_a_reworked_beam_search_result_is_caught(rework):
     {"num_beams": 4, "length_penalty": -2.0}, {"num_beams": 2, "eos_token_id": [1, 5, 9, 11], "max_new_tokens": 12},
 ], ids=["beam", "all-beams", "beam-sample", "short-preferred", "early-ends"])
 def test_stock_beam_searches_pass_the_check(gpt2, options):
+    skip_if_refused(options)
     # filterwarnings=error: a RecordingMismatchWarning would fail this test.
     with Recorder(gpt2) as rec:
         torch.manual_seed(0)

@@ -10,7 +10,7 @@ import torch
 
 from transformers_offload import Recorder, open_recording
 
-from ..helpers import HF_LOGITS_EXACT, assert_steps_equal, left_padded_batch, make_tiny
+from ..helpers import HF_LOGITS_EXACT, assert_steps_equal, attention, left_padded_batch, make_tiny
 
 STREAMS = ("logits", "scores", "attentions", "hidden_states")
 
@@ -23,7 +23,7 @@ def _split(tmp_path, first, second):
     tiny.save_pretrained(tmp_path / "model")
     device_map = {f"model.{name}": first for name, _ in tiny.model.named_children() if name != "layers"}
     device_map.update({"model.layers.0": first, "model.layers.1": second, "model.norm": second, "lm_head": second})
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model", device_map=device_map, attn_implementation="eager",
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model", device_map=device_map, **attention("eager"),
                                                  offload_folder=str(tmp_path / "offload"), local_files_only=True)
     return model.eval()
 
