@@ -164,8 +164,9 @@ def provisional_generation_config(model: Any, generation_config: Any, kwargs: di
     the call's keyword arguments), so that an unsupported mode is refused before `generate()` does
     any work; the recorder checks again on the final config inside `generate()`.
     """
-    base = generation_config if generation_config is not None else model.generation_config
-    config = copy.deepcopy(base)
+    base = generation_config if generation_config is not None else getattr(model, "generation_config", None)
+    # Up to 4.32 a composite model (BLIP-2) has none of its own: its generate() hands the call on.
+    config = copy.deepcopy(base) if base is not None else transformers.GenerationConfig()
     config.update(**{k: v for k, v in kwargs.items() if hasattr(config, k)})
     return config
 

@@ -12,6 +12,7 @@ import torch
 from transformers.generation import LogitsProcessor
 
 from .capture import continuous as _continuous
+from .capture import continuous_requests as _requests
 from .capture import hooks as _hooks
 from .capture import layers as _layers
 from .capture import prompt_logprobs as _prompt_logprobs
@@ -152,6 +153,8 @@ class Recorder(Readable, LogitsProcessor):
         self._began = 0  # generate() calls that carried this recorder
         self._ran_without = 0  # the model's generate() calls that did not
         self._continuous = _continuous.ContinuousCapture(self._on_request)
+        self._request_writing = _requests.RequestWriting(  # each continuous batching request's
+            self._options, getattr(model, "dtype", torch.float32), self._encoding_generators, self._open_store)
         _hooks.attach(model, self)
 
     # -- lifecycle ---------------------------------------------------------------------------------------
@@ -337,8 +340,7 @@ class Recorder(Readable, LogitsProcessor):
             TypeError: `manager` is not one; RuntimeError: this recorder is closed, the manager runs already,
                 or another recorder is attached to it (attaching again is a no-op).
             UnsupportedModeError: the manager batches asynchronously, replays CUDA graphs or compiles its
-                forward, or this recorder records what continuous batching does not give (attentions,
-                hidden states, statistics, encodings other than dense, prompt logprobs).
+                forward, or this recorder records attentions, hidden states or prompt logprobs.
         """
         self._continuous.attach(manager, self._options)
         self._began += 1
@@ -349,10 +351,8 @@ class Recorder(Readable, LogitsProcessor):
     def _on_request(self, result: Any, steps: Any, generation_config: Any) -> None:
         with self._lock:
             index = self._spill.next_index if self._spill is not None else len(self._generations)
-            stored, mismatch = _continuous.store_request(result, steps, generation_config, index=index,
-                                                         open_store=self._open_store, streams=self.streams)
-            generation = generation_of(stored)
-            self._generations.append(generation)
+            stored, mismatch = _requests.store(result, steps, generation_config, index=index, writing=self._request_writing)
+            self._generations.append(generation := generation_of(stored))
         if mismatch is not None:
             warnings.warn(RecordingMismatchWarning.about(generation.index, mismatch), stacklevel=4)
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import GenerationConfig, TemperatureLogitsWarper, TopKLogitsWarper
 
-from transformers_offload import Recorder, UnsupportedModeError, _compat
-from transformers_offload.capture import continuous
+from transformers_offload import Recorder, RecordingMismatchWarning, UnsupportedModeError, _compat
+from transformers_offload.capture import continuous, continuous_requests
 
-from ..helpers import make_tiny
+from ..helpers import STATS_KEYS, assert_steps_equal, assert_topk_equal, expected_stats, make_tiny
 
 pytestmark = [
     pytest.mark.skipif(not _compat.CONTINUOUS_BATCHING_ENTRIES,
@@ -121,6 +121,64 @@ def test_the_logprobs_rl_needs_are_their_expressions_and_near_a_float64_computat
 
 
 @RECORDED
+@pytest.mark.parametrize("options", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_stats_are_their_expressions_on_the_recorded_logits_scores_and_tokens(options, store):
+    model = make_tiny("llama")
+    with Recorder(model, streams=("logits", "scores", "stats"), **store.options()) as rec:
+        results = _batch(model, rec, options)
+    checked = 0
+    for generation in store.reopen(rec).generations:
+        assert generation.complete and generation.num_steps == len(results[generation.sample_ids[0]].generated_tokens)
+        for t, (step, x, s, y) in enumerate(zip(generation.step_stats(), generation.logits(), generation.scores(),
+                                                 generation.tokens())):
+            expected = expected_stats(x, s, y, None)
+            for name in STATS_KEYS:
+                assert step[name].dtype == expected[name].dtype, (t, name)
+                assert torch.equal(step[name], expected[name]), (generation.sample_ids, t, name)
+            checked += 1
+    assert checked == len(PROMPTS) * options["max_new_tokens"]
+
+
+@RECORDED
+def test_the_encodings_hold_what_a_dense_recording_of_the_same_batch_holds(store):
+    model = make_tiny("llama")
+    with Recorder(model, encodings={"scores": "dense"}) as dense:
+        _batch(model, dense, SAMPLED)
+    encodings = {"logits": "topk:4", "scores": "sparse"}
+    with Recorder(model, encodings=encodings, **store.options()) as rec:
+        _batch(model, rec, SAMPLED)
+    with Recorder(model) as default:  # sampled through top-k: scores sparse by default on the CPU
+        _batch(model, default, SAMPLED)
+    reference, encoded = _by_request(dense.generations), _by_request(store.reopen(rec).generations)
+    assert sorted(encoded) == sorted(reference) and len(reference) == len(PROMPTS)
+    for request_id, generation in encoded.items():
+        assert generation.encodings == encodings and torch.equal(generation.sequences, reference[request_id].sequences)
+        assert_topk_equal(generation.topk("logits"), reference[request_id].logits(), 4)
+        assert_steps_equal(generation.scores(), reference[request_id].scores(), "scores")
+    for generation in default.generations:
+        assert generation.encodings == {"scores": "sparse"}
+        assert_steps_equal(generation.scores(), reference[generation.sample_ids[0]].scores(), "scores")
+    assert all(not g.encodings for g in dense.generations)
+
+
+@RECORDED
+def test_a_returned_logprob_that_disagrees_with_the_recorded_scores_marks_the_request_incomplete(monkeypatch):
+    model = make_tiny("llama")
+    original = continuous_requests.check
+
+    def off_by_one_ulp(result, steps):
+        result.logprobs[1] = float(torch.nextafter(torch.tensor(result.logprobs[1]), torch.tensor(0.0)))
+        return original(result, steps)
+
+    monkeypatch.setattr(continuous_requests, "check", off_by_one_ulp)
+    with Recorder(model) as rec:
+        with pytest.warns(RecordingMismatchWarning, match="logprob"):
+            _batch(model, rec, SAMPLED, return_logprobs=True)
+    assert len(rec.generations) == len(PROMPTS)
+    assert not any(generation.complete for generation in rec.generations)
+
+
+@RECORDED
 def test_a_manager_attached_by_hand_records_each_request_it_hands_out():
     model = make_tiny("llama")
     with Recorder(model) as rec:
@@ -144,9 +202,9 @@ def test_a_manager_attached_by_hand_records_each_request_it_hands_out():
 
 @RECORDED
 def test_what_continuous_batching_does_not_give_is_refused_before_it_runs():
-    model = make_tiny("llama")
-    with Recorder(model, streams=("logits", "scores", "stats")) as rec:
-        with pytest.raises(UnsupportedModeError, match="stats"):
+    model = make_tiny("llama", attn_implementation="eager")
+    with Recorder(model, streams=("logits", "scores", "attentions")) as rec:
+        with pytest.raises(UnsupportedModeError, match="attentions"):
             _batch(model, rec, GREEDY)
     assert rec.generations == ()
     with Recorder(model) as rec:

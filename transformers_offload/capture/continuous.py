@@ -18,25 +18,17 @@ from __future__ import annotations
 
 import threading
 import warnings
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from .. import _compat
+from ..codecs.stats import STATS_STREAM
 from ..errors import UnrecordedCallWarning, UnsupportedModeError
+from .continuous_requests import MODE, RequestSteps
+from .stats import StepStats
 
-MODE = "continuous_batching"  # the generations' `mode`
-
-
-@dataclass
-class RequestSteps:
-    """One request's recorded steps, on the host: per step its raw logits and processed scores
-    `(vocab,)` float32 (`scores` is None where no processor ran: they are the raw logits) and its token."""
-
-    logits: list[torch.Tensor] = field(default_factory=list)
-    scores: list[torch.Tensor | None] = field(default_factory=list)
-    tokens: list[torch.Tensor] = field(default_factory=list)
+__all__ = ["MODE", "ContinuousCapture", "RequestSteps", "refusal", "run_recorded", "runner_known"]
 
 
 # Called, in the thread that reads a finished result, with the result (transformers' `GenerationOutput`),
@@ -56,8 +48,9 @@ def _to_host(x: torch.Tensor) -> torch.Tensor:
 class _TappedProcessors:
     """The runner's processor list, unchanged, with what it receives copied first (the raw logits)."""
 
-    def __init__(self, processors: Any) -> None:
+    def __init__(self, processors: Any, stats: StepStats | None) -> None:
         self._processors = processors
+        self._stats = stats
         self.raw: torch.Tensor | None = None  # what the list received at this step, on the host
 
     def __getattr__(self, name: str) -> Any:
@@ -65,6 +58,8 @@ class _TappedProcessors:
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         self.raw = _to_host(scores)
+        if self._stats is not None:  # a copy on the device: processors may edit `scores` in place
+            self._stats.raw(0, scores)
         return self._processors(input_ids, scores, *args, **kwargs)
 
 
@@ -113,6 +108,7 @@ class ContinuousCapture:
         self._lock = threading.Lock()
         self._pending: dict[tuple[int, str], RequestSteps] = {}  # per (manager, request id)
         self._managers: list[Any] = []  # attached, with their taps to remove at `close`
+        self._stats: StepStats | None = None  # with `"stats"` recorded: each batch's, on the device
         self.closed = False
 
     def attach(self, manager: Any, options: Any) -> None:
@@ -140,13 +136,14 @@ class ContinuousCapture:
         if owner is not None:
             raise RuntimeError("another Recorder is attached to this continuous batching manager: one records it at "
                                "a time; close that one first.")
-        unsupported = [name for name in options.streams if name not in ("logits", "scores")]
-        unsupported += [f"encodings={options.encodings}"] * bool(options.named_encodings)
+        unsupported = [name for name in options.streams if name not in ("logits", "scores", STATS_STREAM)]
         unsupported += ["prompt_logprobs"] * (options.prompt_scoring is not None)
         if unsupported:
             raise UnsupportedModeError(
-                f"continuous batching is recorded as dense logits and scores, tokens and finished; this Recorder also "
-                f"asks for {', '.join(unsupported)}. Record it with `Recorder(model)` (or streams=('logits', 'scores')).")
+                f"continuous batching is recorded as logits, scores and per-token stats (in any encoding), tokens and "
+                f"finished; this Recorder also asks for {', '.join(unsupported)}, which the runner does not compute per "
+                "request. Record it with a Recorder without them (e.g. `Recorder(model, streams=('logits', 'scores'))`).")
+        self._stats = StepStats() if STATS_STREAM in options.streams else None
         if not runner_known() or not hasattr(manager, "_create_batch_processor"):
             raise _unknown_runner()
         problem = refusal(getattr(manager, "continuous_batching_config", None))
@@ -184,7 +181,7 @@ class ContinuousCapture:
         if getattr(runner, "_compiled_varlen", None) is not None or getattr(runner, "_compiled_decode", None) is not None:
             raise UnsupportedModeError("the continuous batching runner's forward is compiled, past the Recorder's "
                                        "taps; leave its compile configs unset.")
-        runner.logit_processor = _TappedProcessors(runner.logit_processor)
+        runner.logit_processor = _TappedProcessors(runner.logit_processor, self._stats)
         sample, key = runner._sample, id(manager)
 
         def tapped_sample(scores: torch.Tensor, output_ids: torch.Tensor) -> None:
@@ -205,12 +202,22 @@ class ContinuousCapture:
         logits = raw[:rows] if processed else _to_host(scores[0, :rows])
         kept = _to_host(scores[0, :rows]) if processed else None
         tokens = _to_host(output_ids[0, :rows])
+        stats = None
+        if self._stats is not None:  # computed on the device, as in generate(); its small record to the host
+            if not processed:
+                self._stats.raw(0, scores[0])
+            self._stats.processed(0, scores[0])
+            batch_tokens = output_ids[0, : scores.shape[1]].long()
+            stats = _to_host(self._stats.record(0, batch_tokens)[:rows])
+            self._stats.clear()
         with self._lock:
             for row, request_id in enumerate(ids):
                 steps = self._pending.setdefault((manager, request_id), RequestSteps())
                 steps.logits.append(logits[row])
                 steps.scores.append(None if kept is None else kept[row])
                 steps.tokens.append(tokens[row])
+                if stats is not None:
+                    steps.stats.append(stats[row])
 
     def finish(self, result: Any, generation_config: Any, manager: int) -> None:
         """A request's result was handed out by `manager` (its `id`): its steps go to the recorder."""
@@ -241,63 +248,6 @@ class ContinuousCapture:
                 f"continuous batching requests {dropped} were not recorded: their results were not handed out "
                 "through `manager.get_result()` before the Recorder closed (cancelled, still running, or read "
                 "another way)."), stacklevel=3)
-
-
-def check_tokens(result: Any, steps: RequestSteps) -> str | None:
-    """What disagrees between a request's recorded tokens and its result's `generated_tokens` (None: they are equal)."""
-    generated = [int(token) for token in result.generated_tokens]
-    recorded = [int(token) for token in steps.tokens[: len(generated)]]
-    if recorded == generated:
-        return None
-    first = next((t for t, (a, b) in enumerate(zip(recorded, generated)) if a != b), min(len(recorded), len(generated)))
-    return (f"request {result.request_id!r} returned {len(generated)} generated token(s) and {len(steps.tokens)} "
-            f"were recorded; they differ first at step {first}")
-
-
-def store_request(result: Any, steps: RequestSteps, generation_config: Any, *, index: int, open_store: Any,
-                  streams: tuple[str, ...]) -> tuple[Any, str | None]:
-    """Write one finished request as a generation of one row (its `sample_ids` its request id) through
-    `open_store` (the recorder's), checked against `result`; returns the store's `StoredGeneration` and
-    what disagreed, if anything (the generation is then incomplete)."""
-    from dataclasses import replace
-
-    from ..codecs.spec import SAME_AS_LOGITS
-    from ..store.header import GenerationHeader, jsonable
-    from .loop_check import RecordingMismatch
-
-    mismatch = check_tokens(result, steps)
-    error: BaseException | None = None
-    if getattr(result, "error", None):
-        error = RuntimeError(f"the continuous batching manager failed this request: {result.error}")
-    elif mismatch is not None:
-        error = RecordingMismatch(mismatch)
-    num_steps = len(result.generated_tokens) if mismatch is None else min(len(steps.tokens), len(result.generated_tokens))
-    once = all(kept is None for kept in steps.scores)  # no processor ran: the scores are the raw logits
-    names = [name for name in ("logits", "scores") if name in streams and not (name == "scores" and once)]
-    eos = jsonable(getattr(generation_config, "eos_token_id", None))
-    header = GenerationHeader(
-        index=index, mode=MODE, prompt_length=len(result.prompt_ids), num_beams=1,
-        eos_token_id=tuple(e for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int) and e >= 0),  # -1: none
-        generation_config={key: jsonable(value) for key, value in generation_config.to_diff_dict().items()
-                           if not key.startswith("_") and key != "num_return_sequences"},  # a request is one row
-        prompt_lengths=(len(result.prompt_ids),), pad_token_id=jsonable(getattr(generation_config, "pad_token_id", None)),
-        encodings={"scores": SAME_AS_LOGITS} if once and "scores" in streams and "logits" in streams else {},
-        sample_ids=(result.request_id,), sample_metadata=None, loop=None,
-    )
-    store = open_store([*names, "tokens", "finished"], header, max(num_steps, 1))
-    not_finished = torch.zeros(1, dtype=torch.bool)
-    for t in range(num_steps):
-        tensors = {"tokens": steps.tokens[t].reshape(1).long(), "finished": not_finished}
-        if "logits" in names:
-            tensors["logits"] = steps.logits[t][None]
-        if "scores" in names:
-            tensors["scores"] = (steps.logits[t] if steps.scores[t] is None else steps.scores[t])[None]
-        store.drain(t, tensors)
-    sequences = None
-    if error is None:
-        sequences = torch.tensor([[*result.prompt_ids, *result.generated_tokens]], dtype=torch.long)
-    stored = store.finish(num_steps, replace(header, num_rows=1), sequences, error, ring_waits=0)
-    return stored, None if error is None or mismatch is None else mismatch
 
 
 def run_recorded(model: Any, generate_batch: Any, args: tuple, kwargs: dict, attach: Callable[[Any], None]) -> Any:
