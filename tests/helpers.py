@@ -524,6 +524,10 @@ def resolve_eos(model, batch, kwargs):
     if eos is None:
         return kwargs, [EOS]
     if eos == "many":
+        if _compat.Version(TRANSFORMERS) < _compat.Version("4.28.0"):
+            # 4.26.1 marks a row unfinished with a sum over the EOS ids instead of a product: with several,
+            # rows count up past 1 and its own generate() indexes past the vocabulary (fixed by 4.28.1).
+            pytest.skip(f"transformers {TRANSFORMERS}'s generate() fails with several EOS ids")
         ids = list(range(3, 40))
         return {**kwargs, "eos_token_id": ids, "pad_token_id": PAD}, ids
     torch.manual_seed(SEED)

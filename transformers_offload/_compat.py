@@ -87,6 +87,10 @@ CONTRASTIVE_IN_LIBRARY = hasattr(GenerationMixin, "_contrastive_search") or hasa
 DOLA_IN_LIBRARY = hasattr(GenerationMixin, "_dola_decoding")  # 4.43-4.56
 GROUP_BEAM_IN_LIBRARY = hasattr(GenerationMixin, "_group_beam_search") or hasattr(GenerationMixin, "group_beam_search")
 _VERSION = Version(TRANSFORMERS_VERSION)
+# Before 4.30 (4.28.1 seen; 4.30.2 calls both) greedy search, sampling and contrastive search end with
+# `if unfinished_sequences.max() == 0 or stopping_criteria(...)`: at the step where every row finished, the
+# criteria (and the recorder's tap in them) are not called.
+SKIPS_STOPPING_ONCE_ALL_FINISHED = _VERSION < Version("4.30.0")
 # Before 4.35 beam sampling samples from the warpers run on the processed scores plus the running beam
 # scores, and returns in `out.scores` the warpers run again on the processed scores alone (a second call,
 # made only with `output_scores`); before 4.36 assisted decoding's recorded scores differed from

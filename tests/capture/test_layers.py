@@ -479,6 +479,8 @@ def test_numpy_integers_are_indices():
 @pytest.mark.parametrize("mode", ["greedy", "beam_search"])
 def test_a_processor_running_the_model_adds_no_step(mode, tmp_path):
     """Classifier-free guidance's processor runs the model once more per step: not a step."""
+    if missing_options({"guidance_scale": 1.5}):
+        pytest.skip(f"transformers {TRANSFORMERS} has no classifier-free guidance (`guidance_scale`, 4.31)")
     model = make_tiny("llama", attn_implementation="eager")
     batch = left_padded_batch()
     kwargs = dict(MODES[mode], max_new_tokens=NEW_TOKENS, guidance_scale=1.5)

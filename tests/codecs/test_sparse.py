@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from transformers_offload import Recorder, RecordingError, open_recording
+from transformers_offload import Recorder, RecordingError, _compat, open_recording
 from transformers_offload.cli.summary import format_summary
 from transformers_offload.codecs import sparse as _encodings
 from transformers_offload.codecs.sparse import SparseRecord
@@ -95,6 +95,8 @@ def test_rows_over_the_capacity_are_fetched_whole_and_stay_exact(gpt2, recorded,
     assert_dense_equal(rec.scores(), reference.scores)
     assert_entries_equal(rec.sparse(), reference.scores)
     counts = [int(c) for step in reference.scores for c in (step != NEG_INF).sum(-1)]
+    if not any(c > 3 for c in counts) and _compat.Version(TRANSFORMERS) < _compat.Version("4.28.0"):
+        pytest.skip(f"transformers {TRANSFORMERS}'s top-p kept at most 3 entries in every row here: no row to fetch whole")
     assert any(c > 3 for c in counts) and any(c <= 3 for c in counts), counts  # both kinds of row ran
     records = rec.generation()._get("scores", None, None, "pt")  # noqa: SLF001 - the stored layout
     marks = torch.cat([record[3 : 3 + len(call.sequences)] for record in records]).tolist()

@@ -356,6 +356,8 @@ class Capture:
         self.close_taps()
         steps = self.step + 1
         self.steps.at_end(steps)
+        if error is None and _compat.SKIPS_STOPPING_ONCE_ALL_FINISHED:
+            self.steps.at_loop_end(output)
         try:
             self.ring.flush()
         except Exception as late:  # noqa: BLE001 - kept, and raised once the recording is closed

@@ -69,6 +69,16 @@ class PlainSteps:
     def at_end(self, steps: int) -> None:
         """What the step after the last adds (nothing outside beam search)."""
 
+    def at_loop_end(self, output: Any) -> None:
+        """Before 4.30, the loop ends without calling its stopping criteria at the step where every row
+        finished (`_compat.SKIPS_STOPPING_ONCE_ALL_FINISHED`): that step's tokens are the returned
+        sequences' last column."""
+        c = self.capture
+        sequences = _compat.output_sequences(output)
+        if (c.finished is not None and c._tokens_until == c.step and isinstance(sequences, torch.Tensor)
+                and sequences.shape[-1] == c.prompt_length + c.step + 1):
+            c.record_tokens(sequences, None)
+
     def verdict(self, complete_steps: int, sequences: torch.Tensor | None) -> Verdict:
         """The end-of-loop check of what was recorded against what the loop returned (`loop_check`)."""
         c = self.capture
@@ -167,6 +177,9 @@ class BeamSteps:
 
     def on_stopping(self, input_ids: torch.Tensor, is_done: Any) -> None:
         """Beam search passes candidate rows to the criteria, not running beams: nothing to record."""
+
+    def at_loop_end(self, output: Any) -> None:
+        """Nothing: beam search's last tokens come from `at_end`."""
 
     def at_end(self, steps: int) -> None:
         """After the last step no running beam continues."""
