@@ -186,7 +186,8 @@ def test_a_manager_attached_by_hand_records_each_request_it_hands_out():
         rec.attach(manager)
         manager.start()
         try:
-            ids = [manager.add_request(prompt, request_id=f"q{i}") for i, prompt in enumerate(PROMPTS)]
+            ids = [manager.add_request(prompt, request_id=f"q{i}", max_new_tokens=2 + i, eos_token_id=[100 + i])
+                   for i, prompt in enumerate(PROMPTS)]
             results = {}
             while len(results) < len(ids):
                 result = manager.get_result(timeout=5)
@@ -198,6 +199,10 @@ def test_a_manager_attached_by_hand_records_each_request_it_hands_out():
     assert sorted(recording) == ["q0", "q1", "q2"]
     for request_id, result in results.items():
         assert [int(t) for t in torch.cat(recording[request_id].tokens())] == result.generated_tokens
+    for i in range(len(PROMPTS)):  # what add_request set, over the manager's config
+        generation = recording[f"q{i}"]
+        assert generation.generation_config["max_new_tokens"] == 2 + i >= generation.num_steps
+        assert generation.generation_config["eos_token_id"] == [100 + i] and generation.eos_token_id == (100 + i,)
 
 
 @RECORDED
@@ -211,6 +216,25 @@ def test_what_continuous_batching_does_not_give_is_refused_before_it_runs():
         with pytest.raises(UnsupportedModeError, match="use_async_batching=False"):
             _batch(model, rec, GREEDY, use_async_batching=True)
     assert rec.generations == ()
+
+
+@RECORDED
+def test_processors_continuous_batching_drops_are_refused_before_it_runs():
+    """transformers builds the manager's processors from the generation config and drops those it marks
+    unsupported (a logged warning): its requests would not be sampled as the config says."""
+    model = make_tiny("llama")
+    with Recorder(model) as rec:
+        with pytest.raises(UnsupportedModeError, match="RepetitionPenaltyLogitsProcessor.*drops"):
+            _batch(model, rec, {**SAMPLED, "repetition_penalty": 1.3})
+    assert rec.generations == ()
+    from transformers import ContinuousBatchingConfig
+
+    config = GenerationConfig(**SAMPLED, repetition_penalty=1.3)
+    assert continuous.dropped_processors(model.init_continuous_batching(generation_config=config)) == [
+        "RepetitionPenaltyLogitsProcessor"]
+    kept = model.init_continuous_batching(generation_config=config, continuous_batching_config=ContinuousBatchingConfig(
+        drop_unsupported_processors=False))
+    assert continuous.dropped_processors(kept) == []  # transformers runs it: recorded as it ran
 
 
 @pytest.mark.skipif(continuous.runner_known(), reason="this release's continuous batching is recorded")

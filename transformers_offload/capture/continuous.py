@@ -25,7 +25,7 @@ import torch
 from .. import _compat
 from ..codecs.stats import STATS_STREAM
 from ..errors import UnrecordedCallWarning, UnsupportedModeError
-from .continuous_requests import MODE, RequestSteps
+from .continuous_requests import MODE, RequestSteps, request_settings
 from .stats import StepStats
 
 __all__ = ["MODE", "ContinuousCapture", "RequestSteps", "refusal", "run_recorded", "runner_known"]
@@ -50,7 +50,7 @@ class _TappedProcessors:
 
     def __init__(self, processors: Any, stats: StepStats | None) -> None:
         self._processors = processors
-        self._stats = stats
+        self.stats = stats  # with `"stats"` recorded: this runner's, on the device
         self.raw: torch.Tensor | None = None  # what the list received at this step, on the host
 
     def __getattr__(self, name: str) -> Any:
@@ -58,8 +58,8 @@ class _TappedProcessors:
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         self.raw = _to_host(scores)
-        if self._stats is not None:  # a copy on the device: processors may edit `scores` in place
-            self._stats.raw(0, scores)
+        if self.stats is not None:  # a copy on the device: processors may edit `scores` in place
+            self.stats.raw(0, scores)
         return self._processors(input_ids, scores, *args, **kwargs)
 
 
@@ -96,6 +96,38 @@ def _unknown_runner() -> UnsupportedModeError:
         "logits_processor=[rec])` on a left-padded batch instead, or upgrade transformers.")
 
 
+def dropped_processors(manager: Any) -> list[str]:
+    """The processors `manager`'s generation config asks for that its continuous batching drops (those
+    transformers marks `supports_continuous_batching = False`, with `drop_unsupported_processors`:
+    the repetition penalties in 5.25)."""
+    config = getattr(manager, "continuous_batching_config", None)
+    model, generation_config = getattr(manager, "model", None), getattr(manager, "generation_config", None)
+    if not getattr(config, "drop_unsupported_processors", True) or model is None or generation_config is None:
+        return []
+    asked = model._get_logits_processor(generation_config)  # as the manager builds its list
+    return [type(p).__name__ for p in asked if getattr(p, "supports_continuous_batching", None) is False]
+
+
+def _check_manager(manager: Any, options: Any) -> None:
+    """`UnsupportedModeError` where a recorder of `options` cannot record `manager`'s requests as asked."""
+    unsupported = [name for name in options.streams if name not in ("logits", "scores", STATS_STREAM)]
+    unsupported += ["prompt_logprobs"] * (options.prompt_scoring is not None)
+    if unsupported:
+        raise UnsupportedModeError(
+            f"continuous batching is recorded as logits, scores and per-token stats (in any encoding), tokens and "
+            f"finished; this Recorder also asks for {', '.join(unsupported)}, which the runner does not compute per "
+            "request. Record it with a Recorder without them (e.g. `Recorder(model, streams=('logits', 'scores'))`).")
+    if not runner_known() or not hasattr(manager, "_create_batch_processor"):
+        raise _unknown_runner()
+    problem = refusal(getattr(manager, "continuous_batching_config", None))
+    if problem is None and dropped_processors(manager):
+        problem = (f"its generation config asks for {', '.join(dropped_processors(manager))}, which continuous batching "
+                   f"drops (transformers {_compat.TRANSFORMERS_VERSION}): its requests would not be sampled as the config "
+                   "says. Remove those settings, or record `model.generate(**batch, logits_processor=[rec])`")
+    if problem is not None:
+        raise UnsupportedModeError(f"this continuous batching manager cannot be recorded: {problem}.")
+
+
 _CAPTURE = "_transformers_offload_capture"  # the manager's attribute naming the capture attached to it
 
 
@@ -108,7 +140,7 @@ class ContinuousCapture:
         self._lock = threading.Lock()
         self._pending: dict[tuple[int, str], RequestSteps] = {}  # per (manager, request id)
         self._managers: list[Any] = []  # attached, with their taps to remove at `close`
-        self._stats: StepStats | None = None  # with `"stats"` recorded: each batch's, on the device
+        self._with_stats = False  # whether `"stats"` is recorded (each runner then computes its own)
         self.closed = False
 
     def attach(self, manager: Any, options: Any) -> None:
@@ -136,19 +168,8 @@ class ContinuousCapture:
         if owner is not None:
             raise RuntimeError("another Recorder is attached to this continuous batching manager: one records it at "
                                "a time; close that one first.")
-        unsupported = [name for name in options.streams if name not in ("logits", "scores", STATS_STREAM)]
-        unsupported += ["prompt_logprobs"] * (options.prompt_scoring is not None)
-        if unsupported:
-            raise UnsupportedModeError(
-                f"continuous batching is recorded as logits, scores and per-token stats (in any encoding), tokens and "
-                f"finished; this Recorder also asks for {', '.join(unsupported)}, which the runner does not compute per "
-                "request. Record it with a Recorder without them (e.g. `Recorder(model, streams=('logits', 'scores'))`).")
-        self._stats = StepStats() if STATS_STREAM in options.streams else None
-        if not runner_known() or not hasattr(manager, "_create_batch_processor"):
-            raise _unknown_runner()
-        problem = refusal(getattr(manager, "continuous_batching_config", None))
-        if problem is not None:
-            raise UnsupportedModeError(f"this continuous batching manager cannot be recorded: {problem}.")
+        _check_manager(manager, options)
+        self._with_stats = STATS_STREAM in options.streams
         create, get_result = manager._create_batch_processor, manager.get_result
 
         def create_batch_processor(*args: Any, **kwargs: Any) -> Any:
@@ -181,7 +202,7 @@ class ContinuousCapture:
         if getattr(runner, "_compiled_varlen", None) is not None or getattr(runner, "_compiled_decode", None) is not None:
             raise UnsupportedModeError("the continuous batching runner's forward is compiled, past the Recorder's "
                                        "taps; leave its compile configs unset.")
-        runner.logit_processor = _TappedProcessors(runner.logit_processor, self._stats)
+        runner.logit_processor = _TappedProcessors(runner.logit_processor, StepStats() if self._with_stats else None)
         sample, key = runner._sample, id(manager)
 
         def tapped_sample(scores: torch.Tensor, output_ids: torch.Tensor) -> None:
@@ -193,9 +214,8 @@ class ContinuousCapture:
 
     def _on_sample(self, runner: Any, manager: int, scores: torch.Tensor, output_ids: torch.Tensor) -> None:
         """After a batch's sampling, in the manager's thread: each predicting request's row, to the host."""
-        ids = [future.state.request_id for future in runner.inputs_and_outputs.requests_in_batch
-               if future.has_new_token]
-        rows = len(ids)
+        states = [future.state for future in runner.inputs_and_outputs.requests_in_batch if future.has_new_token]
+        rows = len(states)
         processors = runner.logit_processor
         processed = processors.do_processing
         raw, processors.raw = processors.raw, None
@@ -203,16 +223,17 @@ class ContinuousCapture:
         kept = _to_host(scores[0, :rows]) if processed else None
         tokens = _to_host(output_ids[0, :rows])
         stats = None
-        if self._stats is not None:  # computed on the device, as in generate(); its small record to the host
+        if processors.stats is not None:  # computed on the device, as in generate(); its small record to the host
             if not processed:
-                self._stats.raw(0, scores[0])
-            self._stats.processed(0, scores[0])
-            batch_tokens = output_ids[0, : scores.shape[1]].long()
-            stats = _to_host(self._stats.record(0, batch_tokens)[:rows])
-            self._stats.clear()
+                processors.stats.raw(0, scores[0])
+            processors.stats.processed(0, scores[0])
+            stats = _to_host(processors.stats.record(0, output_ids[0, : scores.shape[1]].long())[:rows])
+            processors.stats.clear()
         with self._lock:
-            for row, request_id in enumerate(ids):
-                steps = self._pending.setdefault((manager, request_id), RequestSteps())
+            for row, state in enumerate(states):
+                steps = self._pending.setdefault((manager, state.request_id), RequestSteps())
+                if not steps.tokens:  # its first step
+                    steps.settings = request_settings(state)
                 steps.logits.append(logits[row])
                 steps.scores.append(None if kept is None else kept[row])
                 steps.tokens.append(tokens[row])

@@ -33,6 +33,14 @@ class RequestSteps:
     scores: list[torch.Tensor | None] = field(default_factory=list)
     tokens: list[torch.Tensor] = field(default_factory=list)
     stats: list[torch.Tensor] = field(default_factory=list)
+    settings: dict[str, Any] = field(default_factory=dict)  # what `add_request` set for it (`request_settings`)
+
+
+def request_settings(state: Any) -> dict[str, Any]:
+    """What a request (transformers' `RequestState`) runs with over its manager's generation config, as
+    `add_request` resolved it: `max_new_tokens`, `eos_token_id`, and its processors' keyword arguments."""
+    settings = {name: getattr(state, name) for name in ("max_new_tokens", "eos_token_id") if hasattr(state, name)}
+    return {**settings, **dict(getattr(state, "logit_processor_kwargs", None) or {})}
 
 
 @dataclass(frozen=True)
@@ -102,12 +110,14 @@ def store(result: Any, steps: RequestSteps, generation_config: Any, *, index: in
     once = encodings.get("scores") == SAME_AS_LOGITS
     names = [name for name in ("logits", "scores") if name in options.streams and not (name == "scores" and once)]
     names += ["tokens", "finished"] + [STATS_STREAM] * (STATS_STREAM in options.streams)
-    eos = jsonable(getattr(generation_config, "eos_token_id", None))
+    config = {key: jsonable(value) for key, value in generation_config.to_diff_dict().items()
+              if not key.startswith("_") and key != "num_return_sequences"}  # a request is one row
+    config.update({key: jsonable(value) for key, value in steps.settings.items()})  # its own, from add_request
+    eos = config.get("eos_token_id")
     header = GenerationHeader(
         index=index, mode=MODE, prompt_length=len(result.prompt_ids), num_beams=1,
         eos_token_id=tuple(e for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int) and e >= 0),  # -1: none
-        generation_config={key: jsonable(value) for key, value in generation_config.to_diff_dict().items()
-                           if not key.startswith("_") and key != "num_return_sequences"},  # a request is one row
+        generation_config=config,
         prompt_lengths=(len(result.prompt_ids),), pad_token_id=jsonable(getattr(generation_config, "pad_token_id", None)),
         encodings={name: encodings[name] for name in ("logits", "scores") if name in encodings and name in options.streams},
         sample_ids=(result.request_id,), sample_metadata=None, loop=None,
