@@ -2,6 +2,7 @@
 long lengths and large vocabularies, and the bytes of a reference.
 
     .venv/bin/python bench/rescore_cost.py [--batch 4] [--new-tokens 64] [--repeats 3]
+    .venv/bin/python bench/rescore_cost.py --part compare [--batch 4] [--new-tokens 128] [--vocab 152064]
     .venv/bin/python bench/rescore_cost.py --part memory [--tokens 32768] [--vocab 152064] [--runs 3]
 
 `--part time` (SmolLM2-135M-Instruct, CPU, float32, `--batch` chat prompts, greedy, `--new-tokens`):
@@ -11,6 +12,10 @@ stock `generate()` of the same prompts (greedy: the same tokens) against `rescor
 reading both recordings' logits against `compare(reference, rescored).summary()` (the rescored one in
 bfloat16, spilled). Also the bytes of the reference per token, dense and `topk:20`, against 16-bit
 full-vocabulary log-probabilities (llama.cpp's `--kl-divergence-base` file holds those).
+
+`--part compare` (a tiny Llama with a `--vocab` vocabulary, `--batch` rows x `--new-tokens` greedy steps,
+spilled in float32, and its forward rescore in bfloat16): compare's tokens per second against reading
+both recordings, interleaved `--repeats` times; writes `compare_speed.json`.
 
 `--part memory` (a tiny Llama with a `--vocab` vocabulary, one row, `--tokens` steps): records a greedy
 run of that length spilled to disk, then in fresh processes with default allocator settings measures the
@@ -127,6 +132,39 @@ def time_part(args: argparse.Namespace) -> None:
                                                 "vocab": vocab, "headers": TIMING_HEADERS})
 
 
+def compare_part(args: argparse.Namespace) -> None:
+    """compare's tokens per second at a large vocabulary against reading both recordings: a tiny Llama with
+    a `--vocab` vocabulary, `--batch` rows x `--new-tokens` greedy steps spilled in float32, its rescore in
+    bfloat16 spilled (stored natively), interleaved `--repeats` times (the page cache warm)."""
+    work = Path(tempfile.mkdtemp(prefix="bench-compare-", dir=args.work_dir))
+    try:
+        model = tiny_model(args.vocab, args.new_tokens + 8)
+        with Recorder(model, spill_dir=work / "reference", streams=("logits",)) as rec:
+            model.generate(input_ids=torch.tensor([[1, 5, 6, 7]] * args.batch), logits_processor=[rec],
+                           max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
+        rescore(open_recording(work / "reference"), model.to(torch.bfloat16), work / "bf16", mode="forward",
+                progress=False)
+        reference, rescored = open_recording(work / "reference"), open_recording(work / "bf16")
+        tokens = len(compare(reference, rescored))
+        cases = {
+            "read both recordings": lambda _: timed(lambda: [g.logits() for r in (reference, rescored)
+                                                             for g in r.generations]),
+            "compare": lambda _: timed(lambda: compare(reference, rescored).summary()),
+        }
+        times = interleaved(cases, args.repeats)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    summary = summarize(times, "read both recordings")
+    rates = {case: tokens / summary[case]["median_exact"] for case in cases}
+    print_table(["case", "median s", "min..max s", "tokens/s"],
+                [[case, *timing_columns(summary[case])[:2], f"{rates[case]:,.0f}"] for case in cases])
+    print(f"compare: {tokens} tokens at a {args.vocab:,} vocabulary, {rates['compare']:,.0f} tokens/s "
+          f"({rates['read both recordings']:,.0f} tokens/s to read both)")
+    write_json(args.out / "compare_speed.json", {"machine": machine(), "args": vars(args) | {"out": str(args.out)},
+                                                 "times": times, "summary": summary, "tokens": tokens,
+                                                 "tokens_per_second": rates, "headers": TIMING_HEADERS})
+
+
 def tiny_model(vocab: int, positions: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -207,7 +245,7 @@ def memory_part(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("time", "memory", "memory-child"), default="time")
+    parser.add_argument("--part", choices=("time", "compare", "memory", "memory-child"), default="time")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
@@ -221,7 +259,7 @@ def main() -> None:
     parser.add_argument("--work"), parser.add_argument("--child")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    {"time": time_part, "memory": memory_part, "memory-child": memory_child}[args.part](args)
+    {"time": time_part, "compare": compare_part, "memory": memory_part, "memory-child": memory_child}[args.part](args)
 
 
 if __name__ == "__main__":

@@ -175,8 +175,22 @@ def test_the_summary_is_the_documented_statistics_of_the_columns():
     change = cmp.columns["prob_change"][cmp.columns["chosen_known"]]
     assert summary["prob_change_rms_percent"]["value"] == pytest.approx(100 * math.sqrt((change ** 2).mean()))
     assert summary["same_top1_percent"]["value"] == pytest.approx(100 * cmp.columns["same_top1"].mean())
+    la, lb = cmp.columns["logprob_a"][cmp.columns["chosen_known"]], cmp.columns["logprob_b"][cmp.columns["chosen_known"]]
+    na, nb, n = -la, -lb, len(la)
+    ppl = summary["perplexity"]
+    assert ppl["count"] == n > 1
+    assert ppl["ppl_a"]["value"] == math.exp(na.mean()) and ppl["ppl_b"]["value"] == math.exp(nb.mean())
+    assert ppl["ppl_b"]["stderr"] == math.exp(nb.mean()) * (nb.std(ddof=1) / math.sqrt(n))
+    assert ppl["log_ratio"]["value"] == (nb - na).mean()
+    assert ppl["log_ratio"]["stderr"] == (nb - na).std(ddof=1) / math.sqrt(n)
+    assert ppl["ratio"]["value"] == math.exp((nb - na).mean())
+    assert ppl["correlation_percent"] == pytest.approx(100 * np.corrcoef(na, nb)[0, 1], rel=1e-12)
+    assert ppl["difference"]["value"] == math.exp(nb.mean()) - math.exp(na.mean())
     text = cmp.summary_text()
-    for line in ("====== KL divergence statistics, KL(a||b) ======", "Mean    KLD:", "99.9%   KLD:", "Median  KLD:",
+    for line in ("====== Perplexity statistics (of the chosen tokens; Q: b, base: a) ======", "Mean PPL(Q)        ",
+                 "Mean PPL(base)     ", "Cor(ln(PPL(Q)), ln(PPL(base))):", "Mean ln(PPL(Q)/PPL(base))     :",
+                 "Mean PPL(Q)/PPL(base)         :", "Mean PPL(Q)-PPL(base)         :",
+                 "====== KL divergence statistics, KL(a||b) ======", "Mean    KLD:", "99.9%   KLD:", "Median  KLD:",
                  " 0.1%   KLD:", "Minimum KLD:", "====== Token probability statistics ======", "RMS Δp    :",
                  "Same top p:"):
         assert line in text, line
@@ -296,6 +310,66 @@ def test_generations_pair_by_sample_id(tmp_path):
     assert [s["sample"] for s in cmp.samples()] == ["p", "q", "r", "s", "t", "u"]
 
 
+def test_nothing_to_compare_is_a_compare_error(tmp_path, capsys):
+    model = make_tiny("gpt2")
+    with Recorder(model, spill_dir=tmp_path / "empty"):
+        pass  # no call: a recording without generations
+    with pytest.raises(CompareError, match="nothing to compare: `a` and `b` hold no generation"):
+        compare(tmp_path / "empty", tmp_path / "empty")
+    with pytest.raises(CompareError, match="nothing to compare: `b` holds no generation"):
+        compare(_record(model, MODES["greedy"]), tmp_path / "empty")
+    capsys.readouterr()
+    assert main(["compare", str(tmp_path / "empty"), str(tmp_path / "empty")]) != 0
+    assert capsys.readouterr().err.startswith("error: nothing to compare: `a` and `b` hold no generation")
+
+
+def test_largest_and_count_above_are_a_stable_sort_and_a_count_on_ties_inf_and_nan():
+    from transformers_offload.answers.compare_metrics import count_above, largest, tile_maxima
+
+    generator = torch.Generator().manual_seed(5)
+    checked = 0
+    for vocab in (3, 700, 4097, 152_064):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            for scale in (0.01, 1.0, 40.0):  # rounded: from every entry tied to a few ties
+                x = (torch.randn(3, vocab, generator=generator) * scale).round().to(dtype)
+                x[1, ::5] = float("-inf")
+                x[2, :] = float("-inf")
+                if vocab > 3:
+                    x[1, vocab // 3] = float("nan")  # counts largest, as in torch.sort
+                for k in (1, 5, 20):
+                    want = torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :k]
+                    assert torch.equal(largest(x, k), want), (vocab, dtype, scale, k)
+                    checked += 1
+                for chosen in (x.nan_to_num(nan=-1.0).argmax(-1), torch.randint(0, vocab, (3,), generator=generator)):
+                    picked = x.gather(-1, chosen[:, None])  # a likely token (few tiles above it), any token
+                    assert torch.equal(count_above(x, picked, tile_maxima(x)), (x > picked).sum(-1))
+                    checked += 1
+    assert checked == 4 * 3 * 3 * 5
+
+
+def test_a_recording_on_disk_keeps_one_shard_open_while_compared(tmp_path, monkeypatch):
+    from transformers_offload.store.open_files import OpenFiles
+
+    model = make_tiny("gpt2")
+    run = _record(model, MODES["greedy"], spill_dir=tmp_path / "run", steps=12, shard_bytes=1)  # a shard a step
+    shards = len(run.generation()._source._shards)
+    assert shards >= 4
+    most = []
+    original = OpenFiles.get
+
+    def counting(self, name, opener):
+        found = original(self, name, opener)
+        most.append(len(self._open))
+        return found
+
+    monkeypatch.setattr(OpenFiles, "get", counting)
+    cmp = compare(tmp_path / "run", run, chunk_steps=2)
+    assert len(cmp) > 0 and most and max(most) == 1
+    most.clear()
+    run.generation().logits()  # outside compare: up to 512 MiB of shards stay open
+    assert max(most) == shards
+
+
 def test_the_steps_are_read_a_chunk_at_a_time(tmp_path, monkeypatch):
     model = make_tiny("gpt2")
     run = _record(model, MODES["greedy"], spill_dir=tmp_path / "run", steps=12)
@@ -328,6 +402,30 @@ def test_compare_on_the_command_line(tmp_path, capsys):
     assert "differ in steps" in capsys.readouterr().err
     assert main(["compare", str(tmp_path / "a"), str(tmp_path / "missing")]) == 1
     assert "error:" in capsys.readouterr().err
+
+
+def test_several_candidates_against_one_reference_on_the_command_line(tmp_path, capsys):
+    model = make_tiny("gpt2")
+    _record(model, MODES["greedy"], spill_dir=tmp_path / "a")
+    rescore(open_recording(tmp_path / "a"), _perturbed(mix=0.1), tmp_path / "near")
+    rescore(open_recording(tmp_path / "a"), _perturbed(mix=0.5), tmp_path / "far")
+    paths = [str(tmp_path / name) for name in ("a", "near", "far")]
+    assert main(["compare", *paths, "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["reference"] == paths[0] and [c["candidate"] for c in printed["candidates"]] == paths[1:]
+    for candidate, path in zip(printed["candidates"], paths[1:]):
+        alone = compare(paths[0], path).summary()
+        assert candidate["kl_ab"] == alone["kl_ab"] and candidate["perplexity"] == alone["perplexity"]
+    near, far = printed["candidates"]
+    assert 0 < near["kl_ab"]["mean"] < far["kl_ab"]["mean"]
+    assert main(["compare", *paths]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("====== 2 candidates against one reference ======"):].splitlines()
+    assert table[1].split()[:3] == ["candidate", "tokens", "mean"] and len(table) == 4
+    assert table[2].split()[0] == paths[1] and table[2].split()[2] == f"{near['kl_ab']['mean']:.6f}"
+    assert out.count("====== KL divergence statistics, KL(a||b) ======") == 2
+    assert main(["compare", *paths, "--html", str(tmp_path / "x.html")]) == 2
+    assert "one candidate at a time" in capsys.readouterr().err and not (tmp_path / "x.html").exists()
 
 
 def test_a_comparison_is_exported():

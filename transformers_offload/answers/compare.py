@@ -9,6 +9,7 @@ KL-divergence statistics (docs/compare.md).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any, Iterator
 
@@ -18,7 +19,7 @@ import torch
 from ..codecs.spec import ENCODED_STREAMS, topk_width
 from ..errors import CompareError
 from ..read.samples import sample_ids
-from .compare_metrics import Side, step_values
+from .compare_metrics import BLOCK, Side, step_values
 from .comparison import Comparison
 
 
@@ -35,7 +36,8 @@ def compare(a: Any, b: Any, *, stream: str = "logits", chunk_steps: int = 16) ->
     docs/compare.md gives the bound).
 
     Steps are read `chunk_steps` at a time (every row), so memory holds one chunk's tensors (and, per
-    token, the results: about 350 bytes), whatever the length.
+    token, the results: about 350 bytes), whatever the length; a recording on disk keeps only the shard
+    it is read from mapped (`Recording.in_order()`).
 
     Args:
         a: the reference: a `Recording` (`open_recording(path)`), a `Recorder`, a `Generation`, or a
@@ -50,8 +52,8 @@ def compare(a: Any, b: Any, *, stream: str = "logits", chunk_steps: int = 16) ->
         (`summary()`, `summary_text()`).
 
     Raises:
-        CompareError (a `ValueError`): the two do not line up; the message names the generation and
-            what differs.
+        CompareError (a `ValueError`): the two do not line up (the message names the generation and
+            what differs), or they hold no token to compare (no generation, or none with a step).
         ValueError: a bad `stream` or `chunk_steps`; a stream one side did not record.
         TypeError: `a` or `b` is not a recording, a recorder, a generation or a path.
         RecordingError: a path that is not a recording, or a damaged shard met while reading.
@@ -65,36 +67,52 @@ def compare(a: Any, b: Any, *, stream: str = "logits", chunk_steps: int = 16) ->
         raise ValueError(f"`stream` must be one of {ENCODED_STREAMS}, got {stream!r}.")
     if isinstance(chunk_steps, bool) or not isinstance(chunk_steps, int) or chunk_steps < 1:
         raise ValueError(f"`chunk_steps` must be an int of at least 1 (steps), got {chunk_steps!r}.")
-    opened = []
-    try:
-        gens_a = _generations(a, "a", opened)
-        gens_b = _generations(b, "b", opened)
+    opened: list[Any] = []
+    with contextlib.ExitStack() as stack:
+        stack.callback(lambda: [recording.close() for recording in opened])
+        gens_a = _generations(a, "a", opened, stack)
+        gens_b = _generations(b, "b", opened, stack)
+        if not gens_a or not gens_b:
+            raise CompareError(_nothing_to_compare(gens_a, gens_b, []))
         pairs = _pair(gens_a, gens_b)
         plans = [_check_pair(ga, gb, stream) for ga, gb in pairs]  # every refusal before any work
+        total = sum(_token_count(ga, plan) for (ga, _), plan in zip(pairs, plans))
+        if not total:
+            raise CompareError(_nothing_to_compare(gens_a, gens_b, pairs))
         ids = dict(zip(map(id, gens_a), sample_ids(gens_a)))
-        columns = _Columns(sum(_token_count(ga, plan) for (ga, _), plan in zip(pairs, plans)))
+        columns = _Columns(total)
         for (ga, gb), plan in zip(pairs, plans):
             for values in _pair_values(ga, gb, stream, plan, chunk_steps, ids[id(ga)]):
                 columns.put(values)
-    finally:
-        for recording in opened:
-            recording.close()
     return Comparison(columns.arrays, stream=stream, pairs=[(ga.index, gb.index) for ga, gb in pairs],
                       sample_as_text=any(isinstance(i, str) for per in ids.values() for i in per))
 
 
-def _generations(source: Any, name: str, opened: list[Any]) -> list[Any]:
+def _generations(source: Any, name: str, opened: list[Any], stack: contextlib.ExitStack) -> list[Any]:
     if isinstance(source, (str, os.PathLike)):
         from ..read.reader import open_recording
 
         source = open_recording(source)
         opened.append(source)
+    if hasattr(source, "in_order"):  # a recording on disk, read once in order: its passed shards let go
+        stack.enter_context(source.in_order())
     if hasattr(source, "generations"):
         return list(source.generations)
     if hasattr(source, "logits") and hasattr(source, "index") and hasattr(source, "num_steps"):
         return [source]
     raise TypeError(f"`{name}` must be a Recording (`open_recording(path)`), a Recorder, a Generation or a recording "
                     f"directory's path, got {type(source).__name__}.")
+
+
+def _nothing_to_compare(gens_a: list[Any], gens_b: list[Any], pairs: list[tuple[Any, Any]]) -> str:
+    if not gens_a or not gens_b:
+        empty = [f"`{name}`" for name, gens in (("a", gens_a), ("b", gens_b)) if not gens]
+        verb = "hold" if len(empty) > 1 else "holds"
+        return (f"nothing to compare: {' and '.join(empty)} {verb} no generation (a recording whose calls all failed, "
+                "or of prompt logprobs or encoder outputs alone). Compare recordings of generated tokens, e.g. a recording with "
+                "its rescore (`rescore(a, model)`).")
+    return (f"nothing to compare: the {len(pairs)} paired generation(s) hold no token (no step recorded, or every row "
+            "finished before its first step). Compare recordings of generated tokens.")
 
 
 def _pair(gens_a: list[Any], gens_b: list[Any]) -> list[tuple[Any, Any]]:
@@ -241,39 +259,79 @@ class _Columns:
 
 def _pair_values(ga: Any, gb: Any, stream: str, plan: dict[str, Any], chunk_steps: int,
                  ids: list[Any]) -> Iterator[dict[str, np.ndarray]]:
-    """Per chunk of steps, the pair's per-token columns as NumPy arrays."""
+    """Per group of steps, the pair's per-token columns as NumPy arrays. A chunk's steps are computed
+    together, as many as `compare_metrics.BLOCK` float64 entries hold (one step at least): one call per
+    group, whose rows run in parallel, rather than one per step."""
     per_row = ga.rows_per_prompt
     for start in range(0, ga.num_steps, chunk_steps):
         steps = range(start, min(start + chunk_steps, ga.num_steps))
         sides_a, sides_b = _read(ga, stream, steps), _read(gb, stream, steps)
+        group: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        entries = 0
         for offset, t in enumerate(steps):
-            tokens = plan["tokens"][t]
-            if ga.is_beam:
-                rows = torch.arange(ga.num_rows)
-                chosen_rows = plan["parents"][t].clamp(min=0)
-                tokens = torch.where(plan["parents"][t] >= 0, tokens, -1)
-            else:
-                rows = (torch.nonzero(~plan["finished"][t]).flatten() if plan["finished"] is not None
-                        else torch.arange(ga.num_rows))
-                chosen_rows = rows
-                tokens = tokens[rows]
+            rows, chosen_rows, tokens = _step_rows(ga, plan, t)
             if rows.numel() == 0:
                 continue
             for side in (sides_a[offset], sides_b[offset]):
                 if side.topk is None and tokens.numel() and int(tokens.max()) >= side.full.shape[-1]:
                     raise CompareError(f"step {t}: token {int(tokens.max())} lies outside the {side.full.shape[-1]} "
                                        "entries per row: the recordings do not share a vocabulary.")
-            values = step_values(sides_a[offset], sides_b[offset], rows, chosen_rows, tokens)
-            prompt = rows // per_row
-            n = int(rows.shape[0])
-            yield {
-                "generation": np.full(n, ga.index, np.int32), "generation_b": np.full(n, gb.index, np.int32),
-                "sample": np.array([ids[p] for p in prompt.tolist()], dtype=object),
-                "prompt": prompt.numpy().astype(np.int32), "row": rows.numpy().astype(np.int32),
-                "sequence": (np.full(n, -1, np.int32) if ga.is_beam else rows.numpy().astype(np.int32)),
-                "step": np.full(n, t, np.int32), "token": tokens.numpy().astype(np.int64),
-                **{name: value.numpy() for name, value in values.items()},
-            }
+            width = max(side.full.shape[-1] if side.full is not None else side.width for side in
+                        (sides_a[offset], sides_b[offset]))
+            if group and entries + rows.numel() * width > BLOCK:
+                yield _group_values(ga, gb, group, sides_a, sides_b, per_row, ids)
+                group, entries = [], 0
+            group.append((offset, t, rows, chosen_rows, tokens))
+            entries += rows.numel() * width
+        if group:
+            yield _group_values(ga, gb, group, sides_a, sides_b, per_row, ids)
+
+
+def _step_rows(ga: Any, plan: dict[str, Any], t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step `t`'s compared rows, the rows their chosen tokens were drawn from, and those tokens."""
+    tokens = plan["tokens"][t]
+    if ga.is_beam:
+        rows = torch.arange(ga.num_rows)
+        return rows, plan["parents"][t].clamp(min=0), torch.where(plan["parents"][t] >= 0, tokens, -1)
+    rows = (torch.nonzero(~plan["finished"][t]).flatten() if plan["finished"] is not None
+            else torch.arange(ga.num_rows))
+    return rows, rows, tokens[rows]
+
+
+def _joined(sides: list[Side]) -> Side:
+    """One `Side` of several steps' rows, one after another."""
+    if len(sides) == 1:
+        return sides[0]
+    if sides[0].topk is None:
+        return Side(full=torch.cat([side.full for side in sides]))
+    return Side(topk={name: torch.cat([side.topk[name] for side in sides]) for name in sides[0].topk})
+
+
+def _group_values(ga: Any, gb: Any, group: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]],
+                  sides_a: list[Side], sides_b: list[Side], per_row: int, ids: list[Any]) -> dict[str, np.ndarray]:
+    """The per-token columns of a group of steps, computed in one `step_values` call."""
+    where, chosen, tokens, steps, before = [], [], [], [], 0
+    for offset, t, rows, chosen_rows, step_tokens in group:
+        side = sides_a[offset]
+        where.append(rows + before)
+        chosen.append(chosen_rows + before)
+        tokens.append(step_tokens)
+        steps.append(np.full(rows.numel(), t, np.int32))
+        before += (side.full if side.topk is None else side.topk["indices"]).shape[0]
+    a = _joined([sides_a[offset] for offset, *_ in group])
+    b = _joined([sides_b[offset] for offset, *_ in group])
+    values = step_values(a, b, torch.cat(where), torch.cat(chosen), torch.cat(tokens))
+    rows = torch.cat([rows for _, _, rows, _, _ in group])
+    prompt = rows // per_row
+    n = int(rows.shape[0])
+    return {
+        "generation": np.full(n, ga.index, np.int32), "generation_b": np.full(n, gb.index, np.int32),
+        "sample": np.array([ids[p] for p in prompt.tolist()], dtype=object),
+        "prompt": prompt.numpy().astype(np.int32), "row": rows.numpy().astype(np.int32),
+        "sequence": (np.full(n, -1, np.int32) if ga.is_beam else rows.numpy().astype(np.int32)),
+        "step": np.concatenate(steps), "token": torch.cat(tokens).numpy().astype(np.int64),
+        **{name: value.numpy() for name, value in values.items()},
+    }
 
 
 __all__ = ["CompareError", "Comparison", "compare"]

@@ -9,7 +9,7 @@ these torch expressions (`docs/compare.md` explains them):
     pa, pb          = la.exp(), lb.exp()
     kl_ab           = torch.where(pa > 0, pa * (la - lb), 0).sum()          # KL(a||b), nats
     kl_ba           = torch.where(pb > 0, pb * (lb - la), 0).sum()          # KL(b||a), nats
-    top_a, top_b    = torch.topk(xa.double(), 5).indices, torch.topk(xb.double(), 5).indices
+    top_a, top_b    = largest(xa, 5), largest(xb, 5)  # the 5 largest entries' ids, ties to the lower id
     top1_a, top1_b  = top_a[0], top_b[0];  same_top1 = top1_a == top1_b
     top_overlap_k   = len(set(top_a[:k]) & set(top_b[:k])) / k              # k = 1..5
     max_logit_diff  = torch.where(xa == xb, 0, (xa.double() - xb.double()).abs()).max()
@@ -19,6 +19,11 @@ and for the chosen token `y` (read from row `q`: `r` itself, or in beam search t
     prob_change     = pb[q, y] - pa[q, y]                                  # p_b - p_a
     rank_b          = (xb[q] > xb[q, y]).sum()                              # 0 = b's most likely
 
+`largest(x, k)` is `torch.sort(x, descending=True, stable=True).indices[:k]` (ties to the lower id), found
+among the tiles of 256 entries whose maximum reaches the k-th largest tile maximum (which hold every
+entry at least the k-th largest); `rank_b` is counted in the tiles whose maximum is above `xb[q, y]`
+where those are few. Both compare the recorded dtype, whose order is that of its `double()`.
+
 A `topk:K` record keeps each row's K largest entries, its logsumexp and the mass outside the K. Where
 `a` or `b` (or both) is one, the KLs are those of the two distributions coarsened to the same
 partition: each token id kept by every top-k side (all of the other side's vocabulary when it is
@@ -26,9 +31,10 @@ full), plus one bucket for everything else (its mass: `mass_outside` plus the ke
 probability on a top-k side, `exp(logsumexp of the rest)` on a full side). By the log-sum inequality
 this is a lower bound of the true KL, short of it by `tail_a * KL(a's tail || b's tail)` (the
 renormalised distributions over the bucket), and exact when the tails agree or carry no mass.
-Where neither tensor holds -inf (raw logits), the KLs are computed as `(pa * (la - lb)).sum()` and
-`-(pb * (la - lb)).sum()` and `max_logit_diff` as `(xa - xb).abs().max()`: the same values, bit for
-bit (a 0 term stays 0, and negation is exact), in fewer passes.
+Where neither tensor holds -inf, +inf or nan (raw logits: each row's minimum and maximum are finite),
+the KLs are computed as `(pa * (la - lb)).sum()` and `-(pb * (la - lb)).sum()` and `max_logit_diff` as
+`(xa - xb).abs().max()`: the same values, bit for bit (a 0 term stays 0, and negation is exact), in
+fewer passes.
 `top_overlap_k` needs K >= k on the top-k sides; the chosen token's values need it among the kept ids
 (else null); `max_logit_diff` needs both in full (else null).
 """
@@ -40,7 +46,9 @@ from typing import Any
 import torch
 
 TOP = 5  # top-k overlaps for k = 1..TOP; the alternatives kept per token for the compare view
-_BLOCK = 1 << 17  # float64 entries computed at once (1 MiB a temporary, or one row): rows are taken in blocks
+BLOCK = 1 << 20  # float64 entries computed at once (8 MiB a temporary, or one row): rows are taken in blocks
+_TILE = 256  # entries per tile of `largest` and `count_above`
+_FEW_TILES = 32  # `count_above` counts in the tiles above when there are at most this many
 
 
 class Side:
@@ -76,7 +84,7 @@ def step_values(a: Side, b: Side, rows: torch.Tensor, chosen_rows: torch.Tensor,
     """
     n = int(rows.shape[0])
     out: dict[str, list[torch.Tensor]] = {}
-    block = max(1, _BLOCK // max(1, _vocab(a, b)))
+    block = max(1, BLOCK // max(1, _vocab(a, b)))
     for start in range(0, n, block):
         part = slice(start, start + block)
         values = _block_values(a, b, rows[part], chosen_rows[part], tokens[part])
@@ -104,7 +112,7 @@ def _block_values(a: Side, b: Side, rows: torch.Tensor, chosen_rows: torch.Tenso
     if a.full is not None and b.full is not None:
         la, lb, xa, xb = da["log_softmax"], db["log_softmax"], da["x"], db["x"]
         difference = la - lb
-        if bool(torch.isfinite(xa).all()) and bool(torch.isfinite(xb).all()):
+        if bool(da["finite"].all()) and bool(db["finite"].all()):
             # No -inf entry: `pa * (la - lb)` is 0 wherever `pa` is, and `pb * (lb - la)` is exactly
             # `-(pb * (la - lb))`; the same sums as the documented `where` expressions, with fewer passes.
             kl_ab = (la.exp() * difference).sum(-1)
@@ -159,17 +167,21 @@ def _describe(side: Side, rows: torch.Tensor, chosen_rows: torch.Tensor, y: torc
     """One side's top ids and logprobs of `rows`, and the chosen token's logprob and rank (read from
     `chosen_rows`), in float64; the full log-softmax where the side is full, the kept ids where top-k."""
     if side.full is not None:
-        x = side.full[rows].double()
+        recorded = side.full[rows]
+        x = recorded.double()
         log_softmax = torch.log_softmax(x, -1)
-        best = torch.topk(x, min(TOP, x.shape[-1]), dim=-1)
-        xq = x if torch.equal(chosen_rows, rows) else side.full[chosen_rows].double()
-        lq = log_softmax if xq is x else torch.log_softmax(xq, -1)
-        picked = xq.gather(-1, y[:, None])
+        maxima = tile_maxima(recorded)
+        top = largest(recorded, TOP, maxima)
+        same = torch.equal(chosen_rows, rows)
+        recorded_q = recorded if same else side.full[chosen_rows]
+        lq = log_softmax if same else torch.log_softmax(recorded_q.double(), -1)
+        picked = recorded_q.gather(-1, y[:, None])
+        maxima_q = maxima if same else tile_maxima(recorded_q)
         return {
-            "x": x, "log_softmax": log_softmax, "top_ids": best.indices,
-            "top_logprobs": log_softmax.gather(-1, best.indices),
+            "x": x, "log_softmax": log_softmax, "top_ids": top, "top_logprobs": log_softmax.gather(-1, top),
+            "finite": torch.isfinite(recorded.amax(-1)) & torch.isfinite(recorded.amin(-1)),  # nan spreads
             "chosen_logprob": lq.gather(-1, y[:, None])[:, 0],
-            "chosen_rank": (xq > picked).sum(-1),
+            "chosen_rank": count_above(recorded_q, picked, maxima_q),
             "chosen_known": torch.ones(rows.shape[0], dtype=torch.bool),
         }
     record = side.topk
@@ -189,6 +201,79 @@ def _describe(side: Side, rows: torch.Tensor, chosen_rows: torch.Tensor, y: torc
         "chosen_rank": (q_values > value).sum(-1),
         "chosen_known": found,
     }
+
+
+def tile_maxima(x: torch.Tensor) -> torch.Tensor | None:
+    """Each row's maximum over each tile of `_TILE` entries (the last tile may be shorter): `(n, tiles)`,
+    in `x`'s dtype; None where the vocabulary is too small to gain from tiles (at most `2 * TOP` of them)
+    or a maximum is nan (the callers then look at every entry)."""
+    n, vocab = x.shape
+    if -(-vocab // _TILE) <= 2 * TOP:
+        return None
+    whole = vocab // _TILE * _TILE
+    maxima = x[:, :whole].reshape(n, -1, _TILE).amax(-1)
+    if whole < vocab:
+        maxima = torch.cat([maxima, x[:, whole:].amax(-1, keepdim=True)], -1)
+    return None if bool(maxima.isnan().any()) else maxima
+
+
+def _tile_entries(x: torch.Tensor, tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ids and values of tiles `tiles` `(n, m)` of each row, `(n, m * _TILE)`; ids past the vocabulary
+    (the last tile's) hold -inf."""
+    vocab = x.shape[-1]
+    ids = (tiles[:, :, None] * _TILE + torch.arange(_TILE)).reshape(x.shape[0], -1)
+    values = x.gather(-1, ids.clamp(max=vocab - 1)).masked_fill(ids >= vocab, float("-inf"))
+    return ids, values
+
+
+def largest(x: torch.Tensor, k: int, maxima: torch.Tensor | None = None) -> torch.Tensor:
+    """The ids of each row's `k` largest entries, largest first, ties broken by the lower id: what
+    `torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :k]` gives (nan counts largest), as an
+    `(n, min(k, vocab))` int64 tensor, for an `(n, vocab)` tensor of any floating dtype (`maxima`: its
+    `tile_maxima`, computed here if not given).
+
+    Found among the tiles whose maximum reaches the k-th largest tile maximum: those hold every entry at
+    least the k-th largest (k tiles have a maximum at least that threshold, so the k-th largest entry is
+    too), so ordering their entries, in id order, by value and then id picks the same ids; a few thousand
+    entries instead of the vocabulary."""
+    k = min(k, x.shape[-1])
+    maxima = tile_maxima(x) if maxima is None else maxima
+    if maxima is None or k > maxima.shape[-1]:
+        return torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :k]
+    threshold = torch.topk(maxima, k, -1).values[:, -1:]
+    reaching = int((maxima >= threshold).sum(-1).max())  # k, or more where tile maxima tie
+    tiles = torch.topk(maxima, reaching, -1).indices.sort(-1).values  # in id order
+    ids, values = _tile_entries(x, tiles)  # ids past the vocabulary: -inf, last in id order, never above a kept one
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        order = torch.sort(values, dim=-1, descending=True, stable=True).indices[:, :k]
+        return ids.gather(-1, order)
+    return ids.gather(-1, torch.topk(_ordered(values, ids), k, -1).indices)
+
+
+def count_above(x: torch.Tensor, picked: torch.Tensor, maxima: torch.Tensor | None = None) -> torch.Tensor:
+    """`(x > picked).sum(-1)`: per row of `x` `(n, vocab)`, the entries above `picked` `(n, 1)`, int64,
+    counted in the tiles whose maximum is above it (`maxima`: `x`'s `tile_maxima`) when those are few,
+    as they are for a likely token."""
+    if maxima is not None:
+        above = maxima > picked
+        reaching = int(above.sum(-1).max())
+        if reaching <= _FEW_TILES:
+            if reaching == 0:
+                return torch.zeros(x.shape[0], dtype=torch.int64)
+            tiles = torch.topk(above.to(torch.int8), reaching, -1).indices  # every tile above, and others
+            _, values = _tile_entries(x, tiles)
+            return (values > picked).sum(-1)
+    return (x > picked).sum(-1)
+
+
+def _ordered(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """An int64 key per entry, larger for a larger value and, between equal values, for a lower id: the
+    float32 value's bits made monotone (negative ones' magnitude bits flipped; -0.0 made +0.0, which it
+    equals) in the high 32 bits, `2**32 - 1 - id` in the low ones. Exact for float32, bfloat16 and float16
+    (which float32 holds); no nan (the caller's tiles have none)."""
+    bits = (values.float() + 0.0).view(torch.int32).long()
+    monotone = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return monotone * (1 << 32) + ((1 << 32) - 1 - ids)
 
 
 def _coarse_kls(da: dict[str, Any], db: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,19 @@ NumPy expressions of a column `v` (float64, one entry per token where the value 
     rms stderr      ((d ** 2).std(ddof=1) / sqrt(len(d))) / (2 * rms)    # first-order propagation
     same top-1      s.mean() * 100, sqrt(f * (1 - f) / (len(s) - 1)) * 100    # s: same_top1, f its mean
 
-the probability change in percent (of probability), as llama.cpp's perplexity tool prints it.
+the probability change in percent (of probability), as llama.cpp's perplexity tool prints it. Its
+perplexity statistics are these, over the tokens whose chosen token is known, with `na = -logprob_a`
+and `nb = -logprob_b` (the chosen token's negative log-likelihood under each side, nats) and
+`se(v) = v.std(ddof=1) / sqrt(n)`:
+
+    ppl_a, ppl_b    exp(na.mean()) +- ppl_a * se(na), exp(nb.mean()) +- ppl_b * se(nb)
+    correlation     numpy.corrcoef(na, nb)[0, 1] * 100                    # Cor(ln(PPL(Q)), ln(PPL(base)))
+    log ratio       (nb - na).mean() +- se(nb - na)                       # Mean ln(PPL(Q)/PPL(base))
+    ratio           exp(log ratio) +- ratio * se(nb - na)                 # Mean PPL(Q)/PPL(base)
+    difference      ppl_b - ppl_a +- sqrt((ppl_b se(nb))**2 + (ppl_a se(na))**2
+                                         - 2 ppl_a ppl_b cov(na, nb) / n)  # first-order propagation
+
+`b` plays llama.cpp's Q (the candidate) and `a` its base.
 """
 
 from __future__ import annotations
@@ -71,7 +83,9 @@ class Comparison:
         Returns:
             `dict`: `stream`, `tokens`, `estimate`, `generations` (the pairs), `kl_ab`, `kl_ba`,
             `prob_change_percent` (each: `count`, `mean`, `stderr`, `max`, `min`, `percentiles` keyed
-            "99.9" ... "0.1"), `prob_change_rms_percent` (`value`, `stderr`), `same_top1_percent`
+            "99.9" ... "0.1"), `perplexity` (`count`, `ppl_a`, `ppl_b`, `log_ratio`, `ratio`, `difference`,
+            each `value` and `stderr`, and `correlation_percent`: the module's docstring),
+            `prob_change_rms_percent` (`value`, `stderr`), `same_top1_percent`
             (`value`, `stderr`), `top_overlap` (per k, the mean overlap), `max_logit_diff` (the largest
             over every full token, or None).
 
@@ -99,6 +113,8 @@ class Comparison:
         return {
             "stream": self.stream, "tokens": len(self), "estimate": self.estimate,
             "generations": [list(pair) for pair in self.pairs],
+            "perplexity": perplexity_stats(self._known("logprob_a") if len(self) else np.zeros(0),
+                                           self._known("logprob_b") if len(self) else np.zeros(0)),
             "kl_ab": percentile_stats(self.columns["kl_ab"] if len(self) else np.zeros(0)),
             "kl_ba": percentile_stats(self.columns["kl_ba"] if len(self) else np.zeros(0)),
             "prob_change_percent": percentile_stats(change if len(self) else np.zeros(0), percent=True),
@@ -114,6 +130,14 @@ class Comparison:
         s = self.summary()
         kind = " (ESTIMATE: top-k ids plus the tail's mass, a lower bound; see docs/compare.md)" if s["estimate"] else ""
         lines = [f"compared {s['tokens']} tokens of {len(s['generations'])} generation(s), stream {s['stream']!r}{kind}"]
+        ppl = s["perplexity"]
+        lines += ["", "====== Perplexity statistics (of the chosen tokens; Q: b, base: a) ======",
+                  f"Mean PPL(Q)                   : {_pair(ppl['ppl_b'])}",
+                  f"Mean PPL(base)                : {_pair(ppl['ppl_a'])}",
+                  f"Cor(ln(PPL(Q)), ln(PPL(base))): {_number(ppl['correlation_percent'], 2)}%",
+                  f"Mean ln(PPL(Q)/PPL(base))     : {_pair(ppl['log_ratio'])}",
+                  f"Mean PPL(Q)/PPL(base)         : {_pair(ppl['ratio'])}",
+                  f"Mean PPL(Q)-PPL(base)         : {_pair(ppl['difference'])}"]
         for title, key, name, unit in (("KL divergence statistics, KL(a||b)", "kl_ab", "KLD", ""),
                                        ("KL divergence statistics, KL(b||a)", "kl_ba", "KLD", ""),
                                        ("Token probability statistics", "prob_change_percent", "Δp", " %")):
@@ -218,6 +242,65 @@ def percentile_stats(values: np.ndarray, *, percent: bool = False) -> dict[str, 
         "count": n, "mean": mean * scale, "stderr": None if stderr is None else stderr * scale,
         "max": float(values.max()) * scale, "min": float(values.min()) * scale, "percentiles": percentiles,
     }
+
+
+def candidates_table(summaries: list[dict[str, Any]]) -> str:
+    """Several candidates compared with one reference, one line each: tokens, mean KL(a||b) with its
+    error, its 99th percentile, the perplexity ratio with its error, RMS of the probability change and
+    same-top-1, in llama.cpp's units. `summaries`: each `Comparison.summary()` with a `candidate` key
+    (its name, shown first)."""
+    def number(value: Any, digits: int = 6) -> str:
+        return "n/a" if value is None else f"{value:.{digits}f}"
+
+    header = ["candidate", "tokens", "mean KLD", "± se", "99.0% KLD", "PPL(Q)/PPL(base)", "± se", "RMS Δp %",
+              "same top %"]
+    rows = [[s["candidate"], str(s["tokens"]), number(s["kl_ab"]["mean"]), number(s["kl_ab"]["stderr"]),
+             number(s["kl_ab"]["percentiles"]["99.0"]), number(s["perplexity"]["ratio"]["value"]),
+             number(s["perplexity"]["ratio"]["stderr"]), number(s["prob_change_rms_percent"]["value"], 3),
+             number(s["same_top1_percent"]["value"], 3)] for s in summaries]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+             for row in [header, *rows]]
+    return "\n".join([f"====== {len(summaries)} candidates against one reference ======", *lines])
+
+
+def perplexity_stats(logprob_a: np.ndarray, logprob_b: np.ndarray) -> dict[str, Any]:
+    """Both perplexities of the chosen tokens, their correlation, log ratio, ratio and difference, each
+    value with its standard error (the module's docstring), from the chosen tokens' float64 logprobs
+    under `a` and `b`; None where fewer than 2 tokens give no error (or none, no value)."""
+    n = int(logprob_a.shape[0])
+    none = {"value": None, "stderr": None}
+    if n == 0:
+        return {"count": 0, "ppl_a": none, "ppl_b": none, "correlation_percent": None, "log_ratio": none,
+                "ratio": none, "difference": none}
+    na, nb = -logprob_a, -logprob_b
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # a token one side rules out: inf
+        def stderr(v: np.ndarray) -> float | None:
+            return float(v.std(ddof=1) / math.sqrt(n)) if n > 1 else None
+
+        ppl_a, ppl_b = float(np.exp(na.mean())), float(np.exp(nb.mean()))
+        se_a, se_b, se_log = stderr(na), stderr(nb), stderr(nb - na)
+        log_ratio = float((nb - na).mean())
+        ratio = float(np.exp(log_ratio))
+        correlation = difference_se = None
+        if n > 1:
+            covariance = float(np.cov(na, nb, ddof=1)[0, 1])
+            correlation = float(np.corrcoef(na, nb)[0, 1]) * 100
+            squared = (ppl_b * se_b) ** 2 + (ppl_a * se_a) ** 2 - 2 * ppl_a * ppl_b * covariance / n
+            difference_se = math.sqrt(max(squared, 0.0)) if math.isfinite(squared) else math.nan
+    return {
+        "count": n,
+        "ppl_a": {"value": ppl_a, "stderr": None if se_a is None else ppl_a * se_a},
+        "ppl_b": {"value": ppl_b, "stderr": None if se_b is None else ppl_b * se_b},
+        "correlation_percent": correlation,
+        "log_ratio": {"value": log_ratio, "stderr": se_log},
+        "ratio": {"value": ratio, "stderr": None if se_log is None else ratio * se_log},
+        "difference": {"value": ppl_b - ppl_a, "stderr": difference_se},
+    }
+
+
+def _pair(entry: dict[str, Any]) -> str:
+    return f"{_number(entry['value'])} ± {_number(entry['stderr'])}"
 
 
 def _percentile(values: np.ndarray, p: float) -> float:

@@ -26,7 +26,8 @@ def add(commands: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     compare.add_argument("a", help="the reference recording directory")
-    compare.add_argument("b", help="the recording to compare with it (e.g. its rescore)")
+    compare.add_argument("b", nargs="+", help="the recording to compare with it (e.g. its rescore); several: each is "
+                         "compared with A, and a table gives one line per candidate after their summaries")
     compare.add_argument("--stream", choices=("logits", "scores"), default="logits")
     compare.add_argument("--chunk-steps", type=int, default=16, help="steps read at once (16)")
     compare.add_argument("--html", help="also write the compare page (one self-contained HTML file) here")
@@ -35,12 +36,25 @@ def add(commands: Any) -> None:
 
 
 def run(arguments: argparse.Namespace, command_line: str) -> tuple[Any, str]:
-    """Compare, write the page where asked: (the summary and per-sample results, the summary's text)."""
+    """Compare, write the page where asked: (the summary and per-sample results, the summary's text); with
+    several candidates, each one's, then the table of them all."""
     from ..answers.compare import compare
+    from ..answers.comparison import candidates_table
 
-    result = compare(arguments.a, arguments.b, stream=arguments.stream, chunk_steps=arguments.chunk_steps)
+    if len(arguments.b) > 1 and arguments.html:
+        raise ValueError("`--html` writes the page of one comparison: compare one candidate at a time for a page "
+                         f"(`compare {arguments.a} {arguments.b[0]} --html report.html`).")
+    results = []
+    for candidate in arguments.b:  # every candidate compared before anything is written
+        results.append(compare(arguments.a, candidate, stream=arguments.stream, chunk_steps=arguments.chunk_steps))
     if arguments.html:
         from ..answers.viewer import write_html
 
-        write_html(result, arguments.html, tokenizer=options.tokenizer(arguments.tokenizer))
-    return {**result.summary(), "samples": result.samples()}, result.summary_text()
+        write_html(results[0], arguments.html, tokenizer=options.tokenizer(arguments.tokenizer))
+    if len(results) == 1:
+        return {**results[0].summary(), "samples": results[0].samples()}, results[0].summary_text()
+    summaries = [{"candidate": candidate, **result.summary(), "samples": result.samples()}
+                 for candidate, result in zip(arguments.b, results)]
+    texts = [f"=== {candidate} against {arguments.a} ===\n{result.summary_text()}"
+             for candidate, result in zip(arguments.b, results)]
+    return {"reference": arguments.a, "candidates": summaries}, "\n\n".join([*texts, candidates_table(summaries)])

@@ -7,10 +7,11 @@ this module never imports the reader, which dispatches to it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from ..errors import RecordingError, damaged_files
 from ..store.layout import rank_directories
@@ -96,6 +97,15 @@ class RankedRecording(Readable):
 
     def _none_recorded(self) -> str:
         return f"no rank of the recording in {str(self.path)!r} holds a generation."
+
+    @contextlib.contextmanager
+    def in_order(self) -> Iterator[None]:
+        """`Recording.in_order()` on every rank's recording."""
+        with contextlib.ExitStack() as stack:
+            for part in self.parts:
+                if hasattr(part, "in_order"):
+                    stack.enter_context(part.in_order())
+            yield
 
     def describe(self) -> dict[str, Any]:
         """`Recording.describe()` over every rank: `ranks`, and the generations in sample order, each with

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from pathlib import Path
@@ -91,8 +92,15 @@ class Recording(Readable):
         self.model: dict[str, Any] = manifest["model"]
         self._entries: list[dict[str, Any]] = manifest["generations"]
         self._file_records: dict[str, dict[str, Any]] | None = manifest.get("files")
-        files = OpenFiles()  # one bound on the open shards (and their mapped pages) for all generations
-        self._generations = tuple(generation_of(stored_generation(path, entry, files=files)) for entry in self._entries)
+        self._files = OpenFiles()  # one bound on the open shards (and their mapped pages) for all generations
+        self._generations = tuple(generation_of(stored_generation(path, entry, files=self._files))
+                                  for entry in self._entries)
+
+    def in_order(self) -> contextlib.AbstractContextManager[None]:
+        """A context in which the recording keeps only the shard it last read from open (and mapped),
+        instead of up to 512 MiB of them: for one pass over its steps in order (`compare` takes it), whose
+        resident memory then holds one shard (64 MiB by default) however long the recording."""
+        return self._files.in_order()
 
     def _none_recorded(self) -> str:
         return f"the recording in {str(self.path)!r} holds no generation."

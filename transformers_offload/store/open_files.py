@@ -4,12 +4,13 @@ at most a bounded number kept open (`OpenFiles`)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy
 from safetensors import SafetensorError, safe_open
@@ -38,6 +39,7 @@ class OpenFiles:
     def __init__(self) -> None:
         self._open: OrderedDict[str, Shard] = OrderedDict()
         self._bytes = 0
+        self._budget = _OPEN_BYTES  # bytes kept open besides the newest file
 
     def get(self, name: str, opener: Any) -> Shard:
         """File `name`, opened by `opener()` unless it is open."""
@@ -47,9 +49,24 @@ class OpenFiles:
             return opened
         opened = self._open[name] = opener()
         self._bytes += opened.size
-        while len(self._open) > 1 and (len(self._open) > _OPEN_FILES or self._bytes - opened.size > _OPEN_BYTES):
-            self._bytes -= self._open.popitem(last=False)[1].size
+        self._trim()
         return opened
+
+    def _trim(self) -> None:
+        while len(self._open) > 1 and (len(self._open) > _OPEN_FILES or
+                                       self._bytes - next(reversed(self._open.values())).size > self._budget):
+            self._bytes -= self._open.popitem(last=False)[1].size
+
+    @contextlib.contextmanager
+    def in_order(self) -> Iterator[None]:
+        """Within the block, only the newest file stays open (and mapped): for reading once, in order,
+        whose passed pages are then let go, so the resident set holds one file whatever the length."""
+        saved, self._budget = self._budget, 0
+        try:
+            self._trim()
+            yield
+        finally:
+            self._budget = saved
 
     def drop(self, name: str) -> None:
         """Close file `name` if it is open."""
