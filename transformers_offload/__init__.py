@@ -29,6 +29,7 @@ _EXPORTS = {
     "UnrecordedCallWarning": ".errors",
     "RescoreError": ".errors",
     "rescore": ".rescoring.decode",
+    "score": ".rescoring.corpus",
     "KDCollator": ".distill",
     "group_sequences": ".distill",
     "kd_loss": ".distill",
@@ -76,5 +77,6 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from .read.generation import Generation
     from .read.reader import Recording, open_recording
     from .recorder import Recorder
+    from .rescoring.corpus import score
     from .rescoring.decode import rescore
     from .store.stored import TransferStats

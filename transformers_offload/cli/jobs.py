@@ -1,5 +1,6 @@
 """The commands that run a model over many inputs, resumably and over torchrun ranks: `record` (a prompts
-file through `generate()` with a Recorder) and `rescore` (a recording's tokens through another model)."""
+file through `generate()` with a Recorder), `rescore` (a recording's tokens through another model) and
+`score` (a text corpus in llama.cpp's windows)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from . import options
 
 JSON_INDENT = None
 _FAILED = (ValueError, TypeError, LookupError, ImportError, OSError, RecordingError)
-ERRORS = {"record": ((_FAILED, 1),), "rescore": (((*_FAILED, RuntimeError), 1),)}  # exception types -> exit status
+ERRORS = {"record": ((_FAILED, 1),), "rescore": (((*_FAILED, RuntimeError), 1),),  # exception types -> exit status
+          "score": (((*_FAILED, RuntimeError), 1),)}
 
 
 def add(commands: Any) -> None:
@@ -59,22 +61,58 @@ def add(commands: Any) -> None:
     rescore.add_argument("--out", required=True, help="the rescored recording's directory (created, or resumed)")
     rescore.add_argument("--dtype", help="load the model in this dtype (float32, bfloat16, float16)")
     rescore.add_argument("--attn-implementation", help="eager, sdpa, flash_attention_2...")
+    rescore.add_argument("--quantization", help="quantize on load through transformers' integration: "
+                          "torchao:int8-weight-only, torchao:int8-dynamic (CPU, CUDA), bitsandbytes:8bit, "
+                          "bitsandbytes:4bit (CUDA); a checkpoint saved quantized needs none")
     rescore.add_argument("--mode", choices=("decode", "forward"), default="decode")
     rescore.add_argument("--chunk-size", type=int, default=512, help="forward mode: positions per forward (512)")
     rescore.add_argument("--streams", default="logits", help="what to record, e.g. logits,stats")
     rescore.add_argument("--encodings", default="", help="e.g. logits=topk:20")
 
 
+    score = commands.add_parser(
+        "score", parents=[shared],
+        help="score a text corpus as llama.cpp's perplexity tool does; record each scored position's logits",
+        description="Cuts the texts into llama.cpp's windows of --context tokens (each window's first id made BOS), "
+        "scores the second half of each window with chunked forwards and records each position's raw logits "
+        "(see transformers_offload.score; docs/compare.md, 'a quantization on a corpus'). Score the base and "
+        "each candidate into their own --out, then `compare BASE CANDIDATE...`. Run it again on the same --out "
+        "to resume; under torchrun each rank scores its share.",
+        epilog="example:\n  python -m transformers_offload score --model smollm2 --text wiki.test.raw --out runs/base\n"
+        "  python -m transformers_offload score --model smollm2 --dtype bfloat16 --text wiki.test.raw --out runs/bf16\n"
+        "  python -m transformers_offload compare runs/base runs/bf16",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    score.add_argument("--model", required=True, help=options.MODEL_HELP)
+    score.add_argument("--tokenizer", help="a local tokenizer directory or the demo model's name (default: --model)")
+    score.add_argument("--text", nargs="+", help="plain text files, read as UTF-8, their tokens one after another")
+    score.add_argument("--dataset", help="a directory saved by datasets.Dataset.save_to_disk, or a .jsonl/.parquet file")
+    score.add_argument("--text-column", default="text", help="--dataset's column of texts (text)")
+    score.add_argument("--out", required=True, help="the recording directory (created, or resumed)")
+    score.add_argument("--context", type=int, default=512, help="tokens per window (512, llama.cpp's -c)")
+    score.add_argument("--batch-size", type=int, default=4, help="windows per forward (4)")
+    score.add_argument("--chunk-size", type=int, default=512, help="positions per forward (512)")
+    score.add_argument("--max-windows", type=int, help="score the first N windows only (llama.cpp's --chunks)")
+    score.add_argument("--no-bos", action="store_true", help="keep each window's first id (else the tokenizer's BOS)")
+    score.add_argument("--dtype", help="load the model in this dtype (float32, bfloat16, float16)")
+    score.add_argument("--attn-implementation", help="eager, sdpa, flash_attention_2...")
+    score.add_argument("--quantization", help="quantize on load through transformers' integration: "
+                          "torchao:int8-weight-only, torchao:int8-dynamic (CPU, CUDA), bitsandbytes:8bit, "
+                          "bitsandbytes:4bit (CUDA); a checkpoint saved quantized needs none")
+    score.add_argument("--encodings", default="", help="e.g. logits=topk:20 (a small reference)")
+
+
 def run(arguments: argparse.Namespace, command_line: str) -> tuple[Any, str]:
-    """Run `record` or `rescore` to the end: (the JSON result, the text for people)."""
-    result = _record(arguments) if arguments.command == "record" else _rescore(arguments)
+    """Run `record`, `rescore` or `score` to the end: (the JSON result, the text for people)."""
+    jobs = {"record": _record, "rescore": _rescore, "score": _score}
+    result = jobs[arguments.command](arguments)
     return result, options.human(result)
 
 
 def interrupted(arguments: argparse.Namespace, command_line: str) -> str:
     """What Ctrl-C leaves, and the command that resumes it."""
-    kept = "batch" if arguments.command == "record" else "generation"
-    verb = "record" if arguments.command == "record" else "rescore"
+    kept = "batch" if arguments.command in ("record", "score") else "generation"
+    verb = arguments.command
     message = (f"interrupted: every complete {kept} is kept in {arguments.out!r}; to {verb} the rest, run:\n"
                f"  {command_line}")
     if arguments.command == "record" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -113,27 +151,85 @@ def _record(arguments: argparse.Namespace) -> dict[str, Any]:
     )
 
 
-def _rescore(arguments: argparse.Namespace) -> dict[str, Any]:
+def _dtype(name: str | None) -> Any:
     import torch
+
+    if name is None:
+        return None
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise options.UsageError(f"`--dtype` must name a torch floating dtype (float32, bfloat16, float16), got {name!r}")
+    return dtype
+
+
+def _load_candidate(arguments: argparse.Namespace) -> Any:
+    """`--model` with `--dtype`, `--attn-implementation` and `--quantization`, on `--device`, in eval mode."""
     from transformers import AutoModelForCausalLM
+
+    dtype = _dtype(arguments.dtype)
+    loading: dict[str, Any] = {}
+    if arguments.attn_implementation is not None:
+        loading["attn_implementation"] = arguments.attn_implementation
+    device = options.device(arguments.device)
+    if getattr(arguments, "quantization", None) is not None:
+        from ..rescoring.quantization import quantization_config
+
+        if dtype is not None:
+            raise options.UsageError("`--dtype` and `--quantization` together are not supported: the quantization "
+                                     "sets the weights' dtype; drop `--dtype`")
+        loading.update(quantization_config=quantization_config(arguments.quantization), device_map=str(device))
+        return AutoModelForCausalLM.from_pretrained(arguments.model, local_files_only=True, **loading).eval()
+    model = AutoModelForCausalLM.from_pretrained(arguments.model, local_files_only=True, **loading)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def _score(arguments: argparse.Namespace) -> dict[str, Any]:
+    import time
+
+    from .. import demo_model
+    from ..jobs.record import read_prompts
+    from ..rescoring.corpus import score
+
+    if (arguments.text is None) == (arguments.dataset is None):
+        raise options.UsageError("give the corpus as `--text FILE...` or as `--dataset DIR --text-column C` (one of them)")
+    encodings = options.encodings(arguments.encodings)
+    _dtype(arguments.dtype)  # a bad name refused before the corpus is read
+    if arguments.text is not None:
+        texts = []
+        for path in arguments.text:
+            with open(path, encoding="utf-8") as file:
+                texts.append(file.read())
+    else:
+        texts = [text for _, text in read_prompts(arguments.dataset, text_column=arguments.text_column)]
+        if not all(isinstance(text, str) for text in texts):
+            raise options.UsageError(f"`--text-column` {arguments.text_column!r} of {arguments.dataset!r} must hold text")
+    arguments.model = options.model_directory(arguments.model)
+    tokenizer = demo_model.load_tokenizer(arguments.tokenizer or arguments.model, what="`--tokenizer`")
+    if arguments.no_progress:
+        options.disable_progress_bars()
+    model = _load_candidate(arguments)
+    start = time.perf_counter()
+    run = score(model, texts, arguments.out, tokenizer=tokenizer, context=arguments.context,
+                batch_size=arguments.batch_size, chunk_size=arguments.chunk_size, bos=not arguments.no_bos,
+                encodings=encodings or None, max_windows=arguments.max_windows, progress=not arguments.no_progress)
+    windows = sum(g.num_rows for g in run.generations if g.complete)
+    steps = sum(g.num_rows * g.num_steps for g in run.generations if g.complete)
+    return {"windows": windows, "tokens_scored": steps, "seconds": round(time.perf_counter() - start, 3),
+            "out": str(arguments.out)}
+
+
+def _rescore(arguments: argparse.Namespace) -> dict[str, Any]:
 
     from ..read.reader import open_recording
     from ..rescoring.run import rescore_recording
 
     encodings = options.encodings(arguments.encodings)
-    dtype = None
-    if arguments.dtype is not None:
-        dtype = getattr(torch, arguments.dtype, None)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise options.UsageError(f"`--dtype` must name a torch floating dtype (float32, bfloat16, float16), "
-                                     f"got {arguments.dtype!r}")
+    _dtype(arguments.dtype)  # a bad name refused before the model loads
     arguments.model = options.model_directory(arguments.model)
     open_recording(arguments.path).close()  # a bad recording is reported before the model loads
     if arguments.no_progress:
         options.disable_progress_bars()
-    loading = {} if arguments.attn_implementation is None else {"attn_implementation": arguments.attn_implementation}
-    model = AutoModelForCausalLM.from_pretrained(arguments.model, local_files_only=True, **loading)
-    model = model.to(device=options.device(arguments.device), dtype=dtype).eval()
+    model = _load_candidate(arguments)
     return rescore_recording(arguments.path, model, arguments.out, mode=arguments.mode,
                              streams=tuple(arguments.streams.split(",")), encodings=encodings or None,
                              chunk_size=arguments.chunk_size, progress=not arguments.no_progress)

@@ -32,30 +32,53 @@ def score(gen: Generation, model: Any, rec: Any, call: dict[str, Any], chunk_siz
             from the recording or the user's `inputs`.
         chunk_size (`int`): positions per forward.
     """
-    device = next(model.parameters()).device
     rows, length, steps = gen.num_rows, gen.prompt_length, gen.num_steps
-    sequences = gen.sequences.to(device)[:, : length + steps]
     repeat = rows // call["input_ids"].shape[0]
     prompt_mask = call.get("attention_mask")
-    if prompt_mask is None:
-        prompt_mask = torch.ones(rows, length, dtype=torch.long)
-    else:
+    if prompt_mask is not None:
         prompt_mask = torch.as_tensor(prompt_mask).repeat_interleave(repeat, dim=0)
-    prompt_mask = prompt_mask.to(device)
+    if gen.sample_ids is not None:
+        rec.set_samples(list(gen.sample_ids), metadata=None if gen.sample_metadata is None else list(gen.sample_metadata))
+    score_sequences(model, rec, gen.sequences[:, : length + steps], length, prompt_mask=prompt_mask,
+                    eos_token_id=list(gen.eos_token_id), pad_token_id=gen.pad_token_id, chunk_size=chunk_size)
+
+
+def score_sequences(model: Any, rec: Any, sequences: torch.Tensor, prompt_length: int, *,
+                    prompt_mask: torch.Tensor | None, eos_token_id: list[int], pad_token_id: int | None,
+                    chunk_size: int) -> None:
+    """Record, as one generation of `rec`, the raw logits `model` gives at positions `prompt_length - 1`
+    to `sequences.shape[1] - 2` of `sequences`: step `t` the position predicting token
+    `sequences[:, prompt_length + t]`, as a greedy decoding loop of those tokens would hand them.
+
+    Args:
+        model: the model (its device takes the inputs). rec (`Recorder`): attached to `model`, with the
+            samples of this call set where wanted (`set_samples`).
+        sequences (`torch.LongTensor` of shape `(rows, prompt_length + steps)`): the ids, prompt first.
+        prompt_length (`int`): positions before the first scored token (at least 1).
+        prompt_mask (`torch.Tensor` of shape `(rows, prompt_length)`, *optional*): the prompt's attention
+            mask (left padding as 0), None for every position real; what follows counts 1, as in
+            generate().
+        eos_token_id (`list[int]`): a row is finished after one of these (its later steps are padding);
+            [] for none. pad_token_id (`int`, *optional*): recorded in the generation's header.
+        chunk_size (`int`): positions per forward (the KV cache kept between forwards).
+    """
+    device = next(model.parameters()).device
+    rows, length = sequences.shape[0], prompt_length
+    steps = sequences.shape[1] - length
+    sequences = sequences.to(device)
+    given_mask = None if prompt_mask is None else prompt_mask.to(device)
+    prompt_mask = torch.ones(rows, length, dtype=torch.long, device=device) if given_mask is None else given_mask
     # generate() extends the mask with ones for every appended token, finished rows included.
     mask = torch.cat([prompt_mask, prompt_mask.new_ones(rows, steps)], dim=1)
     positions = mask.long().cumsum(-1) - 1
     positions.masked_fill_(mask == 0, 1)
-    config = GenerationConfig(do_sample=False, max_new_tokens=steps, pad_token_id=gen.pad_token_id,
-                              eos_token_id=list(gen.eos_token_id) or None)
-    given_mask = None if call.get("attention_mask") is None else prompt_mask
-    if gen.sample_ids is not None:
-        rec.set_samples(list(gen.sample_ids), metadata=None if gen.sample_metadata is None else list(gen.sample_metadata))
+    config = GenerationConfig(do_sample=False, max_new_tokens=steps, pad_token_id=pad_token_id,
+                              eos_token_id=list(eos_token_id) or None)
     capture = rec.begin_call(assistant_model=None, custom_generate=None, attention_mask=given_mask,
-                                    inputs=sequences[:, :length])
+                             inputs=sequences[:, :length])
     try:
         capture.start(config, length, no_processors=True)
-        eos = torch.tensor(list(gen.eos_token_id), device=device, dtype=torch.long)
+        eos = torch.tensor(list(eos_token_id), device=device, dtype=torch.long)
         done = torch.zeros(rows, dtype=torch.bool, device=device)
         cache = None
         logits = None  # one `(rows, vocab)` float32 buffer, reused for every position (the ring copies it)

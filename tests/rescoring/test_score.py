@@ -1,0 +1,211 @@
+"""`score(model, texts)`: a corpus cut into llama.cpp's windows, each scored position's raw logits a step."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from transformers_offload import compare, open_recording, score
+from transformers_offload.rescoring.corpus import windows
+
+from ..helpers import VOCAB, make_tiny
+
+TEXT = "The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. " * 3
+
+
+class CharTokenizer:
+    """One id per character (its code point modulo the tiny models' vocabulary, 3 and up), BOS 2."""
+
+    bos_token_id, pad_token_id = 2, 0
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [3 + ord(c) % (VOCAB - 3) for c in text]}
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+def _ids(text: str = TEXT) -> list[int]:
+    return CharTokenizer()(text)["input_ids"]
+
+
+def test_the_windows_and_positions_are_llama_cpps(tmp_path):
+    model = make_tiny("llama").eval()
+    context = 32
+    ids = _ids()
+    count = len(ids) // context
+    assert count >= 5
+    run = score(model, TEXT, tmp_path / "run", tokenizer=CharTokenizer(), context=context, batch_size=2)
+    first = context // 2
+    assert [g.num_rows for g in run.generations] == [2] * (count // 2) + [1] * (count % 2)
+    assert [i for g in run.generations for i in g.sample_ids] == list(range(count))
+    for generation in run.generations:
+        assert generation.num_steps == context - 1 - first == context // 2 - 1
+        tokens = torch.stack(generation.tokens())  # (steps, rows)
+        for row, w in enumerate(generation.sample_ids):
+            assert tokens[:, row].tolist() == ids[w * context + first + 1 : (w + 1) * context]
+    cut = windows(ids, context, 2)
+    assert cut.shape == (count, context) and (cut[:, 0] == 2).all() and cut[0, 1:].tolist() == ids[1:context]
+    # Each step is the forward of the window at position first + t (one forward: chunk_size >= context).
+    with torch.no_grad():
+        expected = model(input_ids=cut[:2, : context - 1]).logits.float()
+    for t, logits in enumerate(run.generation(0).logits()):
+        assert torch.equal(logits, expected[:, first + t]), t
+    assert windows(ids, context, None)[:, 0].tolist() == ids[::context][:count]
+
+
+def test_chunked_forwards_give_the_whole_forwards_values_to_rounding(tmp_path):
+    model = make_tiny("llama").eval()
+    whole = score(model, TEXT, tokenizer=CharTokenizer(), context=32, max_windows=2)
+    chunked = score(model, TEXT, tokenizer=CharTokenizer(), context=32, max_windows=2, chunk_size=5)
+    assert whole.generation().num_steps == chunked.generation().num_steps == 15
+    for a, b in zip(whole.generation().logits(), chunked.generation().logits()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_a_candidate_against_its_base_gives_perplexities_and_kl(tmp_path):
+    base_model = make_tiny("llama").eval()
+    candidate_model = make_tiny("llama").eval().to(torch.bfloat16)
+    base = score(base_model, TEXT, tmp_path / "base", tokenizer=CharTokenizer(), context=32)
+    candidate = score(candidate_model, TEXT, tmp_path / "bf16", tokenizer=CharTokenizer(), context=32)
+    reference_topk = score(base_model, TEXT, tmp_path / "top", tokenizer=CharTokenizer(), context=32,
+                           encodings={"logits": "topk:16"})
+    cmp = compare(base, candidate)
+    count = len(_ids()) // 32
+    assert len(cmp) == count * 15 and not cmp.estimate
+    summary = cmp.summary()
+    assert summary["kl_ab"]["mean"] > 0 and summary["perplexity"]["count"] == len(cmp)
+    # PPL(base): exp of the mean negative log-likelihood of the predicted ids, from the forward itself.
+    cut = windows(_ids(), 32, 2)
+    with torch.no_grad():
+        logprobs = torch.log_softmax(base_model(input_ids=cut[:, :31]).logits.double(), -1)
+    nll = -logprobs[:, 16:31].gather(-1, cut[:, 17:32, None])[..., 0]
+    assert summary["perplexity"]["ppl_a"]["value"] == pytest.approx(math.exp(float(nll.mean())), rel=1e-12)
+    estimate = compare(reference_topk, candidate)
+    assert estimate.estimate and len(estimate) == len(cmp)
+    assert np.all(estimate.columns["kl_ab"] <= cmp.columns["kl_ab"] + 1e-12)  # a lower bound
+    assert open_recording(tmp_path / "top").describe()["generations"][0]["streams"]["logits"]["encoding"] == "topk:16"
+
+
+def test_a_run_resumes_skipping_complete_batches_and_refuses_other_texts(tmp_path, monkeypatch):
+    from transformers_offload.rescoring import corpus
+
+    model = make_tiny("llama").eval()
+    out = tmp_path / "run"
+    score(model, TEXT, out, tokenizer=CharTokenizer(), context=32, batch_size=2, max_windows=4)
+    scored = []
+    original = corpus.score_sequences
+
+    def counting(model, rec, sequences, *args, **kwargs):
+        scored.append(len(sequences))
+        return original(model, rec, sequences, *args, **kwargs)
+
+    monkeypatch.setattr(corpus, "score_sequences", counting)
+    run = score(model, TEXT, out, tokenizer=CharTokenizer(), context=32, batch_size=2)
+    count = len(_ids()) // 32
+    assert sum(scored) == count - 4  # the first two batches were complete
+    assert sorted(i for g in run.generations for i in g.sample_ids) == list(range(count))
+    whole = score(model, TEXT, tokenizer=CharTokenizer(), context=32, batch_size=2)
+    assert all(torch.equal(torch.stack(a.logits()), torch.stack(b.logits()))
+               for a, b in zip(run.generations, whole.generations))
+    with pytest.raises(ValueError, match="holds windows of other texts or settings"):
+        score(model, TEXT, out, tokenizer=CharTokenizer(), context=16)
+    with pytest.raises(ValueError, match="holds windows of other texts or settings"):
+        score(model, TEXT[::-1], out, tokenizer=CharTokenizer(), context=32)
+
+
+def test_bad_input_is_refused_before_any_work(tmp_path):
+    model = make_tiny("llama").eval()
+    with pytest.raises(ValueError, match="fewer than one window of `context` 512"):
+        score(model, TEXT, tokenizer=CharTokenizer())
+    with pytest.raises(ValueError, match="`context` must be an int of at least 4"):
+        score(model, TEXT, tokenizer=CharTokenizer(), context=2)
+    with pytest.raises(TypeError, match="`texts` must be a string or a sequence of strings"):
+        score(model, [TEXT, 3], tokenizer=CharTokenizer())
+    with pytest.raises(ValueError, match="`max_windows` must be a positive int"):
+        score(model, TEXT, tokenizer=CharTokenizer(), context=32, max_windows=0)
+    with pytest.raises(ValueError, match="`tokenizer` is needed"):
+        score(model, TEXT, tokenizer=None, context=32)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_the_command_scores_a_text_file_and_compare_reports_llama_cpps_statistics(real_model, tmp_path, capsys):
+    import json
+
+    from transformers_offload.cli import main
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("The history of the printing press begins in the fifteenth century, when movable type changed how "
+                    "books were made and read across Europe. " * 12, encoding="utf-8")
+    common = ["--model", "smollm2", "--text", str(text), "--context", "64", "--max-windows", "3", "--no-progress", "--json"]
+    assert main(["score", *common, "--out", str(tmp_path / "base")]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens_scored"] == 3 * 31
+    assert main(["score", *common, "--out", str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
+    capsys.readouterr()
+    assert main(["compare", str(tmp_path / "base"), str(tmp_path / "bf16"), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["tokens"] == 93 and 0 < summary["kl_ab"]["mean"] < 0.05
+    assert 1 < summary["perplexity"]["ppl_a"]["value"] < 1000 and summary["same_top1_percent"]["value"] > 80
+    assert main(["score", "--model", "smollm2", "--out", str(tmp_path / "x")]) == 2  # no corpus
+    assert "`--text FILE...` or as `--dataset DIR" in capsys.readouterr().err
+
+
+def test_named_quantizations_build_transformers_configs_or_say_what_to_install(monkeypatch):
+    import importlib.util
+
+    from transformers_offload.rescoring.quantization import NAMES, quantization_config
+
+    assert NAMES == ("torchao:int8-weight-only", "torchao:int8-dynamic", "bitsandbytes:8bit", "bitsandbytes:4bit")
+    with pytest.raises(ValueError, match="unknown quantization 'gguf:q4'; known: torchao:int8-weight-only"):
+        quantization_config("gguf:q4")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(ImportError, match=r"needs the 'torchao' package .*pip install 'transformers-offload\[quantization\]'"):
+        quantization_config("torchao:int8-weight-only")
+    with pytest.raises(ImportError, match=r"pip install 'transformers-offload\[quantization-cuda\]'"):
+        quantization_config("bitsandbytes:4bit")
+
+
+def _saved_tiny(tmp_path):
+    model = make_tiny("llama").eval()
+    model.save_pretrained(tmp_path / "model")
+    return model
+
+
+def test_a_torchao_int8_candidate_on_cpu_scores_near_its_base(tmp_path):
+    pytest.importorskip("torchao")
+    from transformers_offload import _compat
+
+    if int(_compat.TRANSFORMERS_VERSION.split(".")[0]) < 5:  # TorchAoConfig takes torchao 0.18's config objects
+        pytest.skip(f"torchao through transformers is tried on 5.x; this is {_compat.TRANSFORMERS_VERSION}")
+    from transformers import AutoModelForCausalLM
+
+    from transformers_offload.rescoring.quantization import quantization_config
+
+    base_model = _saved_tiny(tmp_path)
+    quantized = AutoModelForCausalLM.from_pretrained(tmp_path / "model", local_files_only=True, device_map="cpu",
+                                                     quantization_config=quantization_config("torchao:int8-weight-only"))
+    base = score(base_model, TEXT, tokenizer=CharTokenizer(), context=32)
+    candidate = score(quantized.eval(), TEXT, tokenizer=CharTokenizer(), context=32)
+    summary = compare(base, candidate).summary()
+    assert 0 < summary["kl_ab"]["mean"] < 1e-2 and summary["max_logit_diff"] > 0
+    assert summary["tokens"] == (len(_ids()) // 32) * 15
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["bitsandbytes:8bit", "bitsandbytes:4bit", "torchao:int8-weight-only"])
+def test_a_quantized_candidate_on_cuda_scores_near_its_base(name, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from transformers_offload.rescoring.quantization import quantization_config
+
+    base_model = _saved_tiny(tmp_path).to("cuda")
+    quantized = AutoModelForCausalLM.from_pretrained(tmp_path / "model", local_files_only=True, device_map="cuda",
+                                                     quantization_config=quantization_config(name))
+    base = score(base_model, TEXT, tokenizer=CharTokenizer(), context=32)
+    candidate = score(quantized.eval(), TEXT, tokenizer=CharTokenizer(), context=32)
+    summary = compare(base, candidate).summary()
+    assert 0 <= summary["kl_ab"]["mean"] < 0.1 and summary["tokens"] == (len(_ids()) // 32) * 15

@@ -1,0 +1,188 @@
+"""`score(model, texts, out)`: a text corpus scored as llama.cpp's perplexity tool scores it, each scored
+position's raw logits recorded as a step, to compare a quantized (or otherwise changed) model with its
+base (`compare(base, candidate)`: KL divergences, perplexities, same top token).
+
+The windows are llama.cpp's (`tools/perplexity`, `perplexity` and `kl_divergence`): the texts are
+tokenised without special tokens and their ids put one after another; window `w` is ids
+`[w * context, (w + 1) * context)` (a last partial window is dropped), its first id replaced by the
+tokenizer's BOS where it has one (`bos=True`); the positions scored are the second half,
+`first = context // 2` to `context - 2`, the logits at position `j` predicting id `j + 1`: `context // 2 - 1`
+tokens a window (255 at 512), each predicted with at least half a context before it. Step `t` of a
+window is position `first + t`. Windows are batched `batch_size` at a time, one generation each (its rows
+the windows, its sample ids their numbers), scored by rescore's forward path (`rescoring.forward`):
+`chunk_size` positions per forward with the KV cache, one `(rows, vocab)` logits buffer, no
+`(positions, vocab)` tensor kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from ..jobs.claims import claim
+from ..jobs.parallel import process_rank, share, wait_for_every_rank
+from ..jobs.record import recorded_samples, target_directory
+from ..read.reader import open_recording
+from ..recorder import Recorder
+from .forward import score_sequences
+
+
+def windows(ids: Sequence[int] | torch.Tensor, context: int, bos_token_id: int | None) -> torch.Tensor:
+    """llama.cpp's windows of `ids`: `(len(ids) // context, context)` int64, each window's first id
+    replaced by `bos_token_id` where it is not None (the module's docstring)."""
+    ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+    count = ids.numel() // context
+    cut = ids[: count * context].reshape(count, context).clone()
+    if bos_token_id is not None and count:
+        cut[:, 0] = bos_token_id
+    return cut
+
+
+def score(model: Any, texts: str | Sequence[str], out: str | os.PathLike | None = None, *, tokenizer: Any,
+          context: int = 512, batch_size: int = 4, chunk_size: int = 512, bos: bool = True,
+          encodings: dict[str, str] | None = None, max_windows: int | None = None, progress: bool = False,
+          rank: int | None = None, world_size: int | None = None) -> Any:
+    """Score a text corpus with `model`, as llama.cpp's perplexity tool does, and record each scored
+    position's raw logits (float32, what the model's forward returns there) as a step.
+
+    Score the base and each candidate (another dtype, a quantization loaded through transformers, another
+    attention kernel) on the same texts with the same tokenizer and `context`, then
+    `compare(base, candidate)`: both perplexities, their ratio, KL divergences and same-top-token rate
+    (docs/compare.md, "a quantization on a corpus").
+
+    Args:
+        model (`transformers.PreTrainedModel`): a decoder-only language model, in eval mode; its device takes
+            the inputs.
+        texts (`str | Sequence[str]`): the corpus: one text, or several whose ids are put one after another.
+        out (`str | os.PathLike`, *optional*): a new or empty directory to write the recording to;
+            default: in host memory.
+        tokenizer: the model's tokenizer (a Hugging Face tokenizer: `tokenizer(text)["input_ids"]`).
+        context (`int`, *optional*, defaults to 512): tokens per window (llama.cpp's `-c`), at least 4.
+        batch_size (`int`, *optional*, defaults to 4): windows per forward (rows of a generation).
+        chunk_size (`int`, *optional*, defaults to 512): positions per forward.
+        bos (`bool`, *optional*, defaults to True): replace each window's first id by the tokenizer's
+            BOS (as llama.cpp does for models that add one); ignored where the tokenizer has none.
+        encodings (`dict[str, str]`, *optional*): how to store the logits, as `Recorder(encodings=...)`:
+            `{"logits": "topk:20"}` for a small reference (its KLs are then estimates: docs/compare.md).
+        max_windows (`int`, *optional*): score only the first this many windows (llama.cpp's `--chunks`).
+        progress (`bool`, *optional*, defaults to False): show a progress bar (tqdm) over batches.
+        rank, world_size (`int`, *optional*): as `record`'s (default: from torchrun's environment): each
+            process scores its share of the batches into `out/rank-R`.
+
+    With `out`, a run resumes as `record` does: the batches whose windows `out` holds complete are
+    skipped (a batch a crash, Ctrl-C or SIGKILL interrupted is scored again), a process scoring the same
+    windows into `out` blocks the run (BlockingIOError), and `out` holding windows of other texts,
+    tokenizer, BOS or `context` is refused (each window's sample metadata names them: `context`, `bos`,
+    `ids_sha256` of the windows' ids, `window`, `first_token`).
+
+    Returns:
+        `Recording` (read back from `out`) or, in memory, the closed `Recorder`: one generation per batch
+        of windows, rows the windows, `context // 2 - 1` steps each, `tokens()` the ids predicted, sample
+        ids the windows' numbers.
+
+    Raises:
+        ValueError: a bad option; texts that hold fewer than `context` tokens (no window); a tokenizer
+            whose vocabulary the model does not cover.
+        TypeError: `texts` is not a string or a sequence of strings.
+        RecordingError: `out` is damaged. BlockingIOError: another process is scoring these windows into `out`.
+    """
+    if isinstance(texts, str):
+        texts = [texts]
+    if not isinstance(texts, Sequence) or not all(isinstance(text, str) for text in texts):
+        raise TypeError(f"`texts` must be a string or a sequence of strings, got {type(texts).__name__}.")
+    for name, value, least in (("context", context, 4), ("batch_size", batch_size, 1), ("chunk_size", chunk_size, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"`{name}` must be an int of at least {least}, got {value!r}.")
+    if max_windows is not None and (isinstance(max_windows, bool) or not isinstance(max_windows, int) or max_windows < 1):
+        raise ValueError(f"`max_windows` must be a positive int (windows) or None, got {max_windows!r}.")
+    if tokenizer is None or not callable(tokenizer):
+        raise ValueError(f"`tokenizer` is needed to cut the texts into tokens: pass the model's tokenizer "
+                         f"(`AutoTokenizer.from_pretrained(...)`), got {type(tokenizer).__name__}.")
+    ids = [i for text in texts for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+    bos_token_id = getattr(tokenizer, "bos_token_id", None) if bos else None
+    cut = windows(ids, context, bos_token_id)
+    if not len(cut):
+        raise ValueError(f"the texts hold {len(ids)} tokens, fewer than one window of `context` {context}: pass a "
+                         "longer text or a smaller `context`.")
+    digest = hashlib.sha256(cut.numpy().tobytes()).hexdigest()  # of every window: `max_windows` may grow on a resume
+    if max_windows is not None:
+        cut = cut[:max_windows]
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab is not None and int(cut.max()) >= vocab:
+        raise ValueError(f"the tokenizer gives id {int(cut.max())}, outside the model's vocabulary of {vocab}: pass "
+                         "the model's own tokenizer.")
+    first = context // 2
+    corpus = {"context": context, "bos": bos_token_id, "ids_sha256": digest}
+    batches = [range(start, min(start + batch_size, len(cut))) for start in range(0, len(cut), batch_size)]
+
+    def run(rec: Recorder, todo: list[int]) -> None:
+        bar = _progress(len(todo), progress)
+        for index in todo:
+            rows = batches[index]
+            rec.set_samples(list(rows), metadata=[{**corpus, "window": w, "first_token": w * context} for w in rows])
+            score_sequences(model, rec, cut[rows.start : rows.stop], first + 1, prompt_mask=None, eos_token_id=[],
+                            pad_token_id=getattr(tokenizer, "pad_token_id", None), chunk_size=chunk_size)
+            bar.update(1)
+        bar.close()
+
+    if out is None:
+        rec = Recorder(model, streams=("logits",), encodings=encodings)
+        try:
+            run(rec, list(range(len(batches))))
+        finally:
+            rec.close()
+        return rec
+    _resume(Path(out), corpus, batches, rank, world_size,
+            lambda target, todo: _recorded(Recorder(model, streams=("logits",), spill_dir=target, encodings=encodings,
+                                                    append=True), run, todo))
+    return open_recording(out)
+
+
+def _recorded(rec: Recorder, run: Any, todo: list[int]) -> None:
+    try:
+        run(rec, todo)
+    finally:
+        rec.close()
+
+
+def _resume(out: Path, corpus: dict[str, Any], batches: list[range], rank: int | None, world_size: int | None,
+            record: Any) -> None:
+    """Score the batches of this rank's share that `out` does not hold complete, as `record` resumes."""
+    rank, world_size = process_rank(rank, world_size)
+    done = recorded_samples(out)
+    if done:
+        with open_recording(out) as before:
+            for generation in before.generations:
+                found = (generation.sample_metadata or [{}])[0]
+                if any(found.get(key) != value for key, value in corpus.items()):
+                    raise ValueError(
+                        f"`out` {str(out)!r} holds windows of other texts or settings (context "
+                        f"{found.get('context')!r}, BOS {found.get('bos')!r}, ids {str(found.get('ids_sha256'))[:12]}...; "
+                        f"now {corpus['context']}, {corpus['bos']!r}, {corpus['ids_sha256'][:12]}...): resume with the "
+                        "same texts, tokenizer and `context`, or pick another `out`.")
+    target = target_directory(out, rank, world_size)
+    mine = list(share(len(batches), rank, world_size))
+    key = {index: [str(w) for w in batches[index]] for index in mine}
+
+    def pending() -> list[str]:  # read once the running writers' claims are known (`claims`)
+        finished = recorded_samples(out)
+        return [sample for index in mine for sample in key[index] if not set(key[index]) <= finished]
+
+    with claim(out, pending, rank=rank, world_size=world_size, target=target) as claimed:
+        todo = [index for index in mine if set(key[index]) & set(claimed)]
+        if todo:
+            record(target, todo)
+    wait_for_every_rank()
+
+
+def _progress(total: int, show: bool) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="batch", disable=not show, desc="score")
+
+
+__all__ = ["score", "windows"]
