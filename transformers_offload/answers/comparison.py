@@ -15,10 +15,10 @@ perplexity statistics are these, over the tokens whose chosen token is known, wi
 and `nb = -logprob_b` (the chosen token's negative log-likelihood under each side, nats) and
 `se(v) = v.std(ddof=1) / sqrt(n)`:
 
-    ppl_a, ppl_b    exp(na.mean()) +- ppl_a * se(na), exp(nb.mean()) +- ppl_b * se(nb)
+    ppl_a, ppl_b    math.exp(na.mean()) +- ppl_a * se(na), and so for b
     correlation     numpy.corrcoef(na, nb)[0, 1] * 100                    # Cor(ln(PPL(Q)), ln(PPL(base)))
     log ratio       (nb - na).mean() +- se(nb - na)                       # Mean ln(PPL(Q)/PPL(base))
-    ratio           exp(log ratio) +- ratio * se(nb - na)                 # Mean PPL(Q)/PPL(base)
+    ratio           math.exp(log ratio) +- ratio * se(nb - na)            # Mean PPL(Q)/PPL(base)
     difference      ppl_b - ppl_a +- sqrt((ppl_b se(nb))**2 + (ppl_a se(na))**2
                                          - 2 ppl_a ppl_b cov(na, nb) / n)  # first-order propagation
 
@@ -278,10 +278,10 @@ def perplexity_stats(logprob_a: np.ndarray, logprob_b: np.ndarray) -> dict[str, 
         def stderr(v: np.ndarray) -> float | None:
             return float(v.std(ddof=1) / math.sqrt(n)) if n > 1 else None
 
-        ppl_a, ppl_b = float(np.exp(na.mean())), float(np.exp(nb.mean()))
+        ppl_a, ppl_b = _exp(float(na.mean())), _exp(float(nb.mean()))
         se_a, se_b, se_log = stderr(na), stderr(nb), stderr(nb - na)
         log_ratio = float((nb - na).mean())
-        ratio = float(np.exp(log_ratio))
+        ratio = _exp(log_ratio)
         correlation = difference_se = None
         if n > 1:
             covariance = float(np.cov(na, nb, ddof=1)[0, 1])
@@ -297,6 +297,14 @@ def perplexity_stats(logprob_a: np.ndarray, logprob_b: np.ndarray) -> dict[str, 
         "ratio": {"value": ratio, "stderr": None if se_log is None else ratio * se_log},
         "difference": {"value": ppl_b - ppl_a, "stderr": difference_se},
     }
+
+
+def _exp(value: float) -> float:
+    """`math.exp`, inf where it overflows (a token one side rules out)."""
+    try:
+        return math.exp(value)
+    except OverflowError:
+        return math.inf
 
 
 def _pair(entry: dict[str, Any]) -> str:
