@@ -496,7 +496,7 @@ def test_in_chromium_the_compare_page_colours_by_kl_and_a_click_shows_both_sides
     assert errors == []
 
 
-def test_the_fast_path_for_finite_logits_is_the_documented_expression_bit_for_bit():
+def test_the_fast_path_for_finite_logits_is_its_documented_expression_bit_for_bit():
     from transformers_offload.answers.compare_metrics import Side, step_values
 
     generator = torch.Generator().manual_seed(3)
@@ -504,13 +504,26 @@ def test_the_fast_path_for_finite_logits_is_the_documented_expression_bit_for_bi
     xb = xa + torch.randn(6, 1000, generator=generator)
     xa[0, :5] = -800.0  # probabilities that underflow to 0 in float64
     rows = torch.arange(6)
-    values = step_values(Side(full=xa), Side(full=xb), rows, rows, torch.zeros(6, dtype=torch.long))
-    la, lb = torch.log_softmax(xa.double(), -1), torch.log_softmax(xb.double(), -1)
+    y = torch.tensor([0, 1, 2, 3, 4, 999])
+    values = step_values(Side(full=xa), Side(full=xb), rows, rows, y)
+    a, b = xa.double(), xb.double()
+    ma, mb = a.amax(-1, keepdim=True), b.amax(-1, keepdim=True)
+    ea, eb = (a - ma).exp(), (b - mb).exp()
+    za, zb = ea.sum(-1), eb.sum(-1)
+    d = a - b
+    shift = (ma - mb)[:, 0] + (za.log() - zb.log())
+    dot = lambda e: torch.stack([torch.dot(e[i], d[i]) for i in range(6)])  # noqa: E731
+    assert torch.equal(values["kl_ab"], dot(ea) / za - shift)
+    assert torch.equal(values["kl_ba"], shift - dot(eb) / zb)
+    assert torch.equal(values["max_logit_diff"], d.abs().amax(-1))
+    assert torch.equal(values["logprob_a"], (a.gather(-1, y[:, None]) - ma)[:, 0] - za.log())
+    # Against the log-softmax expressions (the `where` path, for entries -inf): float64 rounding.
+    la, lb = torch.log_softmax(a, -1), torch.log_softmax(b, -1)
     pa, pb = la.exp(), lb.exp()
-    assert torch.equal(values["kl_ab"], torch.where(pa > 0, pa * (la - lb), 0.0).sum(-1))
-    assert torch.equal(values["kl_ba"], torch.where(pb > 0, pb * (lb - la), 0.0).sum(-1))
-    assert torch.equal(values["max_logit_diff"],
-                       torch.where(xa == xb, 0.0, (xa.double() - xb.double()).abs()).amax(-1))
+    assert torch.allclose(values["kl_ab"], torch.where(pa > 0, pa * (la - lb), 0.0).sum(-1), rtol=1e-12, atol=1e-15)
+    assert torch.allclose(values["kl_ba"], torch.where(pb > 0, pb * (lb - la), 0.0).sum(-1), rtol=1e-12, atol=1e-15)
+    assert torch.allclose(values["logprob_a"], la.gather(-1, y[:, None])[:, 0], rtol=0, atol=1e-13)
+    assert torch.equal(values["max_logit_diff"], torch.where(xa == xb, 0.0, (a - b).abs()).amax(-1))
 
 
 

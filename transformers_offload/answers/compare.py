@@ -19,7 +19,7 @@ import torch
 from ..codecs.spec import ENCODED_STREAMS, topk_width
 from ..errors import CompareError
 from ..read.samples import sample_ids
-from .compare_metrics import BLOCK, Side, step_values
+from .compare_metrics import BLOCK, Side, Workspace, step_values
 from .comparison import Comparison
 
 
@@ -81,8 +81,9 @@ def compare(a: Any, b: Any, *, stream: str = "logits", chunk_steps: int = 16) ->
             raise CompareError(_nothing_to_compare(gens_a, gens_b, pairs))
         ids = dict(zip(map(id, gens_a), sample_ids(gens_a)))
         columns = _Columns(total)
+        workspace = Workspace()
         for (ga, gb), plan in zip(pairs, plans):
-            for values in _pair_values(ga, gb, stream, plan, chunk_steps, ids[id(ga)]):
+            for values in _pair_values(ga, gb, stream, plan, chunk_steps, ids[id(ga)], workspace):
                 columns.put(values)
     return Comparison(columns.arrays, stream=stream, pairs=[(ga.index, gb.index) for ga, gb in pairs],
                       sample_as_text=any(isinstance(i, str) for per in ids.values() for i in per))
@@ -258,7 +259,7 @@ class _Columns:
 
 
 def _pair_values(ga: Any, gb: Any, stream: str, plan: dict[str, Any], chunk_steps: int,
-                 ids: list[Any]) -> Iterator[dict[str, np.ndarray]]:
+                 ids: list[Any], workspace: Workspace) -> Iterator[dict[str, np.ndarray]]:
     """Per group of steps, the pair's per-token columns as NumPy arrays. A chunk's steps are computed
     together, as many as `compare_metrics.BLOCK` float64 entries hold (one step at least): one call per
     group, whose rows run in parallel, rather than one per step."""
@@ -279,12 +280,12 @@ def _pair_values(ga: Any, gb: Any, stream: str, plan: dict[str, Any], chunk_step
             width = max(side.full.shape[-1] if side.full is not None else side.width for side in
                         (sides_a[offset], sides_b[offset]))
             if group and entries + rows.numel() * width > BLOCK:
-                yield _group_values(ga, gb, group, sides_a, sides_b, per_row, ids)
+                yield _group_values(ga, gb, group, sides_a, sides_b, per_row, ids, workspace)
                 group, entries = [], 0
             group.append((offset, t, rows, chosen_rows, tokens))
             entries += rows.numel() * width
         if group:
-            yield _group_values(ga, gb, group, sides_a, sides_b, per_row, ids)
+            yield _group_values(ga, gb, group, sides_a, sides_b, per_row, ids, workspace)
 
 
 def _step_rows(ga: Any, plan: dict[str, Any], t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -308,7 +309,8 @@ def _joined(sides: list[Side]) -> Side:
 
 
 def _group_values(ga: Any, gb: Any, group: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]],
-                  sides_a: list[Side], sides_b: list[Side], per_row: int, ids: list[Any]) -> dict[str, np.ndarray]:
+                  sides_a: list[Side], sides_b: list[Side], per_row: int, ids: list[Any],
+                  workspace: Workspace) -> dict[str, np.ndarray]:
     """The per-token columns of a group of steps, computed in one `step_values` call."""
     where, chosen, tokens, steps, before = [], [], [], [], 0
     for offset, t, rows, chosen_rows, step_tokens in group:
@@ -320,7 +322,7 @@ def _group_values(ga: Any, gb: Any, group: list[tuple[int, int, torch.Tensor, to
         before += (side.full if side.topk is None else side.topk["indices"]).shape[0]
     a = _joined([sides_a[offset] for offset, *_ in group])
     b = _joined([sides_b[offset] for offset, *_ in group])
-    values = step_values(a, b, torch.cat(where), torch.cat(chosen), torch.cat(tokens))
+    values = step_values(a, b, torch.cat(where), torch.cat(chosen), torch.cat(tokens), workspace)
     rows = torch.cat([rows for _, _, rows, _, _ in group])
     prompt = rows // per_row
     n = int(rows.shape[0])
