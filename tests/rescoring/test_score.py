@@ -117,6 +117,22 @@ def test_a_run_resumes_skipping_complete_batches_and_refuses_other_texts(tmp_pat
         score(model, TEXT[::-1], out, tokenizer=CharTokenizer(), context=32)
 
 
+def test_two_ranks_share_the_batches_and_read_back_as_one_run(tmp_path):
+    model = make_tiny("llama").eval()
+    out = tmp_path / "run"
+    for rank in (0, 1):  # as torchrun's two processes would, one after the other
+        score(model, TEXT, out, tokenizer=CharTokenizer(), context=32, batch_size=2, rank=rank, world_size=2)
+    assert sorted(p.name for p in out.iterdir() if p.is_dir() and p.name.startswith("rank")) == ["rank-0", "rank-1"]
+    run = open_recording(out)
+    whole = score(model, TEXT, tokenizer=CharTokenizer(), context=32, batch_size=2)
+    assert sorted(i for g in run.generations for i in g.sample_ids) == list(range(len(_ids()) // 32))
+    by_window = {g.sample_ids[0]: g for g in run.generations}
+    for generation in whole.generations:
+        mine = by_window[generation.sample_ids[0]]
+        assert mine.sample_ids == generation.sample_ids
+        assert torch.equal(torch.stack(mine.logits()), torch.stack(generation.logits()))
+
+
 def test_bad_input_is_refused_before_any_work(tmp_path):
     model = make_tiny("llama").eval()
     with pytest.raises(ValueError, match="fewer than one window of `context` 512"):
@@ -152,6 +168,13 @@ def test_the_command_scores_a_text_file_and_compare_reports_llama_cpps_statistic
     assert 1 < summary["perplexity"]["ppl_a"]["value"] < 1000 and summary["same_top1_percent"]["value"] > 80
     assert main(["score", "--model", "smollm2", "--out", str(tmp_path / "x")]) == 2  # no corpus
     assert "`--text FILE...` or as `--dataset DIR" in capsys.readouterr().err
+    rows = tmp_path / "corpus.jsonl"  # the same text as dataset rows, in two halves
+    half = len(text.read_text()) // 2
+    rows.write_text("\n".join(json.dumps({"id": i, "body": part}) for i, part in
+                              enumerate((text.read_text()[:half], text.read_text()[half:]))), encoding="utf-8")
+    assert main(["score", "--model", "smollm2", "--dataset", str(rows), "--text-column", "body", "--context", "64",
+                 "--max-windows", "2", "--no-progress", "--json", "--out", str(tmp_path / "rows")]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens_scored"] == 2 * 31
 
 
 def test_named_quantizations_build_transformers_configs_or_say_what_to_install(monkeypatch):
