@@ -248,6 +248,9 @@ CRITERIA_ANSWER_PER_ROW = hasattr(transformers.generation, "EosTokenCriteria")
 # `out.logits` holds that copy; up to 4.44 they keep the model's dtype. Nothing in the API tells the
 # two apart, so this one is a version number (accelerate-style, see STYLE.md).
 UPCASTS_LOGITS = Version(TRANSFORMERS_VERSION) >= Version("4.45.0")
+# TorchAoConfig(quant_type=...) taking torchao 0.18's config objects (`Int8WeightOnlyConfig()`): tried on
+# 5.x only (`rescoring.quantization`; older releases wanted names such as "int8_weight_only").
+TORCHAO_CONFIG_OBJECTS = Version(TRANSFORMERS_VERSION) >= Version("5.0.0")
 
 
 def forward_raw_logits(model_logits: torch.Tensor, *, upcast: bool = UPCASTS_LOGITS) -> torch.Tensor:

@@ -131,23 +131,23 @@ def _block_values(a: Side, b: Side, rows: torch.Tensor, chosen_rows: torch.Tenso
     n = int(rows.shape[0])
     known_token = tokens >= 0
     y = tokens.clamp(min=0)
-    full = a.full is not None and b.full is not None
-    xa, xb = (_rows(a.full, rows), _rows(b.full, rows)) if full else (None, None)
-    maxima = (tile_maxima(xa), tile_maxima(xb)) if full else (None, None)
-    if full and _finite(xa, maxima[0]) and _finite(xb, maxima[1]):  # raw logits: the module's fast expressions
-        da, db, kl_ab, kl_ba, max_diff = _finite_values(a, b, xa, xb, maxima, rows, chosen_rows, y, workspace)
-    else:  # each side's top TOP ids and logprobs, its chosen token's logprob and rank
-        da, db = _describe(a, rows, chosen_rows, y), _describe(b, rows, chosen_rows, y)
-    if full and "log_softmax" in da:  # an entry -inf (processed scores): the documented `where` expressions
-        la, lb, xa, xb = da["log_softmax"], db["log_softmax"], da["x"], db["x"]
-        pa, pb = la.exp(), lb.exp()
-        kl_ab = torch.where(pa > 0, pa * (la - lb), 0.0).sum(-1)
-        kl_ba = torch.where(pb > 0, pb * (lb - la), 0.0).sum(-1)
-        max_diff = torch.where(xa == xb, 0.0, (xa - xb).abs()).amax(-1)
-    if full:
+    if a.full is not None and b.full is not None:
+        xa, xb = _rows(a.full, rows), _rows(b.full, rows)
+        maxima = (tile_maxima(xa), tile_maxima(xb))
+        if _finite(xa, maxima[0]) and _finite(xb, maxima[1]):  # raw logits: the module's fast expressions
+            da, db, kl_ab, kl_ba, max_diff = _finite_values(a, b, xa, xb, maxima, rows, chosen_rows, y, workspace)
+        else:  # an entry -inf (processed scores): the documented `where` expressions
+            da = _describe(a, rows, chosen_rows, y, xa, maxima[0])
+            db = _describe(b, rows, chosen_rows, y, xb, maxima[1])
+            la, lb, wide_a, wide_b = da["log_softmax"], db["log_softmax"], da["x"], db["x"]
+            pa, pb = la.exp(), lb.exp()
+            kl_ab = torch.where(pa > 0, pa * (la - lb), 0.0).sum(-1)
+            kl_ba = torch.where(pb > 0, pb * (lb - la), 0.0).sum(-1)
+            max_diff = torch.where(wide_a == wide_b, 0.0, (wide_a - wide_b).abs()).amax(-1)
         logit_known = torch.ones(n, dtype=torch.bool)
         estimate = torch.zeros(n, dtype=torch.bool)
-    else:
+    else:  # a top-k side: the coarse KLs
+        da, db = _describe(a, rows, chosen_rows, y), _describe(b, rows, chosen_rows, y)
         kl_ab, kl_ba = _coarse_kls(da, db)
         max_diff = torch.full((n,), float("nan"), dtype=torch.float64)
         logit_known = torch.zeros(n, dtype=torch.bool)
@@ -220,8 +220,8 @@ def _finite_values(a: Side, b: Side, xa: torch.Tensor, xb: torch.Tensor, maxima:
     shift = (top_a - top_b)[:, 0] + (mass_a.log() - mass_b.log())  # lse_a - lse_b
     kl_ab, kl_ba = mean_a - shift, shift - mean_b
     described = []
+    same = torch.equal(chosen_rows, rows)
     for side, recorded, top, mass, tiles in ((a, xa, top_a, mass_a, maxima[0]), (b, xb, top_b, mass_b, maxima[1])):
-        same = torch.equal(chosen_rows, rows)
         recorded_q = recorded if same else side.full[chosen_rows]
         if same:
             top_q, mass_q = top, mass
@@ -246,14 +246,17 @@ def _dots(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.dot(x[i], y[i]) for i in range(x.shape[0])]) if x.shape[0] else x.new_zeros(0)
 
 
-def _describe(side: Side, rows: torch.Tensor, chosen_rows: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+def _describe(side: Side, rows: torch.Tensor, chosen_rows: torch.Tensor, y: torch.Tensor,
+              recorded: torch.Tensor | None = None, maxima: torch.Tensor | None = None) -> dict[str, Any]:
     """One side's top ids and logprobs of `rows`, and the chosen token's logprob and rank (read from
-    `chosen_rows`), in float64; the full log-softmax where the side is full, the kept ids where top-k."""
+    `chosen_rows`), in float64; the full log-softmax where the side is full (`recorded`: its `rows`, and
+    `maxima` their `tile_maxima`, where the caller has them), the kept ids where top-k."""
     if side.full is not None:
-        recorded = side.full[rows]
+        if recorded is None:
+            recorded = side.full[rows]
+            maxima = tile_maxima(recorded)
         x = recorded.double()
         log_softmax = torch.log_softmax(x, -1)
-        maxima = tile_maxima(recorded)
         top = largest(recorded, TOP, maxima)
         same = torch.equal(chosen_rows, rows)
         recorded_q = recorded if same else side.full[chosen_rows]
@@ -262,7 +265,6 @@ def _describe(side: Side, rows: torch.Tensor, chosen_rows: torch.Tensor, y: torc
         maxima_q = maxima if same else tile_maxima(recorded_q)
         return {
             "x": x, "log_softmax": log_softmax, "top_ids": top, "top_logprobs": log_softmax.gather(-1, top),
-            "finite": torch.isfinite(recorded.amax(-1)) & torch.isfinite(recorded.amin(-1)),  # nan spreads
             "chosen_logprob": lq.gather(-1, y[:, None])[:, 0],
             "chosen_rank": count_above(recorded_q, picked, maxima_q),
             "chosen_known": torch.ones(rows.shape[0], dtype=torch.bool),

@@ -250,7 +250,7 @@ def candidates_table(summaries: list[dict[str, Any]]) -> str:
     same-top-1, in llama.cpp's units. `summaries`: each `Comparison.summary()` with a `candidate` key
     (its name, shown first)."""
     def number(value: Any, digits: int = 6) -> str:
-        return "n/a" if value is None else f"{value:.{digits}f}"
+        return _number(value, digits).strip()
 
     header = ["candidate", "tokens", "mean KLD", "± se", "99.0% KLD", "PPL(Q)/PPL(base)", "± se", "RMS Δp %",
               "same top %"]

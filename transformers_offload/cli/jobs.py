@@ -59,11 +59,7 @@ def add(commands: Any) -> None:
     rescore.add_argument("path", help="the recording directory to rescore")
     rescore.add_argument("--model", required=True, help=options.MODEL_HELP)
     rescore.add_argument("--out", required=True, help="the rescored recording's directory (created, or resumed)")
-    rescore.add_argument("--dtype", help="load the model in this dtype (float32, bfloat16, float16)")
-    rescore.add_argument("--attn-implementation", help="eager, sdpa, flash_attention_2...")
-    rescore.add_argument("--quantization", help="quantize on load through transformers' integration: "
-                          "torchao:int8-weight-only, torchao:int8-dynamic (CPU, CUDA), bitsandbytes:8bit, "
-                          "bitsandbytes:4bit (CUDA); a checkpoint saved quantized needs none")
+    _loading_options(rescore)
     rescore.add_argument("--mode", choices=("decode", "forward"), default="decode")
     rescore.add_argument("--chunk-size", type=int, default=512, help="forward mode: positions per forward (512)")
     rescore.add_argument("--streams", default="logits", help="what to record, e.g. logits,stats")
@@ -94,12 +90,17 @@ def add(commands: Any) -> None:
     score.add_argument("--chunk-size", type=int, default=512, help="positions per forward (512)")
     score.add_argument("--max-windows", type=int, help="score the first N windows only (llama.cpp's --chunks)")
     score.add_argument("--no-bos", action="store_true", help="keep each window's first id (else the tokenizer's BOS)")
-    score.add_argument("--dtype", help="load the model in this dtype (float32, bfloat16, float16)")
-    score.add_argument("--attn-implementation", help="eager, sdpa, flash_attention_2...")
-    score.add_argument("--quantization", help="quantize on load through transformers' integration: "
-                          "torchao:int8-weight-only, torchao:int8-dynamic (CPU, CUDA), bitsandbytes:8bit, "
-                          "bitsandbytes:4bit (CUDA); a checkpoint saved quantized needs none")
+    _loading_options(score)
     score.add_argument("--encodings", default="", help="e.g. logits=topk:20 (a small reference)")
+
+
+def _loading_options(parser: Any) -> None:
+    """How `_load_candidate` loads `--model`: `--dtype`, `--attn-implementation`, `--quantization`."""
+    parser.add_argument("--dtype", help="load the model in this dtype (float32, bfloat16, float16)")
+    parser.add_argument("--attn-implementation", help="eager, sdpa, flash_attention_2...")
+    parser.add_argument("--quantization", help="quantize on load through transformers' integration: "
+                        "torchao:int8-weight-only, torchao:int8-dynamic (CPU, CUDA), bitsandbytes:8bit, "
+                        "bitsandbytes:4bit (CUDA); a checkpoint saved quantized needs none")
 
 
 def run(arguments: argparse.Namespace, command_line: str) -> tuple[Any, str]:
@@ -171,7 +172,7 @@ def _load_candidate(arguments: argparse.Namespace) -> Any:
     if arguments.attn_implementation is not None:
         loading["attn_implementation"] = arguments.attn_implementation
     device = options.device(arguments.device)
-    if getattr(arguments, "quantization", None) is not None:
+    if arguments.quantization is not None:
         from ..rescoring.quantization import quantization_config
 
         if dtype is not None:
@@ -219,7 +220,6 @@ def _score(arguments: argparse.Namespace) -> dict[str, Any]:
 
 
 def _rescore(arguments: argparse.Namespace) -> dict[str, Any]:
-
     from ..read.reader import open_recording
     from ..rescoring.run import rescore_recording
 

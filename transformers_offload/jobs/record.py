@@ -20,7 +20,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ..errors import RecordingError, verify_command
 from ..read.reader import open_recording
@@ -271,6 +271,31 @@ def target_directory(out: Path, rank: int, world_size: int) -> Path:
             "rank sub-directories of a new `out`: resume this one with a single process, or pick another `out`."
         )
     return out / rank_directory(rank)
+
+
+def run_share(out: Path, keys: list[list[str]], *, rank: int, world_size: int,
+              work: Callable[[Path, list[int]], None]) -> tuple[list[int], list[int]]:
+    """Units of work (`rescoring.run`'s generations, `score`'s batches), each named by its samples' ids as
+    text (`keys[i]`; [] for a unit without ids, always done): this rank's share (`parallel.share`), less
+    the units `out` holds complete, claimed (`claims`) while `work(target, todo)` does them into this
+    rank's directory; then every rank is waited for. Returns `(mine, todo)`: the share and the units done now.
+
+    Raises: as `claim` (BlockingIOError: another process holds some of these samples) and
+    `target_directory`."""
+    target = target_directory(out, rank, world_size)
+    mine = list(share(len(keys), rank, world_size))
+
+    def pending() -> list[str]:  # read once the running writers' claims are known (see `claims`)
+        done = recorded_samples(out)
+        return [sample for index in mine for sample in keys[index] if not set(keys[index]) <= done]
+
+    with claim(out, pending, rank=rank, world_size=world_size, target=target) as claimed:
+        claimed = set(claimed)
+        todo = [index for index in mine if not keys[index] or set(keys[index]) & claimed]
+        if todo:
+            work(target, todo)
+    wait_for_every_rank()
+    return mine, todo
 
 
 def _text(tokenizer: Any, prompt: Any, chat: bool) -> str:

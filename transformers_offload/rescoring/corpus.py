@@ -23,9 +23,8 @@ from typing import Any, Sequence
 
 import torch
 
-from ..jobs.claims import claim
-from ..jobs.parallel import process_rank, share, wait_for_every_rank
-from ..jobs.record import recorded_samples, target_directory
+from ..jobs.parallel import process_rank
+from ..jobs.record import recorded_samples, run_share
 from ..read.reader import open_recording
 from ..recorder import Recorder
 from .forward import score_sequences
@@ -119,64 +118,43 @@ def score(model: Any, texts: str | Sequence[str], out: str | os.PathLike | None 
     corpus = {"context": context, "bos": bos_token_id, "ids_sha256": digest}
     batches = [range(start, min(start + batch_size, len(cut))) for start in range(0, len(cut), batch_size)]
 
-    def run(rec: Recorder, todo: list[int]) -> None:
-        bar = _progress(len(todo), progress)
-        for index in todo:
-            rows = batches[index]
-            rec.set_samples(list(rows), metadata=[{**corpus, "window": w, "first_token": w * context} for w in rows])
-            score_sequences(model, rec, cut[rows.start : rows.stop], first + 1, prompt_mask=None, eos_token_id=[],
-                            pad_token_id=getattr(tokenizer, "pad_token_id", None), chunk_size=chunk_size)
-            bar.update(1)
-        bar.close()
-
-    if out is None:
-        rec = Recorder(model, streams=("logits",), encodings=encodings)
+    def scored(spill_dir: Path | None, todo: list[int]) -> Recorder:
+        rec = Recorder(model, streams=("logits",), spill_dir=spill_dir, encodings=encodings, append=spill_dir is not None)
         try:
-            run(rec, list(range(len(batches))))
+            bar = _progress(len(todo), progress)
+            for index in todo:
+                rows = batches[index]
+                rec.set_samples(list(rows), metadata=[{**corpus, "window": w, "first_token": w * context} for w in rows])
+                score_sequences(model, rec, cut[rows.start : rows.stop], first + 1, prompt_mask=None, eos_token_id=[],
+                                pad_token_id=getattr(tokenizer, "pad_token_id", None), chunk_size=chunk_size)
+                bar.update(1)
+            bar.close()
         finally:
             rec.close()
         return rec
-    _resume(Path(out), corpus, batches, rank, world_size,
-            lambda target, todo: _recorded(Recorder(model, streams=("logits",), spill_dir=target, encodings=encodings,
-                                                    append=True), run, todo))
+
+    if out is None:
+        return scored(None, list(range(len(batches))))
+    out = Path(out)
+    _refuse_other_windows(out, corpus)
+    rank, world_size = process_rank(rank, world_size)
+    run_share(out, [[str(w) for w in rows] for rows in batches], rank=rank, world_size=world_size, work=scored)
     return open_recording(out)
 
 
-def _recorded(rec: Recorder, run: Any, todo: list[int]) -> None:
-    try:
-        run(rec, todo)
-    finally:
-        rec.close()
-
-
-def _resume(out: Path, corpus: dict[str, Any], batches: list[range], rank: int | None, world_size: int | None,
-            record: Any) -> None:
-    """Score the batches of this rank's share that `out` does not hold complete, as `record` resumes."""
-    rank, world_size = process_rank(rank, world_size)
-    done = recorded_samples(out)
-    if done:
-        with open_recording(out) as before:
-            for generation in before.generations:
-                found = (generation.sample_metadata or [{}])[0]
-                if any(found.get(key) != value for key, value in corpus.items()):
-                    raise ValueError(
-                        f"`out` {str(out)!r} holds windows of other texts or settings (context "
-                        f"{found.get('context')!r}, BOS {found.get('bos')!r}, ids {str(found.get('ids_sha256'))[:12]}...; "
-                        f"now {corpus['context']}, {corpus['bos']!r}, {corpus['ids_sha256'][:12]}...): resume with the "
-                        "same texts, tokenizer and `context`, or pick another `out`.")
-    target = target_directory(out, rank, world_size)
-    mine = list(share(len(batches), rank, world_size))
-    key = {index: [str(w) for w in batches[index]] for index in mine}
-
-    def pending() -> list[str]:  # read once the running writers' claims are known (`claims`)
-        finished = recorded_samples(out)
-        return [sample for index in mine for sample in key[index] if not set(key[index]) <= finished]
-
-    with claim(out, pending, rank=rank, world_size=world_size, target=target) as claimed:
-        todo = [index for index in mine if set(key[index]) & set(claimed)]
-        if todo:
-            record(target, todo)
-    wait_for_every_rank()
+def _refuse_other_windows(out: Path, corpus: dict[str, Any]) -> None:
+    """ValueError where `out` holds complete windows of other texts, tokenizer, BOS or context."""
+    if not recorded_samples(out):
+        return
+    with open_recording(out) as before:
+        for generation in before.generations:
+            found = (generation.sample_metadata or [{}])[0]
+            if any(found.get(key) != value for key, value in corpus.items()):
+                raise ValueError(
+                    f"`out` {str(out)!r} holds windows of other texts or settings (context {found.get('context')!r}, "
+                    f"BOS {found.get('bos')!r}, ids {str(found.get('ids_sha256'))[:12]}...; now {corpus['context']}, "
+                    f"{corpus['bos']!r}, {corpus['ids_sha256'][:12]}...): resume with the same texts, tokenizer and "
+                    "`context`, or pick another `out`.")
 
 
 def _progress(total: int, show: bool) -> Any:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from .. import _compat
+
 # name -> (the package it needs, the pip extra that installs it, where it runs, the config's builder)
 _NAMES: dict[str, tuple[str, str, str, Callable[[], Any]]] = {}
 
@@ -60,6 +62,9 @@ def quantization_config(name: str) -> Any:
     if importlib.util.find_spec(package) is None:
         raise ImportError(f"quantization {name!r} needs the {package!r} package (it runs on {where}): "
                           f"pip install 'transformers-offload[{extra}]'")
+    if package == "torchao" and not _compat.TORCHAO_CONFIG_OBJECTS:
+        raise ImportError(f"quantization {name!r} is built for transformers 5 (TorchAoConfig taking torchao's config "
+                          f"objects); this is {_compat.TRANSFORMERS_VERSION}: pip install -U transformers")
     try:
         return build()
     except ImportError as error:

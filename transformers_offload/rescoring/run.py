@@ -15,9 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..jobs.claims import claim
-from ..jobs.parallel import process_rank, share, wait_for_every_rank
-from ..jobs.record import recorded_samples, target_directory
+from ..jobs.parallel import process_rank
+from ..jobs.record import run_share
 from ..read.reader import open_recording
 from ..store.layout import MANIFEST, rank_directories
 from .decode import rescore
@@ -57,23 +56,12 @@ def rescore_recording(source: Any, model: Any, out: Any, *, mode: str = "decode"
             "rescore cannot tell which of them another run or rank did: rescore it with one process into a new "
             "`--out` (or record with `record`, which names every sample)."
         )
-    target = target_directory(out, rank, world_size)
-    mine = list(share(len(generations), rank, world_size))
-    key = {index: [str(sample) for sample in (generations[index].sample_ids or ())] for index in mine}
-
-    def pending() -> list[str]:  # read once the running writers' claims are known (see `claims`)
-        done = recorded_samples(out)
-        return [sample for index in mine for sample in key[index] if not set(key[index]) <= done]
-
+    key = [[str(sample) for sample in (generation.sample_ids or ())] for generation in generations]
     start = time.perf_counter()
-    with claim(out, pending, rank=rank, world_size=world_size, target=target) as claimed:
-        claimed = set(claimed)
-        todo = [index for index in mine if not keyed or set(key[index]) & claimed]
-        if todo:
-            rescore(recording, model, target, mode=mode, streams=streams, encodings=encodings, generations=todo,
-                    append=True, chunk_size=chunk_size, progress=progress and rank == 0)
+    mine, todo = run_share(out, key, rank=rank, world_size=world_size, work=lambda target, todo: rescore(
+        recording, model, target, mode=mode, streams=streams, encodings=encodings, generations=todo, append=True,
+        chunk_size=chunk_size, progress=progress and rank == 0))
     seconds = time.perf_counter() - start
-    wait_for_every_rank()
     return {"rescored": len(todo), "skipped": len(mine) - len(todo),
             "steps": sum(generations[index].num_steps for index in todo), "seconds": round(seconds, 3),
             "rank": rank, "world_size": world_size}
