@@ -134,8 +134,9 @@ def _block_values(a: Side, b: Side, rows: torch.Tensor, chosen_rows: torch.Tenso
     if a.full is not None and b.full is not None:
         xa, xb = _rows(a.full, rows), _rows(b.full, rows)
         maxima = (tile_maxima(xa), tile_maxima(xb))
-        if _finite(xa, maxima[0]) and _finite(xb, maxima[1]):  # raw logits: the module's fast expressions
-            da, db, kl_ab, kl_ba, max_diff = _finite_values(a, b, xa, xb, maxima, rows, chosen_rows, y, workspace)
+        found = _finite_values(a, b, xa, xb, maxima, rows, chosen_rows, y, workspace)
+        if found is not None:  # every entry finite (raw logits): the module's fast expressions
+            da, db, kl_ab, kl_ba, max_diff = found
         else:  # an entry -inf (processed scores): the documented `where` expressions
             da = _describe(a, rows, chosen_rows, y, xa, maxima[0])
             db = _describe(b, rows, chosen_rows, y, xb, maxima[1])
@@ -185,13 +186,6 @@ def _pad(values: torch.Tensor, fill: Any) -> torch.Tensor:
     return torch.cat([values, padding], -1)
 
 
-def _finite(recorded: torch.Tensor, maxima: torch.Tensor | None) -> bool:
-    """Whether every entry is finite: each row's extremes are (nan spreads to them; `maxima`, the tile
-    maxima, hold the largest, or are None where small or nan)."""
-    largest_ = recorded.amax(-1) if maxima is None else maxima.amax(-1)
-    return bool((torch.isfinite(largest_) & torch.isfinite(recorded.amin(-1))).all())
-
-
 def _rows(full: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """`full[rows]`, without a copy where `rows` are every row in order."""
     if rows.numel() == full.shape[0] and torch.equal(rows, torch.arange(full.shape[0])):
@@ -201,22 +195,28 @@ def _rows(full: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 def _finite_values(a: Side, b: Side, xa: torch.Tensor, xb: torch.Tensor, maxima: tuple[Any, Any],
                    rows: torch.Tensor, chosen_rows: torch.Tensor, y: torch.Tensor, workspace: Workspace
-                   ) -> tuple[dict[str, Any], dict[str, Any], torch.Tensor, torch.Tensor, torch.Tensor]:
+                   ) -> tuple[dict[str, Any], dict[str, Any], torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Both sides' descriptions (`_describe`'s keys but the full tensors), both KLs and the largest logit
-    difference of rows `xa`, `xb` (`a.full[rows]`, `b.full[rows]`) with every entry finite, by the module's
-    fast expressions: each side's `exp(x - max)` computed once in a reused buffer, no log-softmax tensor."""
-    n, vocab = int(rows.shape[0]), int(a.full.shape[-1])
-    wide_a = workspace.get("a", n, vocab).copy_(xa)  # float64, exact
-    wide_b = workspace.get("b", n, vocab).copy_(xb)
-    difference = torch.sub(wide_a, wide_b, out=workspace.get("difference", n, vocab))  # xa - xb
-    product = workspace.get("product", n, vocab)
-    max_diff = torch.abs(difference, out=product).amax(-1)  # max |xa - xb|, exact
+    difference of rows `xa`, `xb` (`a.full[rows]`, `b.full[rows]`), by the module's fast expressions: each
+    side's `exp(x - max)` computed once in a reused buffer, no log-softmax tensor. None where an entry is
+    not finite (then the caller uses the `where` expressions): a row's largest or smallest is not."""
+    n, vocab = int(rows.shape[0]), int(xa.shape[-1])
     top_a, top_b = ((x.amax(-1, keepdim=True) if m is None else m.amax(-1, keepdim=True)).double()
                     for x, m in ((xa, maxima[0]), (xb, maxima[1])))
-    mass_a = torch.exp(wide_a.sub_(top_a), out=wide_a).sum(-1)  # sum of exp(xa - max): Z_a
-    mass_b = torch.exp(wide_b.sub_(top_b), out=wide_b).sum(-1)
-    mean_a = _dots(wide_a, difference) / mass_a  # sum p_a (xa - xb)
-    mean_b = _dots(wide_b, difference) / mass_b
+    extremes = torch.cat([top_a, top_b, xa.amin(-1, keepdim=True).double(), xb.amin(-1, keepdim=True).double()])
+    if not bool(torch.isfinite(extremes).all()):  # nan spreads to a maximum
+        return None
+    sums = torch.empty(5, n, dtype=torch.float64)  # per row: max |d|, Z_a, Z_b, sum e_a d, sum e_b d
+    wide_a, wide_b, difference = (workspace.get(name, 1, vocab)[0] for name in ("a", "b", "difference"))
+    for i in range(n):  # a row at a time: its float64 rows stay in the cores' caches from pass to pass
+        torch.sub(wide_a.copy_(xa[i]), wide_b.copy_(xb[i]), out=difference)  # xa - xb, exact
+        torch.maximum(difference.amax(), difference.amin().neg_(), out=sums[0, i])  # max |xa - xb|, exact
+        torch.sum(torch.exp(wide_a.sub_(top_a[i]), out=wide_a), 0, out=sums[1, i])  # sum of exp(xa - max): Z_a
+        torch.sum(torch.exp(wide_b.sub_(top_b[i]), out=wide_b), 0, out=sums[2, i])
+        torch.dot(wide_a, difference, out=sums[3, i])
+        torch.dot(wide_b, difference, out=sums[4, i])
+    max_diff, mass_a, mass_b = sums[0], sums[1], sums[2]
+    mean_a, mean_b = sums[3] / mass_a, sums[4] / mass_b  # sum p_a (xa - xb), sum p_b (xa - xb)
     shift = (top_a - top_b)[:, 0] + (mass_a.log() - mass_b.log())  # lse_a - lse_b
     kl_ab, kl_ba = mean_a - shift, shift - mean_b
     described = []

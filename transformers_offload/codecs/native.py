@@ -40,11 +40,11 @@ class NativeRecord:
         """Rows `rows` (default all) as the dense `(len(rows), vocab)` tensor in the recorded dtype, bit
         for bit what was recorded."""
         count = self.rows * self.vocab
-        halves = self._payload.clone().view(torch.int16 if self.stored.itemsize == 2 else self.stored)
+        halves = self._payload.view(torch.int16 if self.stored.itemsize == 2 else self.stored)
         values = (halves[:count].view(self.stored) if self.stored.itemsize == 2 else halves).reshape(self.rows, self.vocab)
         if rows is not None:
-            values = values[list(rows)]
-        return values.to(self.dtype)
+            return values[list(rows)].to(self.dtype)  # indexing copies
+        return values.to(self.dtype) if self.stored != self.dtype else values.clone()  # not a view of the record
 
 
 def native_dense(record: torch.Tensor, rows: Sequence[int] | None = None) -> torch.Tensor:
