@@ -2,10 +2,10 @@
 reference), in bfloat16 and with torchao's int8 weight-only quantization (candidates), as llama.cpp's
 perplexity tool scores it, and compare each with the reference: KL divergence, both perplexities,
 same top token, as `llama-perplexity --kl-divergence` prints them. A second, small reference keeps only
-each position's top-K logits (`topk:K`): its KL is an estimate, printed beside the full one, with its bytes
-per token against llama.cpp's 16-bit reference file.
+each position's top-K logits and N tokens drawn from the rest (`topk:K+tail:N`): its KL is an estimate,
+printed beside the full one, with its bytes per token against llama.cpp's 16-bit reference file.
 
-    python examples/quantization_kl.py [--text FILE] [--context 512] [--windows 8] [--topk 64] [--out DIR]
+    python examples/quantization_kl.py [--text FILE] [--context 512] [--windows 8] [--topk 32] [--tail 48] [--out DIR]
 
 The corpus defaults to Python's own help texts (`pydoc_data.topics`, which ships with CPython); pass a
 file (wikitext-2's `wiki.test.raw`, as llama.cpp users do) with `--text`. Runs on CPU (the `demo` extra
@@ -43,7 +43,8 @@ def main() -> None:
     parser.add_argument("--text", help="a UTF-8 text file (default: Python's help texts)")
     parser.add_argument("--context", type=int, default=512, help="tokens per window (llama.cpp's -c)")
     parser.add_argument("--windows", type=int, default=8, help="windows scored (llama.cpp's --chunks)")
-    parser.add_argument("--topk", type=int, default=64, help="K of the small reference")
+    parser.add_argument("--topk", type=int, default=32, help="K of the small reference: the largest logits kept")
+    parser.add_argument("--tail", type=int, default=48, help="N of the small reference: tokens drawn from the rest")
     parser.add_argument("--out", help="keep the recordings in this new directory (default: a temporary one)")
     args = parser.parse_args()
     text = corpus(args.text)
@@ -52,8 +53,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as temporary:
         out = Path(args.out or temporary)
         reference = score(model, text, out / "float32", **options)
-        small = score(model, text, out / f"float32-topk{args.topk}", encodings={"logits": f"topk:{args.topk}"},
-                      **options)
+        small_encoding = f"topk:{args.topk}+tail:{args.tail}"
+        small_dir = out / f"float32-topk{args.topk}-tail{args.tail}"
+        small = score(model, text, small_dir, encodings={"logits": small_encoding}, **options)
         candidates = {"bfloat16": lambda: load()[0].to(torch.bfloat16)}
         if importlib.util.find_spec("torchao") is not None:
             from transformers import AutoModelForCausalLM
@@ -77,12 +79,12 @@ def main() -> None:
         tokens = summaries[0]["tokens"]
         vocab = int(open_recording(out / "float32").generation(0).logits(steps=range(1))[0].shape[-1])
         llama_cpp = 2 * (vocab + 4)  # uint16 log-probabilities a token, and 4 uint16 of scale and minimum
-        small_bytes = recorded_bytes(out / f"float32-topk{args.topk}") / tokens
+        small_bytes = recorded_bytes(small_dir) / tokens
         print(f"\nreference bytes per token: dense float32 {recorded_bytes(out / 'float32') / tokens:,.0f}, "
-              f"topk:{args.topk} {small_bytes:,.0f}, llama.cpp's 16-bit file {llama_cpp:,} "
-              f"({llama_cpp / small_bytes:,.0f}x the top-k reference's)")
+              f"{small_encoding} {small_bytes:,.0f}, llama.cpp's 16-bit file {llama_cpp:,} "
+              f"({llama_cpp / small_bytes:,.0f}x the small reference's)")
         for name, full, estimate in estimates:
-            print(f"mean KL, {name}: {full:.6f} from the full reference, {estimate:.6f} estimated from topk:{args.topk} "
+            print(f"mean KL, {name}: {full:.6f} from the full reference, {estimate:.6f} estimated from {small_encoding} "
                   f"({(estimate - full) / full * 100:+.2f}%)")
 
 

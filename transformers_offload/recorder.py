@@ -67,11 +67,11 @@ class Recorder(Readable, LogitsProcessor):
             in bytes. `generate()` waits when three shard buffers are being filled or written (counted in
             `Generation.transfer.waits`).
         encodings (`dict[str, str]`, *optional*): how to store `"logits"` and `"scores"`: `"dense"`,
-            `"sparse"`, `"native"` (lossless), `"topk:K"`, `"topk:K:qB"`, `"sample:N@T"` (lossy, by your
-            choice), e.g. `{"scores": "sparse"}`; unnamed streams get a lossless default. docs/recording.md
+            `"sparse"`, `"native"` (lossless), `"topk:K"`, `"topk:K:qB"`, `"topk:K+tail:N"`, `"sample:N@T"`
+            (lossy, by your choice), e.g. `{"scores": "sparse"}`; unnamed streams get a lossless default. docs/recording.md
             describes each encoding, its size, its reader and the defaults.
         encoding_seed (`int`, *optional*, defaults to 0): the seed of the recorder's own generators of the
-            `"sample:N@T"` draws; generate()'s random stream is left alone.
+            `"sample:N@T"` and `"topk:K+tail:N"` draws; generate()'s random stream is left alone.
         append (`bool`, *optional*, defaults to False): add this recorder's generations after those of
             the recording of the same model in `spill_dir` (never touching them).
         prompt_logprobs (`bool | int`, *optional*, defaults to False): also score each call's prompt: per

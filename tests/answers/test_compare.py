@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import statistics
 
 import numpy as np
 import pytest
@@ -530,9 +529,10 @@ def test_the_fast_path_for_finite_logits_is_its_documented_expression_bit_for_bi
 
 def _memory_peak(case: str, tokens: int, vocab: int, work) -> float:
     """`bench/rescore_cost.py --part memory --cases CASE` at `tokens` x `vocab`: the case's anonymous peak
-    in MiB, measured in fresh processes with the C library's default allocator settings, the median of three
-    runs (a sampled peak can miss the transient top by tens of MiB when the machine is busy: 692 to 759 MiB
-    at 512 tokens and 131,072 entries a row, 755.5 in each of three runs on a quiet machine)."""
+    in MiB, measured in fresh processes with the C library's default allocator settings: the largest of three
+    runs, the peak the case reaches (a sampled peak can only fall short of it, and one run can stay a shard
+    buffer lower: at 512 tokens and 131,072 entries a row, 692 MiB in most runs on a busy machine, 755.5 in
+    each of three on a quiet one, where 1,024 tokens gave 755.8)."""
     import argparse
     import sys
 
@@ -546,7 +546,7 @@ def _memory_peak(case: str, tokens: int, vocab: int, work) -> float:
     memory_part(argparse.Namespace(tokens=tokens, vocab=vocab, runs=3, cases=[case], work_dir=str(work), out=out))
     runs = json.loads((out / "rescore_memory.json").read_text())["runs"][case]
     assert len(runs) == 3
-    return statistics.median(run["anon_peak_mib"] for run in runs)
+    return max(run["anon_peak_mib"] for run in runs)
 
 
 @pytest.mark.slow
@@ -561,3 +561,56 @@ def test_compare_and_forward_rescore_peaks_do_not_grow_with_the_length(case, voc
     short, long = (_memory_peak(case, tokens, vocab, tmp_path) for tokens in (512, 1024))
     print(json.dumps({"case": case, "512": short, "1024": long}))
     assert long - short <= 16, (case, short, long)
+
+
+def _tail_reference(x: torch.Tensor, encoding: str, seed: int = 0):
+    from transformers_offload.answers.compare_metrics import Side
+    from transformers_offload.codecs.packed import PackedRecord, TopK
+
+    generator = torch.Generator().manual_seed(seed)
+    record = TopK(encoding, torch.float32, lambda device: generator).on_cpu(x)
+    return Side(topk=PackedRecord(record, encoding).columns())
+
+
+def test_a_tail_sample_adds_its_documented_estimate_of_the_tails_divergence():
+    from transformers_offload.answers.compare_metrics import Side, step_values
+
+    generator = torch.Generator().manual_seed(5)
+    xa = torch.randn(6, 400, generator=generator) * 3
+    xb = xa + 0.3 * torch.randn(6, 400, generator=generator)
+    rows, y = torch.arange(6), torch.zeros(6, dtype=torch.long)
+    tail, bound = _tail_reference(xa, "topk:8+tail:16"), _tail_reference(xa, "topk:8")
+    for order in ("ab", "ba"):
+        sides = (tail, Side(full=xb)) if order == "ab" else (Side(full=xb), tail)
+        plain = (bound, Side(full=xb)) if order == "ab" else (Side(full=xb), bound)
+        got, coarse = step_values(*sides, rows, rows, y), step_values(*plain, rows, rows, y)
+        t = tail.topk
+        lf = torch.log_softmax(xb.double(), -1)
+        p_tail = t["mass_outside"].double()
+        q_tail = torch.logsumexp(lf.scatter(-1, t["indices"], float("-inf")), -1).exp()
+        log_r = ((lf.gather(-1, t["tail_indices"]) - q_tail.log()[:, None])
+                 - ((t["tail_values"].double() - t["logsumexp"].double()[:, None]) - p_tail.log()[:, None]))
+        r = log_r.exp()
+        within_t = p_tail * (r - 1 - log_r).mean(-1)
+        within_f = q_tail * (torch.where(r > 0, r * log_r, 0.0) - r + 1).mean(-1)
+        names = ("kl_ab", "kl_ba") if order == "ab" else ("kl_ba", "kl_ab")  # (KL(t||f), KL(f||t))
+        assert torch.equal(got[names[0]], coarse[names[0]] + within_t)
+        assert torch.equal(got[names[1]], coarse[names[1]] + within_f)
+        assert got["estimate"].all() and bool((within_t > 0).all()) and bool((within_f > 0).all())
+
+
+def test_a_tail_sample_makes_the_mean_kl_estimate_close_where_the_bound_falls_short():
+    from transformers_offload.answers.compare_metrics import Side, step_values
+
+    generator = torch.Generator().manual_seed(11)
+    xa = torch.randn(300, 2000, generator=generator) * 2.5
+    xb = xa + 0.2 * torch.randn(300, 2000, generator=generator)
+    rows, y = torch.arange(300), torch.zeros(300, dtype=torch.long)
+    exact = step_values(Side(full=xa), Side(full=xb), rows, rows, y)
+    bound = step_values(_tail_reference(xa, "topk:32"), Side(full=xb), rows, rows, y)
+    estimate = step_values(_tail_reference(xa, "topk:32+tail:48"), Side(full=xb), rows, rows, y)
+    for name in ("kl_ab", "kl_ba"):
+        mean = float(exact[name].mean())
+        assert float(bound[name].mean()) < 0.9 * mean  # the one-bucket bound: well short
+        assert abs(float(estimate[name].mean()) / mean - 1) < 0.02, name
+        assert bool((estimate[name] >= bound[name]).all())

@@ -55,6 +55,7 @@ FLAT_OPTIONS = {
     "topk": (torch.float32, {"encodings": {"logits": "topk:5", "scores": "topk:5"}}),
     "topk q and samples": (torch.float32, {"encodings": {"logits": "topk:5:q4", "scores": "sample:8@0.7"}}),
     "topk bf16": (torch.bfloat16, {"encodings": {"logits": "topk:5", "scores": "topk:5"}}),
+    "topk and tail bf16": (torch.bfloat16, {"encodings": {"logits": "topk:5+tail:8", "scores": "topk:3+tail:4"}}),
     "stats": (torch.float32, {"streams": ("logits", "scores", "stats")}),
     "native bf16": (torch.bfloat16, {"encodings": {"logits": "native", "scores": "native"}}),
 }
@@ -119,7 +120,8 @@ def test_sync_debug_mode_catches_a_synchronising_call():
         _strict(lambda: torch.ones(1, device="cuda").item())()
 
 
-@pytest.mark.parametrize("encodings", [None, {"logits": "topk:5", "scores": "topk:5:q4"}, {"logits": "sample:8@0.7"}])
+@pytest.mark.parametrize("encodings", [None, {"logits": "topk:5", "scores": "topk:5:q4"}, {"logits": "sample:8@0.7"},
+                                       {"logits": "topk:5+tail:8"}])
 @pytest.mark.parametrize("kwargs", [dict(), dict(do_sample=True, top_k=20), dict(num_beams=3)])
 def test_the_recorder_makes_no_synchronising_call_in_the_step_path(kwargs, store, encodings, tmp_path, monkeypatch):
     # generate() itself synchronises every step; only the recorder's own per-step code runs strict.

@@ -161,3 +161,69 @@ def test_the_sampled_cross_entropy_is_unbiased(temperature):
     columns = PackedRecord(Sampled(encoding, {}, 0).on_cpu(teacher), encoding).columns()
     assert torch.allclose(columns["logprobs"], torch.log_softmax(teacher / temperature, -1).gather(-1, columns["indices"]),
                           atol=1e-5)
+
+
+# -- top-k with a tail: the K largest and N draws from the rest ----------------------------------------
+def test_topk_with_a_tail_keeps_the_k_bit_for_bit_and_draws_from_the_rest():
+    x = torch.randn(4, 152_064, generator=torch.Generator().manual_seed(7)) * 3
+    record = TopK("topk:32+tail:48", torch.float32, _seeded(0)).on_cpu(x)
+    # 32 x (4 value bytes + 3 id bytes) + 8, then 48 Elias-Fano ids (66 + 16 bytes) and 48 float32 values.
+    assert row_bytes("topk:32+tail:48", 152_064, torch.float32) == 232 + 82 + 192 == 506
+    assert _bytes_per_row(record, 4) == pytest.approx(506, abs=1)
+    columns = PackedRecord(record, "topk:32+tail:48").columns()
+    values, indices = torch.topk(x, 32)
+    assert torch.equal(columns["values"], values) and torch.equal(columns["indices"], indices)
+    drawn = columns["tail_indices"]
+    assert drawn.shape == (4, 48) and torch.equal(drawn, drawn.sort(-1).values)
+    assert not (drawn[:, :, None] == indices[:, None, :]).any(), "a kept id was drawn"
+    assert torch.equal(columns["tail_values"], x.gather(-1, drawn))
+    assert torch.equal(columns["tail_logprobs"], columns["tail_values"] - columns["logsumexp"][:, None])
+    again = PackedRecord(TopK("topk:32+tail:48", torch.float32, _seeded(0)).on_cpu(x), "topk:32+tail:48").columns()
+    assert torch.equal(again["tail_indices"], drawn), "the same seed draws the same ids"
+
+
+def test_the_tail_draws_follow_the_distribution_outside_the_k():
+    # Row 0: two kept ids, then three tail ids of probabilities 1/2, 1/3, 1/6 of the tail; row 1 has no tail.
+    tail = torch.tensor([1 / 2, 1 / 3, 1 / 6]).log()
+    x = torch.full((2, 8), float("-inf"))
+    x[0, :2] = 10.0
+    x[0, [3, 5, 6]] = tail
+    x[1, [0, 4]] = torch.tensor([1.0, 2.0])
+    columns = PackedRecord(TopK("topk:2+tail:6000", torch.float32, _seeded(1)).on_cpu(x), "topk:2+tail:6000").columns()
+    counts = torch.bincount(columns["tail_indices"][0], minlength=8).double() / 6000
+    assert counts[[0, 1, 2, 4, 7]].sum() == 0
+    torch.testing.assert_close(counts[[3, 5, 6]], torch.tensor([1 / 2, 1 / 3, 1 / 6], dtype=torch.float64), rtol=0, atol=0.02)
+    assert columns["mass_outside"][1] == 0  # drawn uniformly, weightless: compare adds nothing for it
+
+
+def test_a_bfloat16_models_top_k_and_tail_are_stored_in_bfloat16():
+    x = torch.randn(3, 5000).bfloat16().float()
+    record = TopK("topk:8+tail:16", torch.bfloat16, _seeded(0)).on_cpu(x)
+    parsed = PackedRecord(record, "topk:8+tail:16")
+    assert parsed.stored == torch.bfloat16 and parsed.row_bytes == row_bytes("topk:8+tail:16", 5000, torch.bfloat16)
+    columns = parsed.columns()
+    assert torch.equal(columns["values"], torch.topk(x, 8).values)
+    assert torch.equal(columns["tail_values"], x.gather(-1, columns["tail_indices"]))
+    wide = x / 0.7  # no longer bfloat16 values: stored as recorded
+    parsed = PackedRecord(TopK("topk:8+tail:16", torch.bfloat16, _seeded(0)).on_cpu(wide), "topk:8+tail:16")
+    assert parsed.stored == torch.float32
+    assert torch.equal(parsed.columns()["tail_values"], wide.gather(-1, parsed.columns()["tail_indices"]))
+
+
+def test_topk_with_a_tail_through_generate_and_a_spilled_recording(gpt2, tmp_path):
+    batch = left_padded_batch()
+    with Recorder(gpt2) as dense:
+        gpt2.generate(**batch, logits_processor=[dense], max_new_tokens=5)
+    with Recorder(gpt2, encodings={"logits": "topk:5+tail:8"}, spill_dir=tmp_path / "run", shard_bytes=2000) as rec:
+        gpt2.generate(**batch, logits_processor=[rec], max_new_tokens=5)
+    steps = open_recording(tmp_path / "run").topk("logits")
+    assert len(steps) == 5
+    for columns, logits in zip(steps, dense.logits()):
+        assert torch.equal(columns["values"], torch.topk(logits, 5).values)
+        assert torch.equal(columns["tail_values"], logits.gather(-1, columns["tail_indices"]))
+        assert not (columns["tail_indices"][:, :, None] == columns["indices"][:, None, :]).any()
+
+
+def _seeded(seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    return lambda device: generator

@@ -16,6 +16,9 @@ a whole number of int32 words. Multi-byte fields are little-endian. Per row:
   order) a B-bit code c: the value is `top - c x scale`, or -inf for c = 2**B - 1.
 - `"sample:N@T"`: the logsumexp of `x / T`, float32; the N sampled token ids, ascending (repeats kept),
   Elias-Fano coded; their values `x[id]`, in the stored dtype.
+- `"topk:K+tail:N"`: the `"topk:K"` row, then the N token ids drawn from outside the K, ascending (repeats
+  kept), Elias-Fano coded, and their values `x[id]` in the stored dtype (narrow only when every kept and
+  every drawn value converts back bit for bit).
 
 Elias-Fano (n non-decreasing ids below `vocab`, L = floor(log2(vocab / n)), at least 0): each id's low
 L bits packed (LSB first, n x L bits, in whole bytes), then a bitmap of `n + ((vocab - 1) >> L) + 1` bits
@@ -40,6 +43,10 @@ part (`on_host`, in the drainer thread on CUDA) only lays the bytes out.
   a B-bit step below the row's largest (kept exactly): `code = round((top - v) / scale)`, `scale = (top -
   smallest finite kept value) / (2**B - 2)`, at least 1 for a value below the top (so the top token stays
   first), `2**B - 1` for -inf.
+- `TopK` with a tail (`"topk:K+tail:N"`): also N ids drawn with replacement from the distribution over
+  the ids outside the K, `torch.multinomial(softmax(x.float().scatter(-1, indices, -inf)), N)` with the
+  recorder's own generator, and their values `x[id]`. A row whose ids outside the K are all -inf draws
+  uniformly instead (its mass outside is 0: its draws carry no weight).
 - `Sampled` (`"sample:N@T"`): N ids drawn with replacement from `softmax(x.float() / T)` by
   `torch.multinomial` with the recorder's own generator (generate()'s random stream is left alone), their
   values `x[id]` and `torch.logsumexp(x.float() / T, -1)`.
@@ -53,7 +60,7 @@ from .._lazy import torch
 from .bits import elias_fano, elias_fano_bytes, elias_fano_ids, float_bytes, id_bytes, ids_bytes, pack_bits, unpack_bits
 from .dtypes import cast
 from .sparse import SPARSE_DTYPES, SPARSE_MAX_VOCAB
-from .spec import sample_spec, topk_bits, topk_width
+from .spec import sample_spec, topk_bits, topk_tail, topk_width
 from .workspace import ChunkBuffers
 from .workspace import logsumexp as _logsumexp
 
@@ -67,7 +74,9 @@ def row_bytes(encoding: str, vocab: int, stored: torch.dtype) -> int:
     if bits is not None:
         return 16 + elias_fano_bytes(vocab, k) + -(-k * bits // 8)
     if k is not None:
-        return (stored.itemsize + id_bytes(vocab)) * k + 8
+        tail = topk_tail(encoding)
+        drawn = 0 if tail is None else elias_fano_bytes(vocab, tail) + tail * stored.itemsize
+        return (stored.itemsize + id_bytes(vocab)) * k + 8 + drawn
     n = sample[0]
     return 4 + elias_fano_bytes(vocab, n) + n * stored.itemsize
 
@@ -124,8 +133,17 @@ class PackedRecord:
         indices = (raw * torch.tensor(_LE[:ib], dtype=torch.int64)).sum(-1)
         if bool((indices >= self.vocab).any()):
             raise ValueError("a packed record holds a token id outside the vocabulary")
-        tail = self._floats(k * (size + ib), 2, torch.float32)
-        return _topk_columns(values, indices, tail[:, 0], tail[:, 1])
+        fixed = self._floats(k * (size + ib), 2, torch.float32)
+        columns = _topk_columns(values, indices, fixed[:, 0], fixed[:, 1])
+        n = topk_tail(self.encoding)
+        if n is not None:
+            start = k * (size + ib) + 8
+            coded = elias_fano_bytes(self.vocab, n)
+            drawn = elias_fano_ids(self._rows[:, start : start + coded], n, self.vocab)
+            drawn_values = self._floats(start + coded, n, self.stored).to(self.dtype).float()
+            columns |= {"tail_indices": drawn, "tail_values": drawn_values,
+                        "tail_logprobs": drawn_values - fixed[:, :1]}
+        return columns
 
     def _quantised(self) -> dict[str, torch.Tensor]:
         k, bits = self.width, topk_bits(self.encoding)
@@ -188,13 +206,16 @@ def _topk(x: torch.Tensor, k: int, buffers: ChunkBuffers) -> tuple[torch.Tensor,
 
 
 class TopK(_Packed):
-    """`"topk:K"`, lossless for what it keeps. `model_dtype`: the model's (a float32 step of a
-    bfloat16/float16 model may be stored in it)."""
+    """`"topk:K"`, lossless for what it keeps, and `"topk:K+tail:N"` (also N ids drawn from outside the K).
+    `model_dtype`: the model's (a float32 step of a bfloat16/float16 model may be stored in it);
+    `generator`: per device, the recorder's generator that draws the tail (`_generators`)."""
 
-    def __init__(self, encoding: str, model_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, encoding: str, model_dtype: torch.dtype | None = None,
+                 generator: Callable[[torch.device], torch.Generator] | None = None) -> None:
         super().__init__(encoding)
-        self.width = topk_width(encoding)
+        self.width, self.tail = topk_width(encoding), topk_tail(encoding)
         self.model_dtype = torch.float32 if model_dtype is None else model_dtype
+        self._generator = generator
 
     def _narrow(self, dtype: torch.dtype) -> torch.dtype | None:
         if dtype == torch.float32 and self.model_dtype in (torch.bfloat16, torch.float16):
@@ -203,35 +224,59 @@ class TopK(_Packed):
 
     def on_device(self, x: torch.Tensor) -> torch.Tensor:
         """`x` `(rows, vocab)` -> `(rows, bytes)` uint8 on `x`'s device: [narrowable flag (1 byte), values,
-        values in the model's dtype (when it may narrow), ids, logsumexp, mass]; no host synchronisation."""
+        values in the model's dtype (when it may narrow), ids, logsumexp, mass, and with a tail its ids
+        (Elias-Fano), values, values in the model's dtype]; no host synchronisation."""
         x = x.detach()
         rows, vocab = x.shape
         values, indices, logsumexp, mass = _topk(x, self.width, self.buffers)
+        drawn, drawn_values = self._draw(x, indices) if self.tail is not None else (None, None)
+        kept = values if drawn_values is None else torch.cat([values, drawn_values], -1)
         narrow = self._narrow(x.dtype)
-        parts = [float_bytes(values)]
         flag = torch.zeros(rows, 1, dtype=torch.uint8, device=x.device)
+        small = None
         if narrow is not None:
-            small = values.to(narrow)
-            same = (small.to(x.dtype).view(torch.int32) == values.view(torch.int32)).all()
+            small = kept.to(narrow)
+            same = (small.to(x.dtype).view(torch.int32) == kept.view(torch.int32)).all()
             flag = same.to(torch.uint8).expand(rows, 1)
-            parts.append(float_bytes(small))
-        parts += [ids_bytes(indices, vocab), float_bytes(logsumexp[:, None]),
-                  float_bytes(mass[:, None])]
-        return torch.cat([flag, *parts], dim=-1)
+        k = self.width
+        parts = [flag, float_bytes(values)]
+        if small is not None:
+            parts.append(float_bytes(small[:, :k]))
+        parts += [ids_bytes(indices, vocab), float_bytes(logsumexp[:, None]), float_bytes(mass[:, None])]
+        if drawn is not None:
+            parts += [elias_fano(drawn, vocab), float_bytes(drawn_values)]
+            if small is not None:
+                parts.append(float_bytes(small[:, k:]))
+        return torch.cat(parts, dim=-1)
+
+    def _draw(self, x: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """N ids per row drawn from the softmax over the ids outside `indices` (uniformly where those are all
+        -inf), ascending, and their values in `x`; the weights, `exp(rest - max(rest))` (multinomial scales
+        them), written into a float32 buffer made once per encoder."""
+        rest = self.buffers.take("tail", x.shape, torch.float32, x.device).copy_(x).scatter_(-1, indices, float("-inf"))
+        top = rest.amax(-1, keepdim=True)
+        empty = top == float("-inf")
+        weights = rest.sub_(torch.where(empty, 0.0, top)).exp_().add_(empty)  # an empty row: all ones
+        drawn = torch.multinomial(weights, self.tail, replacement=True, generator=self._generator(x.device))
+        drawn = drawn.sort(-1).values
+        return drawn, x.gather(-1, drawn)
 
     def on_host(self, fixed: torch.Tensor, *, vocab: int, dtype: torch.dtype,
                 fetch: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
         """The step's flat int32 record from `on_device`'s host copy (nothing fetched)."""
         k, narrow = self.width, self._narrow(dtype)
-        wide = 1 + k * dtype.itemsize
-        rest = fixed[:, wide:]
-        stored = dtype
-        if narrow is not None:
-            small, rest = rest[:, : k * narrow.itemsize], rest[:, k * narrow.itemsize :]
-            if fixed.shape[0] and bool(fixed[0, 0]):
-                stored = narrow
-        values = small if stored is not dtype else fixed[:, 1:wide]
-        return record(torch.cat([values, rest], dim=-1), vocab, dtype, stored, k)
+        narrowed = narrow is not None and fixed.shape[0] > 0 and bool(fixed[0, 0])
+        stored = narrow if narrowed else dtype
+        small = narrow.itemsize if narrow is not None else 0
+        fields = [k * dtype.itemsize, k * small, k * id_bytes(vocab) + 8]
+        if self.tail is not None:
+            fields += [elias_fano_bytes(vocab, self.tail), self.tail * dtype.itemsize, self.tail * small]
+        parts, start = [], 1
+        for size in fields:
+            parts.append(fixed[:, start : start + size])
+            start += size
+        keep = [1 if narrowed else 0, 2, 3, 5 if narrowed else 4] if self.tail is not None else [1 if narrowed else 0, 2]
+        return record(torch.cat([parts[i] for i in keep], dim=-1), vocab, dtype, stored, k)
 
 
 class QuantisedTopK(_Packed):
@@ -259,6 +304,20 @@ class QuantisedTopK(_Packed):
                           pack_bits(codes.gather(-1, order), self.bits)], dim=-1)
 
 
+def _generators(generators: dict[torch.device, torch.Generator], seed: int) -> Callable[[torch.device], torch.Generator]:
+    """Per device, the recorder's generator there, made from `seed` on first use (so that a recorder's
+    draws are reproducible), kept in `generators` (shared by the recorder's encoders)."""
+
+    def generator(device: torch.device) -> torch.Generator:
+        found = generators.get(device)
+        if found is None:
+            found = generators[device] = torch.Generator(device=device)
+            found.manual_seed(seed)
+        return found
+
+    return generator
+
+
 class Sampled(_Packed):
     """`"sample:N@T"`: `generators` maps a device to the recorder's generator there (made from `seed`
     on first use, so that a recorder's samples are reproducible)."""
@@ -266,14 +325,7 @@ class Sampled(_Packed):
     def __init__(self, encoding: str, generators: dict[torch.device, torch.Generator], seed: int) -> None:
         super().__init__(encoding)
         self.width, self.temperature = sample_spec(encoding)
-        self._generators, self._seed = generators, seed
-
-    def _generator(self, device: torch.device) -> torch.Generator:
-        found = self._generators.get(device)
-        if found is None:
-            found = self._generators[device] = torch.Generator(device=device)
-            found.manual_seed(self._seed)
-        return found
+        self._generator = _generators(generators, seed)
 
     def on_device(self, x: torch.Tensor) -> torch.Tensor:
         """`x` `(rows, vocab)` -> the `(rows, row_bytes)` uint8 rows on `x`'s device; no host synchronisation."""
@@ -294,6 +346,8 @@ def encoder(encoding: str, *, model_dtype: torch.dtype, generators: dict[torch.d
         return Sampled(encoding, generators, seed)
     if topk_bits(encoding) is not None:
         return QuantisedTopK(encoding)
+    if topk_tail(encoding) is not None:
+        return TopK(encoding, model_dtype, _generators(generators, seed))
     return TopK(encoding, model_dtype)
 
 

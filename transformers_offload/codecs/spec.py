@@ -16,11 +16,13 @@ ENCODINGS = ("dense", "ragged")  # and, for logits and scores, "sparse" and "top
 # A stream of dtype int32 holds one flat int32 record per step, stored like a sparse one (`packed` has the
 # layouts): `"topk:K"` (the K largest values bit for bit, their ids in as few bytes as the vocabulary
 # needs), `"topk:K:qB"` (lossy: ids Elias-Fano coded, log-probabilities quantised to B bits) and
-# `"sample:N"` / `"sample:N@T"` (N tokens drawn from softmax(x / T), with their values). A `"topk:K"` stream
+# `"sample:N"` / `"sample:N@T"` (N tokens drawn from softmax(x / T), with their values) and `"topk:K+tail:N"`
+# (the K largest values bit for bit and N tokens drawn from the rest, with their values: the tail's
+# sample from which `compare` estimates a KL without the one-bucket bound's bias). A `"topk:K"` stream
 # of dtype float64 holds one `(rows, 2K + 2)` tensor per step (`packed.topk_columns`): K values, their K
 # indices, the row's logsumexp, the mass outside the K.
 ENCODED_STREAMS = ("logits", "scores")
-TOPK_ENCODING = re.compile(r"topk:([1-9][0-9]{0,8})(?::q([2-8]))?")
+TOPK_ENCODING = re.compile(r"topk:([1-9][0-9]{0,8})(?::q([2-8])|\+tail:([1-9][0-9]{0,8}))?")
 SAMPLE_ENCODING = re.compile(r"sample:([1-9][0-9]{0,8})(?:@((?:0|[1-9][0-9]{0,5})(?:\.[0-9]{1,6})?))?")
 
 
@@ -34,6 +36,12 @@ def topk_bits(encoding: str) -> int | None:
     """B of a lossy `"topk:K:qB"` encoding name (bits per log-probability), else None."""
     found = TOPK_ENCODING.fullmatch(encoding)
     return int(found.group(2)) if found and found.group(2) else None
+
+
+def topk_tail(encoding: str) -> int | None:
+    """N of a `"topk:K+tail:N"` encoding name (tokens drawn from outside the K), else None."""
+    found = TOPK_ENCODING.fullmatch(encoding)
+    return int(found.group(3)) if found and found.group(3) else None
 
 
 def sample_spec(encoding: str) -> tuple[int, float] | None:
@@ -133,12 +141,14 @@ def check(encodings: Any, streams: tuple[str, ...], vocab_size: int | None) -> d
             chosen[stream] = encoding
             continue
         if k is None:
-            hint = " K must be at least 1." if encoding.startswith("topk:") else ""
+            hint = (" K and N must be at least 1." if "+tail:" in encoding else " K must be at least 1."
+                    ) if encoding.startswith("topk:") else ""
             hint += " N must be at least 1 and T above 0." if encoding.startswith("sample:") else ""
             raise ValueError(
                 f"`encodings[{stream!r}]` is {encoding!r}; the encodings are \"dense\", \"sparse\", \"native\", \"topk:K\", "
-                f"\"topk:K:qB\" and \"sample:N@T\" (K and N positive ints written in digits, B 2 to 8 bits, T a "
-                f"positive temperature such as 0.7, e.g. \"topk:20\", \"topk:128:q5\", \"sample:64@1.0\").{hint}"
+                f"\"topk:K:qB\", \"topk:K+tail:N\" and \"sample:N@T\" (K and N positive ints written in digits, B 2 "
+                f"to 8 bits, T a positive temperature such as 0.7, e.g. \"topk:20\", \"topk:128:q5\", \"topk:32+tail:48\", "
+                f"\"sample:64@1.0\").{hint}"
             )
         if isinstance(vocab_size, int) and k > vocab_size:
             raise ValueError(f"`encodings[{stream!r}]` keeps the top {k} of a vocabulary of {vocab_size}; "

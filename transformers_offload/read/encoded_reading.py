@@ -41,6 +41,11 @@ class EncodedReading:
         `values - logsumexp[:, None]`. Each equals its expression on the device the step ran on; under
         `"topk:K:qB"` (lossy) the values are quantised (docs/recording.md gives the errors) and entries
         of equal code come in token id order. The same keys for recordings made before the packed records.
+        Under `"topk:K+tail:N"` also `tail_indices` int64 `(num_rows, N)`, N ids drawn with replacement from
+        the distribution over the ids outside the K (ascending, repeats kept; uniform where those are all
+        -inf and `mass_outside` is 0), `tail_values` float32 `(num_rows, N)`, `x[tail_indices]` bit for bit,
+        and `tail_logprobs`, `tail_values - logsumexp[:, None]`: what `compare` estimates the tail's
+        divergence from (docs/compare.md).
 
         Raises:
             ValueError: `stream` is not `"logits"` or `"scores"`, or was recorded dense (read it with

@@ -343,7 +343,7 @@ def _check_stream(name: str, stream: Any, path: Path, where: str) -> None:
             path,
             f"{where}: stream {name!r} uses encoding {stream['encoding']!r}, which this "
             f"transformers-offload cannot read (it reads {ENCODINGS}, 'sparse', 'native', 'same_as_logits', \"topk:K\", "
-            f"\"topk:K:qB\" and \"sample:N@T\"); upgrade transformers-offload.",
+            f"\"topk:K:qB\", \"topk:K+tail:N\" and \"sample:N@T\"); upgrade transformers-offload.",
         )
     ragged = stream["encoding"] == "ragged"
     shape = stream["shape"]
