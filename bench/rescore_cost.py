@@ -15,7 +15,9 @@ full-vocabulary log-probabilities (llama.cpp's `--kl-divergence-base` file holds
 
 `--part compare` (a tiny Llama with a `--vocab` vocabulary, `--batch` rows x `--new-tokens` greedy steps,
 spilled in float32, and its forward rescore in bfloat16): compare's tokens per second against reading
-both recordings, interleaved `--repeats` times; writes `compare_speed.json`.
+both recordings, interleaved `--repeats` times, and with a `topk:32+tail:48` reference (the float32
+model's forward rescore in that encoding) instead, with its bytes a token against llama.cpp's 16-bit
+reference file; writes `compare_speed.json`.
 
 `--part memory` (a tiny Llama with a `--vocab` vocabulary, one row, `--tokens` steps): records a greedy
 run of that length spilled to disk, then in fresh processes with default allocator settings measures the
@@ -132,6 +134,9 @@ def time_part(args: argparse.Namespace) -> None:
                                                 "vocab": vocab, "headers": TIMING_HEADERS})
 
 
+SMALL_REFERENCE = "topk:32+tail:48"  # the small reference of docs/compare.md
+
+
 def compare_part(args: argparse.Namespace) -> None:
     """compare's tokens per second at a large vocabulary against reading both recordings: a tiny Llama with
     a `--vocab` vocabulary, `--batch` rows x `--new-tokens` greedy steps spilled in float32, its rescore in
@@ -142,14 +147,19 @@ def compare_part(args: argparse.Namespace) -> None:
         with Recorder(model, spill_dir=work / "reference", streams=("logits",)) as rec:
             model.generate(input_ids=torch.tensor([[1, 5, 6, 7]] * args.batch), logits_processor=[rec],
                            max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
+        rescore(open_recording(work / "reference"), model, work / "small", mode="forward", progress=False,
+                encodings={"logits": SMALL_REFERENCE})
         rescore(open_recording(work / "reference"), model.to(torch.bfloat16), work / "bf16", mode="forward",
                 progress=False)
         reference, rescored = open_recording(work / "reference"), open_recording(work / "bf16")
+        small = open_recording(work / "small")
         tokens = len(compare(reference, rescored))
+        small_bytes = sum(p.stat().st_size for p in (work / "small").glob("*-s*.safetensors")) / tokens
         cases = {
             "read both recordings": lambda _: timed(lambda: [g.logits() for r in (reference, rescored)
                                                              for g in r.generations]),
             "compare": lambda _: timed(lambda: compare(reference, rescored).summary()),
+            f"compare, {SMALL_REFERENCE} reference": lambda _: timed(lambda: compare(small, rescored).summary()),
         }
         times = interleaved(cases, args.repeats)
     finally:
@@ -160,8 +170,13 @@ def compare_part(args: argparse.Namespace) -> None:
                 [[case, *timing_columns(summary[case])[:2], f"{rates[case]:,.0f}"] for case in cases])
     print(f"compare: {tokens} tokens at a {args.vocab:,} vocabulary, {rates['compare']:,.0f} tokens/s "
           f"({rates['read both recordings']:,.0f} tokens/s to read both)")
+    llama_cpp = 2 * (args.vocab + 4)  # llama.cpp's --kl-divergence-base file: uint16 a token id, 4 more a token
+    print(f"{SMALL_REFERENCE} reference: {small_bytes:,.0f} bytes a token (spilled shards), llama.cpp's "
+          f"{llama_cpp:,}: 1/{llama_cpp / small_bytes:,.0f}")
     write_json(args.out / "compare_speed.json", {"machine": machine(), "args": vars(args) | {"out": str(args.out)},
                                                  "times": times, "summary": summary, "tokens": tokens,
+                                                 "small_reference": SMALL_REFERENCE,
+                                                 "small_reference_bytes_per_token": small_bytes,
                                                  "tokens_per_second": rates, "headers": TIMING_HEADERS})
 
 

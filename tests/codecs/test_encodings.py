@@ -97,10 +97,10 @@ def test_full_accessors_point_to_topk(gpt2, tmp_path):
         ({"tokens": "topk:3"}, ValueError, "only \\('logits', 'scores'\\) can be encoded"),
         ({"attentions": "topk:3"}, ValueError, "only"),
         ({"scores": "fp8"}, ValueError,
-         "the encodings are \"dense\", \"sparse\", \"native\", \"topk:K\", \"topk:K:qB\", \"topk:K\+tail:N\" and "
+         "the encodings are \"dense\", \"sparse\", \"native\", \"topk:K\", \"topk:K:qB\", \"topk:K\\+tail:N\" and "
          "\"sample:N@T\""),
         ({"scores": "topk:3+tail:0"}, ValueError, "N must be at least 1"),
-        ({"scores": "topk:3:q4+tail:2"}, ValueError, "topk:K\+tail:N"),
+        ({"scores": "topk:3:q4+tail:2"}, ValueError, r"topk:K\+tail:N"),
         ({"scores": "topk:3:q9"}, ValueError, "B 2 to 8 bits"),
         ({"scores": "sample:0"}, ValueError, "N must be at least 1"),
         ({"scores": "sample:4@0"}, ValueError, "T above 0"),

@@ -90,6 +90,28 @@ def test_a_candidate_against_its_base_gives_perplexities_and_kl(tmp_path):
     assert open_recording(tmp_path / "top").describe()["generations"][0]["streams"]["logits"]["encoding"] == "topk:16"
 
 
+@pytest.mark.parametrize("encoding", ["native", "sparse", "topk:8+tail:12", "topk:8:q6"])
+def test_every_encoding_records_the_dense_runs_steps(encoding, tmp_path):
+    """Each encoding of `score`'s logits keeps what it promises of the dense recording's steps: native and
+    sparse every value bit for bit, topk:K+tail:N the K largest and its draws' values, topk:K:qB the ids."""
+    model = make_tiny("llama").eval().to(torch.bfloat16)
+    options = dict(tokenizer=CharTokenizer(), context=32, max_windows=3)
+    dense = score(model, TEXT, tmp_path / "dense", **options).generation()
+    encoded = score(model, TEXT, tmp_path / "encoded", encodings={"logits": encoding}, **options).generation()
+    assert encoded.encodings == {"logits": encoding} and encoded.num_steps == dense.num_steps == 15
+    if encoding in ("native", "sparse"):
+        for a, b in zip(dense.logits(), encoded.logits()):
+            assert torch.equal(a, b)
+        return
+    k = int(encoding.split(":")[1].split("+")[0])
+    for x, columns in zip(dense.logits(), encoded.topk("logits")):
+        values, ids = torch.topk(x, k)
+        assert torch.equal(columns["indices"].sort(-1).values, ids.sort(-1).values)
+        if "tail_indices" in columns:
+            assert torch.equal(columns["values"], values.float())
+            assert torch.equal(columns["tail_values"], x.gather(-1, columns["tail_indices"]).float())
+
+
 def test_a_run_resumes_skipping_complete_batches_and_refuses_other_texts(tmp_path, monkeypatch):
     from transformers_offload.rescoring import corpus
 

@@ -91,7 +91,7 @@ def add(commands: Any) -> None:
     score.add_argument("--max-windows", type=int, help="score the first N windows only (llama.cpp's --chunks)")
     score.add_argument("--no-bos", action="store_true", help="keep each window's first id (else the tokenizer's BOS)")
     _loading_options(score)
-    score.add_argument("--encodings", default="", help="e.g. logits=topk:20 (a small reference)")
+    score.add_argument("--encodings", default="", help="e.g. logits=topk:32+tail:48 (a small reference)")
 
 
 def _loading_options(parser: Any) -> None:
