@@ -9,7 +9,6 @@ KL-divergence statistics (docs/compare.md).
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import os
 from typing import Any, Iterator
@@ -265,7 +264,9 @@ def _pair_values(ga: Any, gb: Any, stream: str, plan: dict[str, Any], chunk_step
     together, as many as `compare_metrics.BLOCK` float64 entries hold (one step at least): one call per
     group, whose rows run in parallel, rather than one per step."""
     per_row = ga.rows_per_prompt
-    for steps, sides_a, sides_b in _chunks(ga, gb, stream, chunk_steps):
+    for start in range(0, ga.num_steps, chunk_steps):
+        steps = range(start, min(start + chunk_steps, ga.num_steps))
+        sides_a, sides_b = _read(ga, stream, steps), _read(gb, stream, steps)
         group: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         entries = 0
         for offset, t in enumerate(steps):
@@ -285,29 +286,6 @@ def _pair_values(ga: Any, gb: Any, stream: str, plan: dict[str, Any], chunk_step
             entries += rows.numel() * width
         if group:
             yield _group_values(ga, gb, group, sides_a, sides_b, per_row, ids, workspace)
-
-
-def _chunks(ga: Any, gb: Any, stream: str, chunk_steps: int) -> Iterator[tuple[range, list[Side], list[Side]]]:
-    """Each chunk's steps and both sides' distributions, in order: the next chunk is read in a thread of its
-    own while the caller computes on this one (reading and the float64 passes overlap; every read still
-    runs one after another, in order, in that thread). At most two chunks are held."""
-    starts = range(0, ga.num_steps, chunk_steps)
-
-    def read(start: int) -> tuple[range, list[Side], list[Side]]:
-        steps = range(start, min(start + chunk_steps, ga.num_steps))
-        return steps, _read(ga, stream, steps), _read(gb, stream, steps)
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compare-read") as reader:
-        pending = reader.submit(read, starts[0]) if starts else None
-        for index in range(len(starts)):
-            chunk = pending.result()
-            pending = reader.submit(read, starts[index + 1]) if index + 1 < len(starts) else None
-            try:
-                yield chunk
-            except GeneratorExit:
-                if pending is not None:
-                    pending.cancel()
-                raise
 
 
 def _step_rows(ga: Any, plan: dict[str, Any], t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
