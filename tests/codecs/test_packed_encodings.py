@@ -204,6 +204,10 @@ def test_a_bfloat16_models_top_k_and_tail_are_stored_in_bfloat16():
     columns = parsed.columns()
     assert torch.equal(columns["values"], torch.topk(x, 8).values)
     assert torch.equal(columns["tail_values"], x.gather(-1, columns["tail_indices"]))
+    narrow = x.bfloat16()  # a bfloat16 step: its tail's weights computed in float32 apart from the top-k's
+    columns = PackedRecord(TopK("topk:8+tail:16", torch.bfloat16, _seeded(0)).on_cpu(narrow), "topk:8+tail:16").columns()
+    assert torch.equal(columns["tail_values"], narrow.gather(-1, columns["tail_indices"]).float())
+    assert not (columns["tail_indices"][:, :, None] == columns["indices"][:, None, :]).any()
     wide = x / 0.7  # no longer bfloat16 values: stored as recorded
     parsed = PackedRecord(TopK("topk:8+tail:16", torch.bfloat16, _seeded(0)).on_cpu(wide), "topk:8+tail:16")
     assert parsed.stored == torch.float32

@@ -45,8 +45,8 @@ part (`on_host`, in the drainer thread on CUDA) only lays the bytes out.
   first), `2**B - 1` for -inf.
 - `TopK` with a tail (`"topk:K+tail:N"`): also N ids drawn with replacement from the distribution over
   the ids outside the K, `torch.multinomial(softmax(x.float().scatter(-1, indices, -inf)), N)` with the
-  recorder's own generator, and their values `x[id]`. A row whose ids outside the K are all -inf draws
-  uniformly instead (its mass outside is 0: its draws carry no weight).
+  recorder's own generator, and their values `x[id]`. A row whose mass outside is 0 (its draws carry no
+  weight) draws from its weights plus 1 (uniformly where its ids outside the K are all -inf).
 - `Sampled` (`"sample:N@T"`): N ids drawn with replacement from `softmax(x.float() / T)` by
   `torch.multinomial` with the recorder's own generator (generate()'s random stream is left alone), their
   values `x[id]` and `torch.logsumexp(x.float() / T, -1)`.
@@ -198,7 +198,7 @@ def _topk(x: torch.Tensor, k: int, buffers: ChunkBuffers) -> tuple[torch.Tensor,
     (`exp(logsumexp(x.scatter(-1, ids, -inf)) - logsumexp(x))`), their `(rows, vocab)` work written into
     one buffer made once per encoder (`workspace.logsumexp` equals `torch.logsumexp`)."""
     values, indices = torch.topk(x, k, dim=-1)
-    work = buffers.take("topk", x.shape, x.dtype, x.device)
+    work = buffers.take("topk", x.shape, x.dtype, x.device)  # left holding exp(rest - max(rest)): `TopK._draw`
     logsumexp = _logsumexp(x, work)
     # x.scatter(-1, indices, -inf) is a clone then scatter_: here the clone is into the buffer.
     mass_outside = torch.exp(_logsumexp(work.copy_(x).scatter_(-1, indices, float("-inf")), work) - logsumexp)
@@ -229,12 +229,12 @@ class TopK(_Packed):
         x = x.detach()
         rows, vocab = x.shape
         values, indices, logsumexp, mass = _topk(x, self.width, self.buffers)
-        drawn, drawn_values = self._draw(x, indices) if self.tail is not None else (None, None)
-        kept = values if drawn_values is None else torch.cat([values, drawn_values], -1)
+        drawn, drawn_values = self._draw(x, indices, mass) if self.tail is not None else (None, None)
         narrow = self._narrow(x.dtype)
         flag = torch.zeros(rows, 1, dtype=torch.uint8, device=x.device)
         small = None
         if narrow is not None:
+            kept = values if drawn_values is None else torch.cat([values, drawn_values], -1)
             small = kept.to(narrow)
             same = (small.to(x.dtype).view(torch.int32) == kept.view(torch.int32)).all()
             flag = same.to(torch.uint8).expand(rows, 1)
@@ -249,14 +249,19 @@ class TopK(_Packed):
                 parts.append(float_bytes(small[:, k:]))
         return torch.cat(parts, dim=-1)
 
-    def _draw(self, x: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """N ids per row drawn from the softmax over the ids outside `indices` (uniformly where those are all
-        -inf), ascending, and their values in `x`; the weights, `exp(rest - max(rest))` (multinomial scales
-        them), written into a float32 buffer made once per encoder."""
-        rest = self.buffers.take("tail", x.shape, torch.float32, x.device).copy_(x).scatter_(-1, indices, float("-inf"))
-        top = rest.amax(-1, keepdim=True)
-        empty = top == float("-inf")
-        weights = rest.sub_(torch.where(empty, 0.0, top)).exp_().add_(empty)  # an empty row: all ones
+    def _draw(self, x: torch.Tensor, indices: torch.Tensor, mass: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """N ids per row drawn from the softmax over the ids outside `indices`, ascending, and their values
+        in `x`. The weights are `exp(rest - max(rest))` (multinomial scales them): for a float32 step, what
+        `_topk` left in its buffer while finding the mass outside (computed once); else computed here in a
+        float32 buffer. A row whose mass outside is 0 (its draws carry no weight) gets 1 added to every
+        weight, so that it always has some."""
+        if x.dtype == torch.float32:
+            rest = self.buffers.take("topk", x.shape, x.dtype, x.device)  # `_topk`'s: exp(rest - max(rest))
+        else:
+            rest = self.buffers.take("tail", x.shape, torch.float32, x.device).copy_(x).scatter_(-1, indices, float("-inf"))
+            top = rest.amax(-1, keepdim=True)
+            rest.sub_(top.masked_fill_(top == float("-inf"), 0.0)).exp_()
+        weights = rest.add_((mass == 0)[:, None])
         drawn = torch.multinomial(weights, self.tail, replacement=True, generator=self._generator(x.device))
         drawn = drawn.sort(-1).values
         return drawn, x.gather(-1, drawn)
@@ -346,9 +351,7 @@ def encoder(encoding: str, *, model_dtype: torch.dtype, generators: dict[torch.d
         return Sampled(encoding, generators, seed)
     if topk_bits(encoding) is not None:
         return QuantisedTopK(encoding)
-    if topk_tail(encoding) is not None:
-        return TopK(encoding, model_dtype, _generators(generators, seed))
-    return TopK(encoding, model_dtype)
+    return TopK(encoding, model_dtype, _generators(generators, seed))
 
 
 # -- top-k streams stored as one `(rows, 2K + 2)` float64 tensor per step (a stream of dtype float64) ---
