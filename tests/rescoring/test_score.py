@@ -155,6 +155,50 @@ def test_two_ranks_share_the_batches_and_read_back_as_one_run(tmp_path):
         assert torch.equal(torch.stack(mine.logits()), torch.stack(generation.logits()))
 
 
+@pytest.mark.slow
+def test_two_gloo_processes_under_torchrun_score_their_shares_as_one_process_does(tmp_path):
+    """The command under `torchrun --nproc_per_node 2` (real processes, at once): each rank scores its
+    block of the batches into `out/rank-R`; read back as one run, every window once, each step's logits
+    equal to one process's run of the same command."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from ..helpers import record_model, record_tokenizer
+
+    model_dir, corpus = tmp_path / "model", tmp_path / "corpus.txt"
+    record_model().save_pretrained(model_dir)
+    record_tokenizer().save_pretrained(model_dir)
+    corpus.write_text(" ".join(f"w{3 + (i * 37) % 120}" for i in range(7 * 16 + 5)), encoding="utf-8")
+    command = ["-m", "transformers_offload", "score", "--model", str(model_dir), "--text", str(corpus),
+               "--context", "16", "--batch-size", "2", "--no-progress", "--json"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(name, None)
+    ranked = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             *command, "--out", str(tmp_path / "ranked")],
+                            capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert ranked.returncode == 0, ranked.stdout + ranked.stderr
+    results = sorted((json.loads(line) for line in ranked.stdout.splitlines() if line.startswith("{")),
+                     key=lambda result: result["rank"])
+    # 7 windows in batches of 2: rank 0 scores batches 0-1 (windows 0-3), rank 1 batches 2-3 (windows 4-6).
+    assert [(r["rank"], r["world_size"], r["windows"], r["tokens_scored"], r["skipped"]) for r in results] == [
+        (0, 2, 4, 28, 0), (1, 2, 3, 21, 0)]
+    single = subprocess.run([sys.executable, *command, "--out", str(tmp_path / "single")],
+                            capture_output=True, text=True, env=env, timeout=600)
+    assert single.returncode == 0, single.stderr
+    assert json.loads(single.stdout)["windows"] == 7
+    assert sorted(p.name for p in (tmp_path / "ranked").iterdir() if p.name.startswith("rank-")) == ["rank-0", "rank-1"]
+    by_windows = {tuple(g.sample_ids): g for g in open_recording(tmp_path / "ranked").generations}
+    whole = open_recording(tmp_path / "single").generations
+    assert sorted(by_windows) == sorted(tuple(g.sample_ids) for g in whole) and len(whole) == 4
+    for generation in whole:
+        mine = by_windows[tuple(generation.sample_ids)]
+        assert mine.complete and mine.num_steps == generation.num_steps == 7
+        assert torch.equal(torch.stack(mine.logits()), torch.stack(generation.logits()))
+
+
 def test_bad_input_is_refused_before_any_work(tmp_path):
     model = make_tiny("llama").eval()
     with pytest.raises(ValueError, match="fewer than one window of `context` 512"):

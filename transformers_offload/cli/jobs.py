@@ -189,7 +189,7 @@ def _score(arguments: argparse.Namespace) -> dict[str, Any]:
 
     from .. import demo_model
     from ..jobs.record import read_prompts
-    from ..rescoring.corpus import score
+    from ..rescoring.corpus import score_run
 
     if (arguments.text is None) == (arguments.dataset is None):
         raise options.UsageError("give the corpus as `--text FILE...` or as `--dataset DIR --text-column C` (one of them)")
@@ -210,13 +210,13 @@ def _score(arguments: argparse.Namespace) -> dict[str, Any]:
         options.disable_progress_bars()
     model = _load_candidate(arguments)
     start = time.perf_counter()
-    run = score(model, texts, arguments.out, tokenizer=tokenizer, context=arguments.context,
-                batch_size=arguments.batch_size, chunk_size=arguments.chunk_size, bos=not arguments.no_bos,
-                encodings=encodings or None, max_windows=arguments.max_windows, progress=not arguments.no_progress)
-    windows = sum(g.num_rows for g in run.generations if g.complete)
-    steps = sum(g.num_rows * g.num_steps for g in run.generations if g.complete)
-    return {"windows": windows, "tokens_scored": steps, "seconds": round(time.perf_counter() - start, 3),
-            "out": str(arguments.out)}
+    run, counts = score_run(model, texts, arguments.out, tokenizer=tokenizer, context=arguments.context,
+                            batch_size=arguments.batch_size, chunk_size=arguments.chunk_size, bos=not arguments.no_bos,
+                            encodings=encodings or None, max_windows=arguments.max_windows,
+                            progress=not arguments.no_progress)
+    run.close()
+    # This process's own work: under torchrun each rank reports its share (as rescore's result does).
+    return {**counts, "seconds": round(time.perf_counter() - start, 3), "out": str(arguments.out)}
 
 
 def _rescore(arguments: argparse.Namespace) -> dict[str, Any]:

@@ -6,7 +6,7 @@ The windows are llama.cpp's (`tools/perplexity`, `perplexity` and `kl_divergence
 tokenised without special tokens and their ids put one after another; window `w` is ids
 `[w * context, (w + 1) * context)` (a last partial window is dropped), its first id replaced by the
 tokenizer's BOS where it has one (`bos=True`); the positions scored are the second half,
-`first = context // 2` to `context - 2`, the logits at position `j` predicting id `j + 1`: `context // 2 - 1`
+`first = context // 2` to `context - 2`, the logits at position `j` predicting id `j + 1`: `context - 1 - context // 2`
 tokens a window (255 at 512), each predicted with at least half a context before it. Step `t` of a
 window is position `first + t`. Windows are batched `batch_size` at a time, one generation each (its rows
 the windows, its sample ids their numbers), scored by rescore's forward path (`rescoring.forward`):
@@ -80,7 +80,7 @@ def score(model: Any, texts: str | Sequence[str], out: str | os.PathLike | None 
 
     Returns:
         `Recording` (read back from `out`) or, in memory, the closed `Recorder`: one generation per batch
-        of windows, rows the windows, `context // 2 - 1` steps each, `tokens()` the ids predicted, sample
+        of windows, rows the windows, `context - 1 - context // 2` steps each, `tokens()` the ids predicted, sample
         ids the windows' numbers.
 
     Raises:
@@ -89,6 +89,19 @@ def score(model: Any, texts: str | Sequence[str], out: str | os.PathLike | None 
         TypeError: `texts` is not a string or a sequence of strings.
         RecordingError: `out` is damaged. BlockingIOError: another process is scoring these windows into `out`.
     """
+    return score_run(model, texts, out, tokenizer=tokenizer, context=context, batch_size=batch_size,
+                     chunk_size=chunk_size, bos=bos, encodings=encodings, max_windows=max_windows,
+                     progress=progress, rank=rank, world_size=world_size)[0]
+
+
+def score_run(model: Any, texts: str | Sequence[str], out: str | os.PathLike | None = None, *, tokenizer: Any,
+              context: int = 512, batch_size: int = 4, chunk_size: int = 512, bos: bool = True,
+              encodings: dict[str, str] | None = None, max_windows: int | None = None, progress: bool = False,
+              rank: int | None = None, world_size: int | None = None) -> tuple[Any, dict[str, int]]:
+    """`score`, and what this process did (the command's result): `windows` and `tokens_scored` scored now,
+    `skipped` the windows of its share `out` held complete already, `rank` and `world_size`. Under torchrun
+    without a process group the recording returned may lack ranks still running; the counts are this
+    rank's own."""
     if isinstance(texts, str):
         texts = [texts]
     if not isinstance(texts, Sequence) or not all(isinstance(text, str) for text in texts):
@@ -134,13 +147,22 @@ def score(model: Any, texts: str | Sequence[str], out: str | os.PathLike | None 
         return rec
 
     if out is None:
-        return scored(None, list(range(len(batches))))
+        every = list(range(len(batches)))
+        return scored(None, every), _counts(batches, every, every, context - 1 - first, 0, 1)
     out = Path(out)
     _refuse_other_windows(out, corpus)
     rank, world_size = process_rank(rank, world_size)
-    run_share(out, [[str(w) for w in rows] for rows in batches], rank=rank, world_size=world_size, work=scored)
-    return open_recording(out)
+    mine, todo = run_share(out, [[str(w) for w in rows] for rows in batches], rank=rank, world_size=world_size,
+                           work=scored)
+    return open_recording(out), _counts(batches, mine, todo, context - 1 - first, rank, world_size)
 
+
+
+def _counts(batches: list[range], mine: list[int], todo: list[int], steps: int, rank: int,
+            world_size: int) -> dict[str, int]:
+    done = sum(len(batches[i]) for i in todo)
+    return {"windows": done, "tokens_scored": done * steps,
+            "skipped": sum(len(batches[i]) for i in mine) - done, "rank": rank, "world_size": world_size}
 
 def _refuse_other_windows(out: Path, corpus: dict[str, Any]) -> None:
     """ValueError where `out` holds complete windows of other texts, tokenizer, BOS or context."""
@@ -163,4 +185,4 @@ def _progress(total: int, show: bool) -> Any:
     return tqdm(total=total, unit="batch", disable=not show, desc="score")
 
 
-__all__ = ["score", "windows"]
+__all__ = ["score", "score_run", "windows"]
