@@ -119,7 +119,7 @@ class Shard:
         start = ends[local.start - 1] if local.start else 0
         stop = ends[local[-1]]
         if numpy or self._ragged[name]["dtype"] == "int32":  # sparse, native, packed records: no transformers
-            span = read_guarded(self.path, lambda: self._handle.get_slice(name)[start:stop])
+            span = self.array(name)[start:stop]  # mapped: the records are read where they lie
             if not numpy:
                 span = torch.from_numpy(span)
         else:
