@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from packaging.version import Version
 
 from transformers_offload import compare, open_recording, score
 from transformers_offload.rescoring.corpus import windows
@@ -248,7 +249,8 @@ def test_named_quantizations_build_transformers_configs_or_say_what_to_install(m
 
     from transformers_offload.rescoring.quantization import NAMES, quantization_config
 
-    assert NAMES == ("torchao:int8-weight-only", "torchao:int8-dynamic", "bitsandbytes:8bit", "bitsandbytes:4bit")
+    assert NAMES == ("torchao:int8-weight-only", "torchao:int8-dynamic", "quanto:int8", "quanto:int4",
+                     "bitsandbytes:8bit", "bitsandbytes:4bit", "fp8")
     with pytest.raises(ValueError, match="unknown quantization 'gguf:q4'; known: torchao:int8-weight-only"):
         quantization_config("gguf:q4")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
@@ -256,6 +258,9 @@ def test_named_quantizations_build_transformers_configs_or_say_what_to_install(m
         quantization_config("torchao:int8-weight-only")
     with pytest.raises(ImportError, match=r"pip install 'transformers-offload\[quantization-cuda\]'"):
         quantization_config("bitsandbytes:4bit")
+    with pytest.raises(ImportError, match=r"needs the 'optimum-quanto' package \(it runs on CPU and CUDA\): pip "
+                       r"install 'transformers-offload\[quantization\]'"):
+        quantization_config("quanto:int8")
 
 
 def _saved_tiny(tmp_path):
@@ -284,17 +289,153 @@ def test_a_torchao_int8_candidate_on_cpu_scores_near_its_base(tmp_path):
     assert summary["tokens"] == (len(_ids()) // 32) * 15
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("name", ["bitsandbytes:8bit", "bitsandbytes:4bit", "torchao:int8-weight-only"])
-def test_a_quantized_candidate_on_cuda_scores_near_its_base(name, tmp_path):
+def test_a_quanto_int8_candidate_on_cpu_scores_near_its_base(tmp_path):
     from transformers import AutoModelForCausalLM
+
+    from transformers_offload import _compat
+    from transformers_offload.rescoring.quantization import quantization_config
+
+    if Version(_compat.TRANSFORMERS_VERSION).major < 5:
+        pytest.skip(f"quanto through transformers is tried on 5.x; this is {_compat.TRANSFORMERS_VERSION}")
+    pytest.importorskip("optimum.quanto")
+    base_model = _saved_tiny(tmp_path)
+    quantized = AutoModelForCausalLM.from_pretrained(tmp_path / "model", local_files_only=True, device_map="cpu",
+                                                     quantization_config=quantization_config("quanto:int8")).eval()
+    assert type(quantized.model.layers[0].mlp.down_proj).__name__ == "QLinear"  # quantized, not passed through
+    base = score(base_model, TEXT, tokenizer=CharTokenizer(), context=32)
+    candidate = score(quantized, TEXT, tokenizer=CharTokenizer(), context=32)
+    summary = compare(base, candidate).summary()
+    assert 0 < summary["kl_ab"]["mean"] < 1e-2 and summary["max_logit_diff"] > 0
+    assert summary["tokens"] == (len(_ids()) // 32) * 15
+
+
+def _compressed_tensors_checkpoint(model, out):
+    """`model` saved as a compressed-tensors checkpoint of int8 weights (its W8A16 preset: a scale per
+    group of 128 inputs of each output), round to nearest: the format llm-compressor writes, made with
+    compressed-tensors' own API."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        QuantizationStatus,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": preset_name_to_scheme("W8A16", ["Linear"])},
+                                                        ignore=["lm_head"]))
+    quantized = 0
+    for module in model.modules():
+        scheme = getattr(module, "quantization_scheme", None)
+        if scheme is None or scheme.weights is None:
+            continue
+        weight, group = module.weight.data, scheme.weights.group_size
+        if group:  # one scale per `group` inputs of each output channel
+            weight = weight.reshape(weight.shape[0], -1, group)
+        scale, zero_point = calculate_qparams(weight.amin(-1), weight.amax(-1), scheme.weights)
+        module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+        if hasattr(module, "weight_zero_point"):
+            module.weight_zero_point.data.copy_(zero_point.reshape(module.weight_zero_point.shape))
+        module.quantization_status = QuantizationStatus.FROZEN
+        quantized += 1
+    assert quantized == 2 * 7  # every attention and MLP projection of the 2 layers
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    model.save_pretrained(out)
+    compressor.update_config(out)
+
+
+def test_the_command_scores_a_compressed_tensors_checkpoint_on_cpu(tmp_path, capsys):
+    """A checkpoint saved quantized is `--model` as it is (transformers reads its quantization config):
+    a tiny Llama and its W8A16 compressed-tensors checkpoint, scored by the command and compared."""
+    import json
+
+    import transformers
+
+    from transformers_offload import _compat
+    from transformers_offload.cli import main
+
+    from ..helpers import record_tokenizer
+
+    if Version(_compat.TRANSFORMERS_VERSION).major < 5:
+        pytest.skip(f"compressed-tensors checkpoints are tried on 5.x; this is {_compat.TRANSFORMERS_VERSION}")
+    pytest.importorskip("compressed_tensors")
+
+    def tiny():
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, bos_token_id=2, eos_token_id=1, pad_token_id=0)).eval()
+
+    tiny().save_pretrained(tmp_path / "base")
+    _compressed_tensors_checkpoint(tiny(), tmp_path / "w8a16")
+    for name in ("base", "w8a16"):
+        record_tokenizer().save_pretrained(tmp_path / name)
+    assert json.loads((tmp_path / "w8a16" / "config.json").read_text())["quantization_config"]["quant_method"] == \
+        "compressed-tensors"
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(" ".join(f"w{3 + (i * 37) % 120}" for i in range(6 * 32)), encoding="utf-8")
+    for name in ("base", "w8a16"):
+        assert main(["score", "--model", str(tmp_path / name), "--text", str(corpus), "--context", "32",
+                     "--no-progress", "--json", "--out", str(tmp_path / f"run-{name}")]) == 0
+        assert json.loads(capsys.readouterr().out)["tokens_scored"] == 6 * 15
+    assert main(["compare", str(tmp_path / "run-base"), str(tmp_path / "run-w8a16"), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["tokens"] == 90 and 0 < summary["kl_ab"]["mean"] < 1e-2 and summary["max_logit_diff"] > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["bitsandbytes:8bit", "bitsandbytes:4bit", "torchao:int8-weight-only", "quanto:int8",
+                                  "fp8"])
+def test_a_quantized_candidate_on_cuda_scores_near_its_base(name, tmp_path):
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     from transformers_offload.rescoring.quantization import quantization_config
 
-    base_model = _saved_tiny(tmp_path).to("cuda")
+    if name == "fp8":  # blocks of 128 x 128 weights: a Llama whose projections hold whole blocks
+        if torch.cuda.get_device_capability() < (8, 9):
+            pytest.skip("FP8 matrix products need compute capability 8.9 or more")
+        torch.manual_seed(0)
+        base_model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+                                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                  bos_token_id=2, eos_token_id=1, pad_token_id=0)).eval()
+        base_model.save_pretrained(tmp_path / "model")
+        base_model = base_model.to("cuda")
+    else:
+        base_model = _saved_tiny(tmp_path).to("cuda")
     quantized = AutoModelForCausalLM.from_pretrained(tmp_path / "model", local_files_only=True, device_map="cuda",
                                                      quantization_config=quantization_config(name))
     base = score(base_model, TEXT, tokenizer=CharTokenizer(), context=32)
     candidate = score(quantized.eval(), TEXT, tokenizer=CharTokenizer(), context=32)
     summary = compare(base, candidate).summary()
     assert 0 <= summary["kl_ab"]["mean"] < 0.1 and summary["tokens"] == (len(_ids()) // 32) * 15
+
+
+@pytest.mark.cuda
+def test_a_gptq_checkpoint_on_cuda_scores_near_its_base(tmp_path):
+    """GPTQ (CUDA here): a tiny Llama quantized on load with `GPTQConfig` (4 bits, groups of 128, calibrated
+    on words of the tokenizer), saved, and its directory scored as a checkpoint saved quantized is."""
+    pytest.importorskip("optimum")
+    pytest.importorskip("gptqmodel")
+    from transformers import AutoModelForCausalLM, GPTQConfig, LlamaConfig, LlamaForCausalLM
+
+    from ..helpers import record_tokenizer
+
+    torch.manual_seed(0)
+    base_model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                              bos_token_id=2, eos_token_id=1, pad_token_id=0)).eval()
+    base_model.save_pretrained(tmp_path / "model")
+    tokenizer = record_tokenizer()
+    tokenizer.save_pretrained(tmp_path / "model")
+    calibration = [" ".join(f"w{3 + (i * 7 + k * 13) % 120}" for k in range(32)) for i in range(16)]
+    quantized = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "model", local_files_only=True, device_map="cuda",
+        quantization_config=GPTQConfig(bits=4, group_size=128, dataset=calibration, tokenizer=tokenizer))
+    quantized.save_pretrained(tmp_path / "gptq")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "gptq", local_files_only=True, device_map="cuda").eval()
+    corpus = " ".join(f"w{3 + (i * 37) % 120}" for i in range(6 * 32))
+    base = score(base_model.to("cuda"), corpus, tokenizer=tokenizer, context=32)
+    candidate = score(loaded, corpus, tokenizer=tokenizer, context=32)
+    summary = compare(base, candidate).summary()
+    assert summary["tokens"] == 6 * 15 and 0 < summary["kl_ab"]["mean"] < 0.1

@@ -99,8 +99,9 @@ def _loading_options(parser: Any) -> None:
     parser.add_argument("--dtype", help="load the model in this dtype (float32, bfloat16, float16)")
     parser.add_argument("--attn-implementation", help="eager, sdpa, flash_attention_2...")
     parser.add_argument("--quantization", help="quantize on load through transformers' integration: "
-                        "torchao:int8-weight-only, torchao:int8-dynamic (CPU, CUDA), bitsandbytes:8bit, "
-                        "bitsandbytes:4bit (CUDA); a checkpoint saved quantized needs none")
+                        "torchao:int8-weight-only, torchao:int8-dynamic, quanto:int8, quanto:int4 (CPU, CUDA), "
+                        "bitsandbytes:8bit, bitsandbytes:4bit, fp8 (CUDA); a checkpoint saved quantized "
+                        "(GPTQ, AWQ, compressed-tensors...) needs none: pass its directory as --model")
 
 
 def run(arguments: argparse.Namespace, command_line: str) -> tuple[Any, str]:

@@ -3,7 +3,14 @@
 integration takes (`AutoModelForCausalLM.from_pretrained(..., quantization_config=...)`).
 
 A checkpoint saved quantized (GPTQ, AWQ, compressed-tensors, FP8...) needs none of this: its directory
-is the `--model`, and transformers reads its quantization from its config.
+is the `--model`, and transformers reads its quantization from its config (a compressed-tensors
+checkpoint loads on CPU with the `quantization` extra; tests/rescoring/test_score.py scores one).
+
+Tried on CPU with transformers 5.25 (2 cores): torchao's int8 quantizations and optimum-quanto's int8
+and int4 weights run there (quanto's int4 compiles its C++ extension at the first forward of a process
+that has none built: about 40 s, once). Not named here: HQQ (`HqqConfig`: transformers 5.25 cannot
+quantize on load with it, `NotImplementedError` from its quantizer), SINQ (its package pulls a CUDA
+build of torch), MXFP4 (converts GPT-OSS experts only, with kernels fetched from the Hub).
 """
 
 from __future__ import annotations
@@ -12,8 +19,9 @@ from typing import Any, Callable
 
 from .. import _compat
 
-# name -> (the package it needs, the pip extra that installs it, where it runs, the config's builder)
+# name -> (the module it needs, the pip extra that installs it, where it runs, the config's builder)
 _NAMES: dict[str, tuple[str, str, str, Callable[[], Any]]] = {}
+_DISTRIBUTIONS = {"optimum.quanto": "optimum-quanto"}  # a module whose pip name differs
 
 
 def _torchao(config_name: str) -> Callable[[], Any]:
@@ -23,6 +31,20 @@ def _torchao(config_name: str) -> Callable[[], Any]:
 
         return TorchAoConfig(quant_type=getattr(quantization, config_name)())
     return build
+
+
+def _quanto(weights: str) -> Callable[[], Any]:
+    def build() -> Any:
+        from transformers import QuantoConfig
+
+        return QuantoConfig(weights=weights)
+    return build
+
+
+def _fp8() -> Any:
+    from transformers import FineGrainedFP8Config
+
+    return FineGrainedFP8Config()
 
 
 def _bitsandbytes(bits: int) -> Callable[[], Any]:
@@ -37,16 +59,21 @@ _NAMES.update({
     "torchao:int8-weight-only": ("torchao", "quantization", "CPU and CUDA", _torchao("Int8WeightOnlyConfig")),
     "torchao:int8-dynamic": ("torchao", "quantization", "CPU and CUDA",
                              _torchao("Int8DynamicActivationInt8WeightConfig")),
+    "quanto:int8": ("optimum.quanto", "quantization", "CPU and CUDA", _quanto("int8")),
+    "quanto:int4": ("optimum.quanto", "quantization", "CPU and CUDA", _quanto("int4")),
     "bitsandbytes:8bit": ("bitsandbytes", "quantization-cuda", "CUDA", _bitsandbytes(8)),
     "bitsandbytes:4bit": ("bitsandbytes", "quantization-cuda", "CUDA", _bitsandbytes(4)),
+    "fp8": ("torch", "quantization-cuda", "CUDA (compute capability 8.9 or more) and XPU", _fp8),
 })
 NAMES = tuple(_NAMES)
 
 
 def quantization_config(name: str) -> Any:
     """The `quantization_config` for quantization `name` (one of `NAMES`): torchao's int8 weight-only and
-    int8 dynamic-activation (CPU and CUDA, through `TorchAoConfig`), bitsandbytes' 8-bit and 4-bit (CUDA,
-    through `BitsAndBytesConfig`).
+    int8 dynamic-activation (CPU and CUDA, through `TorchAoConfig`), optimum-quanto's int8 and int4
+    weights (CPU and CUDA, `QuantoConfig`), bitsandbytes' 8-bit and 4-bit (CUDA, `BitsAndBytesConfig`),
+    transformers' own fine-grained FP8 (CUDA and XPU, `FineGrainedFP8Config`: weights in float8_e4m3
+    blocks of 128 x 128, activations quantized dynamically).
 
     Raises:
         ValueError: an unknown name (the message lists the known ones).
@@ -57,10 +84,9 @@ def quantization_config(name: str) -> Any:
         raise ValueError(f"unknown quantization {name!r}; known: {', '.join(NAMES)}. A checkpoint saved quantized "
                          "needs none: pass its directory as the model.")
     package, extra, where, build = _NAMES[name]
-    import importlib.util
-
-    if importlib.util.find_spec(package) is None:
-        raise ImportError(f"quantization {name!r} needs the {package!r} package (it runs on {where}): "
+    if not _installed(package):
+        distribution = _DISTRIBUTIONS.get(package, package)
+        raise ImportError(f"quantization {name!r} needs the {distribution!r} package (it runs on {where}): "
                           f"pip install 'transformers-offload[{extra}]'")
     if package == "torchao" and not _compat.TORCHAO_CONFIG_OBJECTS:
         raise ImportError(f"quantization {name!r} is built for transformers 5 (TorchAoConfig taking torchao's config "
@@ -70,6 +96,16 @@ def quantization_config(name: str) -> Any:
     except ImportError as error:
         raise ImportError(f"quantization {name!r}: this transformers or {package} lacks what it needs ({error}); "
                           f"upgrade them: pip install -U transformers 'transformers-offload[{extra}]'") from None
+
+
+def _installed(package: str) -> bool:
+    """Whether `package` (dotted: its parent too) can be imported, without importing it."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(package) is not None
+    except ImportError:  # a dotted name whose parent is missing
+        return False
 
 
 __all__ = ["NAMES", "quantization_config"]
