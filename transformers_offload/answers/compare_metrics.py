@@ -55,6 +55,7 @@ logprobs by 6e-14; `max_logit_diff` is the same. The same tensors on both sides 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -208,14 +209,16 @@ def _finite_values(a: Side, b: Side, xa: torch.Tensor, xb: torch.Tensor, maxima:
     n, vocab = int(rows.shape[0]), int(xa.shape[-1])
     top_a, top_b = ((x.amax(-1, keepdim=True) if m is None else m.amax(-1, keepdim=True)).double()
                     for x, m in ((xa, maxima[0]), (xb, maxima[1])))
-    extremes = torch.cat([top_a, top_b, xa.amin(-1, keepdim=True).double(), xb.amin(-1, keepdim=True).double()])
-    if not bool(torch.isfinite(extremes).all()):  # nan spreads to a maximum
-        return None
     sums = torch.empty(5, n, dtype=torch.float64)  # per row: max |d|, Z_a, Z_b, sum e_a d, sum e_b d
     wide_a, wide_b, difference = (workspace.get(name, 1, vocab)[0] for name in ("a", "b", "difference"))
     for i in range(n):  # a row at a time: its float64 rows stay in the cores' caches from pass to pass
         torch.sub(wide_a.copy_(xa[i]), wide_b.copy_(xb[i]), out=difference)  # xa - xb, exact
         torch.maximum(difference.amax(), difference.amin().neg_(), out=sums[0, i])  # max |xa - xb|, exact
+        # Every entry of both rows is finite iff max |xa - xb| is (the difference of two finite float32 or
+        # bfloat16 values is finite in float64; of an infinite or nan one, infinite or nan, and nan
+        # spreads to amax and amin): else the caller's `where` expressions, at the first such row.
+        if not math.isfinite(sums[0, i]):
+            return None
         torch.sum(torch.exp(wide_a.sub_(top_a[i]), out=wide_a), 0, out=sums[1, i])  # sum of exp(xa - max): Z_a
         torch.sum(torch.exp(wide_b.sub_(top_b[i]), out=wide_b), 0, out=sums[2, i])
         torch.dot(wide_a, difference, out=sums[3, i])
