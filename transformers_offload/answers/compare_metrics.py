@@ -205,7 +205,7 @@ def _finite_values(a: Side, b: Side, xa: torch.Tensor, xb: torch.Tensor, maxima:
     """Both sides' descriptions (`_describe`'s keys but the full tensors), both KLs and the largest logit
     difference of rows `xa`, `xb` (`a.full[rows]`, `b.full[rows]`), by the module's fast expressions: each
     side's `exp(x - max)` computed once in a reused buffer, no log-softmax tensor. None where an entry is
-    not finite (then the caller uses the `where` expressions): a row's largest or smallest is not."""
+    not finite (then the caller uses the `where` expressions), found from a row's largest |xa - xb|."""
     n, vocab = int(rows.shape[0]), int(xa.shape[-1])
     top_a, top_b = ((x.amax(-1, keepdim=True) if m is None else m.amax(-1, keepdim=True)).double()
                     for x, m in ((xa, maxima[0]), (xb, maxima[1])))
