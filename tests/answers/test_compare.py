@@ -614,3 +614,34 @@ def test_a_tail_sample_makes_the_mean_kl_estimate_close_where_the_bound_falls_sh
         assert float(bound[name].mean()) < 0.9 * mean  # the one-bucket bound: well short
         assert abs(float(estimate[name].mean()) / mean - 1) < 0.02, name
         assert bool((estimate[name] >= bound[name]).all())
+
+
+@pytest.mark.parametrize("where", ["-inf in a", "-inf in both", "+inf in b", "nan in a"])
+def test_an_entry_not_finite_in_any_row_takes_the_where_expressions(where):
+    """The fast path tells finite rows by their largest |xa - xb| (finite iff every entry of both is): a
+    row with an infinite or nan entry, whichever row and side, sends the block to the documented `where`
+    expressions (their values bit for bit)."""
+    from transformers_offload.answers.compare_metrics import Side, step_values
+
+    generator = torch.Generator().manual_seed(5)
+    xa = torch.randn(4, 1000, generator=generator) * 8
+    xb = xa + torch.randn(4, 1000, generator=generator)
+    side, value = {"-inf in a": ((xa,), float("-inf")), "-inf in both": ((xa, xb), float("-inf")),
+                   "+inf in b": ((xb,), float("inf")), "nan in a": ((xa,), float("nan"))}[where]
+    for x in side:
+        x[2, 17] = value  # the third row: rows before it are finite
+    rows = torch.arange(4)
+    values = step_values(Side(full=xa), Side(full=xb), rows, rows, torch.tensor([0, 1, 2, 3]))
+    la, lb = torch.log_softmax(xa.double(), -1), torch.log_softmax(xb.double(), -1)
+    pa, pb = la.exp(), lb.exp()
+    # allclose with no tolerance: equal bit for bit, nan equal to nan (torch.equal has no equal_nan).
+    assert torch.allclose(values["kl_ab"], torch.where(pa > 0, pa * (la - lb), 0.0).sum(-1), rtol=0, atol=0,
+                          equal_nan=True)
+    assert torch.allclose(values["kl_ba"], torch.where(pb > 0, pb * (lb - la), 0.0).sum(-1), rtol=0, atol=0,
+                          equal_nan=True)
+    wide_a, wide_b = xa.double(), xb.double()
+    assert torch.allclose(values["max_logit_diff"], torch.where(wide_a == wide_b, 0.0, (wide_a - wide_b).abs()).amax(-1),
+                          rtol=0, atol=0, equal_nan=True)
+    # The finite rows' fast expressions differ from these by float64 rounding: the check tells the paths apart.
+    finite = step_values(Side(full=xa[:2]), Side(full=xb[:2]), rows[:2], rows[:2], torch.tensor([0, 1]))
+    assert not torch.equal(finite["kl_ab"], values["kl_ab"][:2])
