@@ -42,7 +42,7 @@ class NativeRecord:
         count = self.rows * self.vocab
         halves = self._payload.view(torch.int16 if self.stored.itemsize == 2 else self.stored)
         values = (halves[:count].view(self.stored) if self.stored.itemsize == 2 else halves).reshape(self.rows, self.vocab)
-        if rows is not None:
+        if rows is not None and list(rows) != list(range(self.rows)):  # every row in order: no gather
             return values[list(rows)].to(self.dtype)  # indexing copies
         return values.to(self.dtype) if self.stored != self.dtype else values.clone()  # not a view of the record
 
