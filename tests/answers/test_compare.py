@@ -645,3 +645,31 @@ def test_an_entry_not_finite_in_any_row_takes_the_where_expressions(where):
     # The finite rows' fast expressions differ from these by float64 rounding: the check tells the paths apart.
     finite = step_values(Side(full=xa[:2]), Side(full=xb[:2]), rows[:2], rows[:2], torch.tensor([0, 1]))
     assert not torch.equal(finite["kl_ab"], values["kl_ab"][:2])
+
+
+def test_a_group_of_rows_larger_than_a_block_takes_the_where_expressions_a_block_at_a_time(monkeypatch):
+    """Full sides are taken GROUP entries at a time (the fast path holds one row's float64 buffers); where
+    an entry is not finite the `where` expressions run BLOCK entries at a time: the same values as one
+    block at a time, every column."""
+    from transformers_offload.answers import compare_metrics
+    from transformers_offload.answers.compare_metrics import Side, step_values
+
+    generator = torch.Generator().manual_seed(11)
+    xa = torch.randn(7, 1000, generator=generator) * 8
+    xb = xa + torch.randn(7, 1000, generator=generator)
+    xa[5, 3] = xb[5, 3] = float("-inf")
+    rows, tokens = torch.arange(7), torch.tensor([0, 1, 2, 3, 4, 5, 999])
+    whole = step_values(Side(full=xa), Side(full=xb), rows, rows, tokens)  # one block of 7 rows
+    monkeypatch.setattr(compare_metrics, "BLOCK", 2000)  # 2 rows a `where` block
+    monkeypatch.setattr(compare_metrics, "GROUP", 7000)  # the 7 rows in one call
+    calls = []
+    original = compare_metrics._block_values
+    monkeypatch.setattr(compare_metrics, "_block_values",
+                        lambda *args, **kwargs: calls.append(int(args[2].shape[0])) or original(*args, **kwargs))
+    blocks = step_values(Side(full=xa), Side(full=xb), rows, rows, tokens)
+    assert calls == [7, 2, 2, 2, 1]  # the group, then its `where` blocks
+    assert blocks.keys() == whole.keys()
+    for name in whole:
+        assert torch.equal(blocks[name].isnan(), whole[name].isnan()) if blocks[name].is_floating_point() else True
+        assert torch.equal(blocks[name].nan_to_num(0.0) if blocks[name].is_floating_point() else blocks[name],
+                           whole[name].nan_to_num(0.0) if whole[name].is_floating_point() else whole[name]), name

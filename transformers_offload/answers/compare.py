@@ -19,7 +19,7 @@ import torch
 from ..codecs.spec import ENCODED_STREAMS, topk_width
 from ..errors import CompareError
 from ..read.samples import sample_ids
-from .compare_metrics import BLOCK, Side, Workspace, step_values
+from .compare_metrics import Side, Workspace, group_entries, step_values
 from .comparison import Comparison
 
 
@@ -261,7 +261,7 @@ class _Columns:
 def _pair_values(ga: Any, gb: Any, stream: str, plan: dict[str, Any], chunk_steps: int,
                  ids: list[Any], workspace: Workspace) -> Iterator[dict[str, np.ndarray]]:
     """Per group of steps, the pair's per-token columns as NumPy arrays. A chunk's steps are computed
-    together, as many as `compare_metrics.BLOCK` float64 entries hold (one step at least): one call per
+    together, as many as `compare_metrics.group_entries` entries (one step at least): one call per
     group, whose rows run in parallel, rather than one per step."""
     per_row = ga.rows_per_prompt
     for start in range(0, ga.num_steps, chunk_steps):
@@ -279,7 +279,7 @@ def _pair_values(ga: Any, gb: Any, stream: str, plan: dict[str, Any], chunk_step
                                        "entries per row: the recordings do not share a vocabulary.")
             width = max(side.full.shape[-1] if side.full is not None else side.width for side in
                         (sides_a[offset], sides_b[offset]))
-            if group and entries + rows.numel() * width > BLOCK:
+            if group and entries + rows.numel() * width > group_entries(sides_a[offset], sides_b[offset]):
                 yield _group_values(ga, gb, group, sides_a, sides_b, per_row, ids, workspace)
                 group, entries = [], 0
             group.append((offset, t, rows, chosen_rows, tokens))
@@ -304,8 +304,24 @@ def _joined(sides: list[Side]) -> Side:
     if len(sides) == 1:
         return sides[0]
     if sides[0].topk is None:
-        return Side(full=torch.cat([side.full for side in sides]))
+        fulls = [side.full for side in sides]
+        joined = _adjacent(fulls)
+        return Side(full=torch.cat(fulls) if joined is None else joined)
     return Side(topk={name: torch.cat([side.topk[name] for side in sides]) for name in sides[0].topk})
+
+
+def _adjacent(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """`torch.cat(tensors)` as a view, where they lie one after another in one storage (a dense stream's
+    steps read from one shard); None otherwise."""
+    first = tensors[0]
+    storage, offset = first.untyped_storage(), first.storage_offset()
+    for tensor in tensors:
+        if (not tensor.is_contiguous() or tensor.dtype != first.dtype or tensor.shape[1:] != first.shape[1:]
+                or tensor.untyped_storage().data_ptr() != storage.data_ptr() or tensor.storage_offset() != offset):
+            return None
+        offset += tensor.numel()
+    rows = sum(int(tensor.shape[0]) for tensor in tensors)
+    return first.new_empty(0).set_(storage, first.storage_offset(), (rows, *first.shape[1:]))
 
 
 def _group_values(ga: Any, gb: Any, group: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]],

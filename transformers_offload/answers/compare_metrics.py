@@ -62,6 +62,10 @@ import torch
 
 TOP = 5  # top-k overlaps for k = 1..TOP; the alternatives kept per token for the compare view
 BLOCK = 1 << 20  # float64 entries computed at once (8 MiB a temporary, or one row): rows are taken in blocks
+# Recorded entries of full rows on both sides taken at once (16 MiB of float32 a side): the fast path holds
+# one row's float64 buffers whatever the block, so its per-call work (top ids, ranks, bookkeeping) is
+# shared by this many rows; where it cannot run, the `where` expressions take BLOCK-sized sub-blocks.
+GROUP = 1 << 22
 _TILE = 256  # entries per tile of `largest` and `count_above`
 _FEW_TILES = 32  # `count_above` counts in the tiles above when there are at most this many
 
@@ -113,7 +117,7 @@ def step_values(a: Side, b: Side, rows: torch.Tensor, chosen_rows: torch.Tensor,
     """
     n = int(rows.shape[0])
     out: dict[str, list[torch.Tensor]] = {}
-    block = max(1, BLOCK // max(1, _vocab(a, b)))
+    block = max(1, group_entries(a, b) // max(1, _vocab(a, b)))
     workspace = Workspace() if workspace is None else workspace
     for start in range(0, n, block):
         part = slice(start, start + block)
@@ -125,6 +129,12 @@ def step_values(a: Side, b: Side, rows: torch.Tensor, chosen_rows: torch.Tensor,
     return {name: torch.cat(parts) for name, parts in out.items()}
 
 
+def group_entries(a: Side, b: Side) -> int:
+    """Entries (rows x vocabulary) of one block of `step_values`: GROUP where both sides are full, else
+    BLOCK (the float64 temporaries of the `where` and top-k expressions)."""
+    return GROUP if a.full is not None and b.full is not None else BLOCK
+
+
 def _vocab(a: Side, b: Side) -> int:
     for side in (a, b):
         if side.full is not None:
@@ -132,17 +142,28 @@ def _vocab(a: Side, b: Side) -> int:
     return max(a.width or 1, b.width or 1)
 
 
+def _in_blocks(a: Side, b: Side, rows: torch.Tensor, chosen_rows: torch.Tensor, tokens: torch.Tensor,
+               workspace: Workspace) -> dict[str, torch.Tensor]:
+    """`_block_values` of full sides by the `where` expressions, BLOCK entries of rows at a time."""
+    block = max(1, BLOCK // _vocab(a, b))
+    parts = [_block_values(a, b, rows[i : i + block], chosen_rows[i : i + block], tokens[i : i + block], workspace,
+                           fast=False) for i in range(0, int(rows.shape[0]), block)]
+    return {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
+
+
 def _block_values(a: Side, b: Side, rows: torch.Tensor, chosen_rows: torch.Tensor,
-                  tokens: torch.Tensor, workspace: Workspace) -> dict[str, torch.Tensor]:
+                  tokens: torch.Tensor, workspace: Workspace, fast: bool = True) -> dict[str, torch.Tensor]:
     n = int(rows.shape[0])
     known_token = tokens >= 0
     y = tokens.clamp(min=0)
     if a.full is not None and b.full is not None:
         xa, xb = _rows(a.full, rows), _rows(b.full, rows)
         maxima = (tile_maxima(xa), tile_maxima(xb))
-        found = _finite_values(a, b, xa, xb, maxima, rows, chosen_rows, y, workspace)
+        found = _finite_values(a, b, xa, xb, maxima, rows, chosen_rows, y, workspace) if fast else None
         if found is not None:  # every entry finite (raw logits): the module's fast expressions
             da, db, kl_ab, kl_ba, max_diff = found
+        elif n > max(1, BLOCK // int(xa.shape[-1])):  # the `where` expressions' float64 temporaries: BLOCK at once
+            return _in_blocks(a, b, rows, chosen_rows, tokens, workspace)
         else:  # an entry -inf (processed scores): the documented `where` expressions
             da = _describe(a, rows, chosen_rows, y, xa, maxima[0])
             db = _describe(b, rows, chosen_rows, y, xb, maxima[1])
