@@ -3,8 +3,9 @@
 integration takes (`AutoModelForCausalLM.from_pretrained(..., quantization_config=...)`).
 
 A checkpoint saved quantized (GPTQ, AWQ, compressed-tensors, FP8...) needs none of this: its directory
-is the `--model`, and transformers reads its quantization from its config (a compressed-tensors
-checkpoint loads on CPU with the `quantization` extra; tests/rescoring/test_score.py scores one).
+is the `--model`, and transformers reads its quantization from its config (compressed-tensors and
+auto-round checkpoints load on CPU with the `quantization` extra; tests/rescoring/test_score.py scores
+one of each).
 
 Tried on CPU with transformers 5.25 (2 cores): torchao's int8 quantizations and optimum-quanto's int8
 and int4 weights run there (quanto's int4 compiles its C++ extension at the first forward of a process
