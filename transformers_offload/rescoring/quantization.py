@@ -11,7 +11,8 @@ Tried on CPU with transformers 5.25 (2 cores): torchao's int8 quantizations and 
 and int4 weights run there (quanto's int4 compiles its C++ extension at the first forward of a process
 that has none built: about 40 s, once). Not named here: HQQ (`HqqConfig`: transformers 5.25 cannot
 quantize on load with it, `NotImplementedError` from its quantizer), SINQ (its package pulls a CUDA
-build of torch), MXFP4 (converts GPT-OSS experts only, with kernels fetched from the Hub).
+build of torch), MXFP4 (converts GPT-OSS experts only, with kernels fetched from the Hub). GPTQ and AWQ
+checkpoints load through gptqmodel, whose package pulls a CUDA build of torch (tested CUDA-marked only).
 """
 
 from __future__ import annotations
