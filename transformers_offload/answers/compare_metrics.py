@@ -143,27 +143,32 @@ def _vocab(a: Side, b: Side) -> int:
 
 
 def _in_blocks(a: Side, b: Side, rows: torch.Tensor, chosen_rows: torch.Tensor, tokens: torch.Tensor,
-               workspace: Workspace) -> dict[str, torch.Tensor]:
-    """`_block_values` of full sides by the `where` expressions, BLOCK entries of rows at a time."""
+               workspace: Workspace, maxima: tuple[Any, Any]) -> dict[str, torch.Tensor]:
+    """`_block_values` of full sides by the `where` expressions, BLOCK entries of rows at a time (`maxima`:
+    the rows' `tile_maxima`, each None or sliced with them)."""
     block = max(1, BLOCK // _vocab(a, b))
     parts = [_block_values(a, b, rows[i : i + block], chosen_rows[i : i + block], tokens[i : i + block], workspace,
-                           fast=False) for i in range(0, int(rows.shape[0]), block)]
+                           maxima=tuple(None if m is None else m[i : i + block] for m in maxima))
+             for i in range(0, int(rows.shape[0]), block)]
     return {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
 
 
-def _block_values(a: Side, b: Side, rows: torch.Tensor, chosen_rows: torch.Tensor,
-                  tokens: torch.Tensor, workspace: Workspace, fast: bool = True) -> dict[str, torch.Tensor]:
+def _block_values(a: Side, b: Side, rows: torch.Tensor, chosen_rows: torch.Tensor, tokens: torch.Tensor,
+                  workspace: Workspace, maxima: tuple[Any, Any] | None = None) -> dict[str, torch.Tensor]:
+    """`step_values` of one block of rows; given `maxima` (the rows' `tile_maxima`), from `_in_blocks`:
+    the `where` expressions, the fast path having found an entry that is not finite."""
     n = int(rows.shape[0])
     known_token = tokens >= 0
     y = tokens.clamp(min=0)
     if a.full is not None and b.full is not None:
         xa, xb = _rows(a.full, rows), _rows(b.full, rows)
-        maxima = (tile_maxima(xa), tile_maxima(xb))
+        fast = maxima is None
+        maxima = (tile_maxima(xa), tile_maxima(xb)) if fast else maxima
         found = _finite_values(a, b, xa, xb, maxima, rows, chosen_rows, y, workspace) if fast else None
         if found is not None:  # every entry finite (raw logits): the module's fast expressions
             da, db, kl_ab, kl_ba, max_diff = found
         elif n > max(1, BLOCK // int(xa.shape[-1])):  # the `where` expressions' float64 temporaries: BLOCK at once
-            return _in_blocks(a, b, rows, chosen_rows, tokens, workspace)
+            return _in_blocks(a, b, rows, chosen_rows, tokens, workspace, maxima)
         else:  # an entry -inf (processed scores): the documented `where` expressions
             da = _describe(a, rows, chosen_rows, y, xa, maxima[0])
             db = _describe(b, rows, chosen_rows, y, xb, maxima[1])
