@@ -309,6 +309,16 @@ def test_a_quanto_int8_candidate_on_cpu_scores_near_its_base(tmp_path):
     assert summary["tokens"] == (len(_ids()) // 32) * 15
 
 
+def _wide_tiny():
+    """A tiny Llama whose projections hold whole 128-wide groups and blocks (quantizers that need them)."""
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, bos_token_id=2, eos_token_id=1, pad_token_id=0)).eval()
+
+
 def _compressed_tensors_checkpoint(model, out):
     """`model` saved as a compressed-tensors checkpoint of int8 weights (its W8A16 preset: a scale per
     group of 128 inputs of each output), round to nearest: the format llm-compressor writes, made with
@@ -366,8 +376,6 @@ def test_the_command_scores_a_checkpoint_saved_quantized_on_cpu(layout, module, 
     command and compared."""
     import json
 
-    import transformers
-
     from transformers_offload import _compat
     from transformers_offload.cli import main
 
@@ -377,18 +385,12 @@ def test_the_command_scores_a_checkpoint_saved_quantized_on_cpu(layout, module, 
         pytest.skip(f"{layout} checkpoints are tried on 5.x; this is {_compat.TRANSFORMERS_VERSION}")
     pytest.importorskip(module)
 
-    def tiny():
-        torch.manual_seed(0)
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, bos_token_id=2, eos_token_id=1, pad_token_id=0)).eval()
-
-    tiny().save_pretrained(tmp_path / "base")
+    _wide_tiny().save_pretrained(tmp_path / "base")
     if layout == "compressed-tensors":
         quantized = tmp_path / "quantized"
-        _compressed_tensors_checkpoint(tiny(), quantized)
+        _compressed_tensors_checkpoint(_wide_tiny(), quantized)
     else:
-        quantized = _auto_round_checkpoint(tiny(), tmp_path, record_tokenizer())
+        quantized = _auto_round_checkpoint(_wide_tiny(), tmp_path, record_tokenizer())
     for directory in (tmp_path / "base", quantized):
         record_tokenizer().save_pretrained(directory)
     config = json.loads((quantized / "config.json").read_text())["quantization_config"]
@@ -408,17 +410,14 @@ def test_the_command_scores_a_checkpoint_saved_quantized_on_cpu(layout, module, 
 @pytest.mark.parametrize("name", ["bitsandbytes:8bit", "bitsandbytes:4bit", "torchao:int8-weight-only", "quanto:int8",
                                   "fp8"])
 def test_a_quantized_candidate_on_cuda_scores_near_its_base(name, tmp_path):
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from transformers_offload.rescoring.quantization import quantization_config
 
     if name == "fp8":  # blocks of 128 x 128 weights: a Llama whose projections hold whole blocks
         if torch.cuda.get_device_capability() < (8, 9):
             pytest.skip("FP8 matrix products need compute capability 8.9 or more")
-        torch.manual_seed(0)
-        base_model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
-                                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                                  bos_token_id=2, eos_token_id=1, pad_token_id=0)).eval()
+        base_model = _wide_tiny()
         base_model.save_pretrained(tmp_path / "model")
         base_model = base_model.to("cuda")
     else:
@@ -437,14 +436,11 @@ def test_a_gptq_checkpoint_on_cuda_scores_near_its_base(tmp_path):
     on words of the tokenizer), saved, and its directory scored as a checkpoint saved quantized is."""
     pytest.importorskip("optimum")
     pytest.importorskip("gptqmodel")
-    from transformers import AutoModelForCausalLM, GPTQConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, GPTQConfig
 
     from ..helpers import record_tokenizer
 
-    torch.manual_seed(0)
-    base_model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
-                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                              bos_token_id=2, eos_token_id=1, pad_token_id=0)).eval()
+    base_model = _wide_tiny()
     base_model.save_pretrained(tmp_path / "model")
     tokenizer = record_tokenizer()
     tokenizer.save_pretrained(tmp_path / "model")

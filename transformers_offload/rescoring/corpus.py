@@ -128,6 +128,7 @@ def score_run(model: Any, texts: str | Sequence[str], out: str | os.PathLike | N
         raise ValueError(f"the tokenizer gives id {int(cut.max())}, outside the model's vocabulary of {vocab}: pass "
                          "the model's own tokenizer.")
     first = context // 2
+    steps = context - 1 - first  # positions first .. context - 2 of each window
     corpus = {"context": context, "bos": bos_token_id, "ids_sha256": digest}
     batches = [range(start, min(start + batch_size, len(cut))) for start in range(0, len(cut), batch_size)]
 
@@ -148,13 +149,13 @@ def score_run(model: Any, texts: str | Sequence[str], out: str | os.PathLike | N
 
     if out is None:
         every = list(range(len(batches)))
-        return scored(None, every), _counts(batches, every, every, context - 1 - first, 0, 1)
+        return scored(None, every), _counts(batches, every, every, steps, 0, 1)
     out = Path(out)
     _refuse_other_windows(out, corpus)
     rank, world_size = process_rank(rank, world_size)
     mine, todo = run_share(out, [[str(w) for w in rows] for rows in batches], rank=rank, world_size=world_size,
                            work=scored)
-    return open_recording(out), _counts(batches, mine, todo, context - 1 - first, rank, world_size)
+    return open_recording(out), _counts(batches, mine, todo, steps, rank, world_size)
 
 
 
