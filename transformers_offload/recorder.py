@@ -91,6 +91,9 @@ class Recorder(Readable, LogitsProcessor):
         RecordingError, BlockingIOError, OSError: with `append`, the recording in `spill_dir` is damaged;
             another process writes it; it cannot be created or written.
         UnsupportedModeError: raised by a `generate()` call it cannot record, before the call runs.
+        RuntimeError: raised by a `generate()` call in a forked child process of the one that created a
+            recorder with `spill_dir`, before the call runs (an in-memory recorder records a child's calls in
+            the child's memory); TypeError: pickling or copying a recorder (a spawned process creates its own).
 
     Warns:
         RecordingMismatchWarning: a call's recording disagrees with what it returned (above).
@@ -140,6 +143,7 @@ class Recorder(Readable, LogitsProcessor):
                 append=options.append,
             )
         self._model = model
+        self._pid = os.getpid()  # the process that opened `spill_dir`: a forked child may not write to it
         name_or_path = getattr(model, "name_or_path", "")
         self.model_name = type(model).__name__ + (f" {name_or_path!r}" if name_or_path else "")
         self.streams = options.streams
@@ -243,11 +247,20 @@ class Recorder(Readable, LogitsProcessor):
                 )
             self._pending_samples = samples
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(_NOT_PICKLED.format(model=type(self._model).__name__))
+
+    def _check_process(self) -> None:
+        """Refuse to write `spill_dir` from any process but the one that opened it (a fork's child)."""
+        if self._spill is not None and os.getpid() != self._pid:
+            raise RuntimeError(_FORKED.format(path=str(self._spill.root), parent=self._pid, child=os.getpid()))
+
     # -- called by the hooks ---------------------------------------------------------------------------
     def check_call(self, *, custom_generate: Any, attention_mask: Any, inputs: Any = None,
                    past_key_values: Any = None) -> None:
         """What `begin_call` refuses, checked without starting anything (before a call whose capture
         begins later, with its loop)."""
+        self._check_process()
         samples = self._pending_samples
         if samples is not None:
             batch = next((int(t.shape[0]) for t in (attention_mask, inputs) if t is not None and t.dim() >= 1), None)
@@ -342,6 +355,7 @@ class Recorder(Readable, LogitsProcessor):
             UnsupportedModeError: the manager batches asynchronously, replays CUDA graphs or compiles its
                 forward, or this recorder records attentions, hidden states or prompt logprobs.
         """
+        self._check_process()
         self._continuous.attach(manager, self._options)
         self._began += 1
 
@@ -390,6 +404,20 @@ class Recorder(Readable, LogitsProcessor):
         )
 
 
+# A forked child (multiprocessing's "fork", `datasets.map(num_proc=N)`, a DataLoader worker) inherits the
+# recorder with its open recording directory and its lock: two processes writing one manifest would replace
+# each other's generations, so the child is refused before its call runs. An in-memory recorder records the
+# child's calls in the child's own memory, readable there (the parent's recorder never sees them).
+_FORKED = ("this Recorder writes to `spill_dir` {path!r}, opened by process {parent}; this is process {child}, "
+           "a fork of it (multiprocessing, `datasets.map(num_proc=N)`, a DataLoader worker). Two processes writing "
+           "one recording would overwrite each other's generations, so nothing was run. Create the Recorder inside "
+           "each worker, each with its own directory, and read them back as one: e.g. in `datasets.map(fn, "
+           "num_proc=N, with_rank=True)`, `Recorder(model, spill_dir=f'runs/x/rank-{{rank}}', append=True)` in `fn`, "
+           "then `open_recording('runs/x')` (docs/integrations.md#processes).")
+_NOT_PICKLED = ("a transformers-offload Recorder of {model} cannot be pickled or copied: it holds the model's hooks, "
+                "its recording and (with `spill_dir`) a directory only its own process may write. To record in other "
+                "processes (multiprocessing's spawn, `datasets.map(num_proc=N)`, DataLoader workers), create a "
+                "Recorder inside each worker, each with its own `spill_dir` (docs/integrations.md#processes).")
 _BUSY = ("this Recorder is already recording a generate() call (in another thread, or one that has not returned): "
          "one Recorder records one call at a time. Give each concurrent call its own Recorder.")
 

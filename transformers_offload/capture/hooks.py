@@ -60,7 +60,9 @@ class ModelHooks:
             f"this {type(model).__name__} has a transformers-offload Recorder attached, whose hooks "
             "cannot be copied or pickled with it: call `rec.close()` (or leave its `with` block) "
             "before `copy.deepcopy(model)` or `torch.save(model, ...)`; `save_pretrained` and "
-            "`state_dict()` work as they are."
+            "`state_dict()` work as they are. To send the model to another process (multiprocessing's "
+            "spawn, `datasets.map(num_proc=N)`), close the Recorder first and create one inside each worker, "
+            "each with its own `spill_dir` (docs/integrations.md#processes)."
         )
 
     # -- attach / detach ---------------------------------------------------------------------------
