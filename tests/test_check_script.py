@@ -1,4 +1,4 @@
-"""scripts/check.sh, CI's test command, with its stages replaced by stand-ins (CHECK_LINT, CHECK_SUITE,
+"""scripts/check.sh, CI's test command, with its stages replaced by stand-ins (CHECK_LINT, CHECK_PACKAGE, CHECK_SUITE,
 CHECK_MATRIX, CHECK_SUPPORT, CHECK_CONFORMANCE): every stage runs even after one fails, the summary lists them all,
 and the exit status says whether any failed."""
 
@@ -12,7 +12,7 @@ import pytest
 
 from .helpers import ROOT
 
-STAGES = ("lint", "suite", "matrix", "support", "conformance")
+STAGES = ("lint", "package", "suite", "matrix", "support", "conformance")
 
 
 def _check(tmp_path: Path, *arguments: str, failing: dict[str, int] | None = None) -> subprocess.CompletedProcess:
@@ -39,39 +39,40 @@ def test_a_failed_stage_does_not_stop_the_others_and_the_summary_lists_every_sta
     assert done.returncode == 1, done.stdout + done.stderr
     assert _ran(tmp_path) == list(STAGES)
     summary = _summary(done.stdout)
-    outcomes = [line.split()[:2] for line in summary[:5]]
+    outcomes = [line.split()[:2] for line in summary[:6]]
     assert outcomes == [[name, "FAILED" if name == stage else "passed"] for name in STAGES]
     assert "FAILED (exit 3)" in summary[STAGES.index(stage)]
-    assert summary[5] == f"check: 1 of 5 stages failed: {stage} (rerun them: bash scripts/check.sh {stage})"
+    assert summary[6] == f"check: 1 of 6 stages failed: {stage} (rerun them: bash scripts/check.sh {stage})"
 
 
 def test_every_failed_stage_is_named(tmp_path):
     done = _check(tmp_path, failing={"suite": 1, "support": 2})
     assert done.returncode == 1 and _ran(tmp_path) == list(STAGES)
     assert _summary(done.stdout)[-1] == (
-        "check: 2 of 5 stages failed: suite support (rerun them: bash scripts/check.sh suite support)")
+        "check: 2 of 6 stages failed: suite support (rerun them: bash scripts/check.sh suite support)")
 
 
 def test_all_stages_passing_exit_zero(tmp_path):
     done = _check(tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert _ran(tmp_path) == list(STAGES)
-    assert _summary(done.stdout)[-1] == "check: all 5 stages passed"
+    assert _summary(done.stdout)[-1] == "check: all 6 stages passed"
 
 
 def test_named_stages_run_alone_and_an_unknown_one_is_refused(tmp_path):
     done = _check(tmp_path, "support", "matrix", failing={"suite": 1})
     assert done.returncode == 0 and _ran(tmp_path) == ["support", "matrix"]
     refused = _check(tmp_path / "none", "tests")
-    assert refused.returncode == 2 and "unknown stage 'tests' (stages: lint suite matrix support conformance)" in refused.stderr
+    assert refused.returncode == 2
+    assert "unknown stage 'tests' (stages: lint package suite matrix support conformance)" in refused.stderr
 
 
 def test_a_stage_that_exits_77_is_reported_skipped_not_passed(tmp_path):
     done = _check(tmp_path, failing={"conformance": 77})
     assert done.returncode == 0, done.stdout + done.stderr
     summary = _summary(done.stdout)
-    assert summary[4].split()[:2] == ["conformance", "skipped"]
-    assert summary[-1] == "check: 4 of 5 stages passed; skipped: conformance"
+    assert summary[5].split()[:2] == ["conformance", "skipped"]
+    assert summary[-1] == "check: 5 of 6 stages passed; skipped: conformance"
 
 
 @pytest.mark.parametrize("ci, status, said", [
