@@ -12,7 +12,7 @@ Hugging Face's tests: the release's source distribution (from the package index,
 tests (`tests/models/FAMILY/`), `utils/test_module` and the root `conftest.py` come from a checkout of the
 transformers repository (`--hf-repo`, at the release's tag or a tree laid out as one, such as
 ../shared/hf-generation-tests/transformers), laid over the source distribution's in a tree built anew for
-the run (.matrix/conformance/tree-<release>). The families run are those of HF_FAMILIES the checkout holds
+the run (.matrix/conformance/tree-<release>). The families run are all those the checkout holds
 (or `--families`). The stand-in corpus (`tests/conformance/standin_generation.py`) calls `generate()` on
 tiny models of 38 families in the modes Hugging Face's `GenerationTesterMixin` exercises.
 
@@ -45,14 +45,11 @@ ROOT = Path(__file__).resolve().parent.parent
 PLUGIN_DIR = ROOT / "tests" / "conformance"
 CACHE = ROOT / ".matrix" / "conformance"
 VERDICTS = ("exact", "different", "refused", "crashed", "unchecked")
-# Hugging Face's families, one of each kind at least (decoder-only, encoder-decoder, vision-language, speech).
-HF_FAMILIES = (
-    "gpt2 llama mistral mixtral qwen2 qwen3 qwen2_moe gemma gemma2 phi phi3 opt bloom falcon gpt_neo gpt_neox "
-    "gptj codegen olmo olmo2 stablelm starcoder2 granite cohere biogpt xglm t5 bart mbart pegasus marian "
-    "blenderbot llava paligemma blip_2 instructblip whisper speech_to_text"
-).split()
-# GenerationTesterMixin's tests and the model tests' own generation tests.
-HF_SELECTION = "generate or greedy or sample or beam or assisted or prompt_lookup or left_padding or past_key_values"
+# GenerationTesterMixin's tests and the model tests' own generation tests; `GenerationTest`: the classes of
+# generation tests that use no mixin (seamless_m4t's SeamlessM4TGenerationTest; most others need the Hub
+# and skip offline).
+HF_SELECTION = ("generate or greedy or sample or beam or assisted or prompt_lookup or left_padding or past_key_values "
+                "or GenerationTest")
 
 
 def _sdist(release: str) -> Path:
@@ -90,7 +87,7 @@ class TreeError(SystemExit):
 def _hf_tests(release: str, repo: Path | None, families: list[str] | None = None) -> tuple[Path, list[str]]:
     """A folder laid out as transformers' repository, built anew for this run: the release's source
     distribution (`tests/*_common.py`, the release's own) with the checkout's other parts laid over it;
-    and the model test files of `families` (default: each of HF_FAMILIES the checkout holds)."""
+    and the model test files of `families` (default: every family the checkout holds)."""
     if repo is None:
         raise TreeError(f"transformers {release}'s source distribution holds only tests/*_common.py, not "
                         "tests/generation/ nor tests/models/: pass --hf-repo with a checkout of the transformers "
@@ -103,12 +100,12 @@ def _hf_tests(release: str, repo: Path | None, families: list[str] | None = None
                         "registers their markers)")
     present = {path.parent.name for path in (repo / "tests" / "models").glob("*/test_modeling_*.py")
                if path.name == f"test_modeling_{path.parent.name}.py"}
-    wanted = families if families is not None else [family for family in HF_FAMILIES if family in present]
+    wanted = families if families is not None else sorted(present)
     absent = [family for family in wanted if family not in present]
     if absent:
         raise TreeError(f"{repo} has no model tests for {', '.join(absent)} (tests/models/FAMILY/test_modeling_FAMILY.py)")
     if not wanted:
-        raise TreeError(f"{repo} holds the model tests of none of the families this script knows ({' '.join(HF_FAMILIES)})")
+        raise TreeError(f"{repo} holds no model tests (tests/models/FAMILY/test_modeling_FAMILY.py)")
     sdist = _sdist(release)
     tree = CACHE / f"tree-{release}"
     if tree.exists():
@@ -146,7 +143,7 @@ def _pytest(cwd: Path, files: list[str], out: Path, *, workers: int, selection: 
     out.mkdir(parents=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(PLUGIN_DIR), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "pytest", "-p", "offload_conformance", "--conformance-out", str(out),
+    command = [sys.executable, "-m", "pytest", "-p", "offload_conformance", "--conformance-out", str(out), "--durations=30",
                "-q", "-p", "no:cacheprovider", "-p", "no:logging", "-W", "ignore", "--rootdir", str(cwd), *files]
     if cwd == PLUGIN_DIR:
         command += ["-c", os.devnull]  # not the project's pytest settings: the corpus is not its suite
@@ -208,18 +205,29 @@ def _family_of(call: dict) -> str:
 
 
 def table(calls: list[dict], tests: list[dict], baseline: list[dict] | None) -> tuple[str, dict]:
+    """The per-family table and the run's summary. Besides each verdict's count: the calls that used prompt
+    lookup, and the tests that ran (passed or failed) without making a single generate() call, listed per
+    family in the summary: a test counted as passed that checked nothing of ours is visible there."""
     per_family: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for call in calls:
         per_family[_family_of(call)][call["verdict"]] += 1
+        per_family[_family_of(call)]["prompt lookup"] += bool(call.get("prompt_lookup"))
+    called = {call.get("test") for call in calls}
+    no_call: dict[str, list[str]] = collections.defaultdict(list)
+    for test in sorted({t["test"] for t in tests if t["when"] == "call" and t["outcome"] in ("passed", "failed")}):
+        if test not in called:
+            family = _family_of({"test": test, "family": "?"})
+            no_call[family].append(test.split("::")[-1])
+            per_family[family]["no call"] += 1
     failed = {t["test"] for t in tests if t["outcome"] == "failed"}
     failed_before = None if baseline is None else {t["test"] for t in baseline if t["outcome"] == "failed"}
     only_with_plugin = sorted(failed - failed_before) if failed_before is not None else None
     for test in only_with_plugin or ():
         per_family[_family_of({"test": test, "family": "?"})]["only with the Recorder"] += 1
-    columns = (*VERDICTS, "raises", "only with the Recorder")
+    columns = (*VERDICTS, "raises", "prompt lookup", "no call", "only with the Recorder")
     lines = ["| family | calls | exact | different | refused | crashed | unchecked | raises without the Recorder too "
-             "| tests failing only with the Recorder |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| of them prompt lookup | tests that made no call | tests failing only with the Recorder |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     totals = collections.Counter()
     for family in sorted(per_family):
         counts = per_family[family]
@@ -230,7 +238,9 @@ def table(calls: list[dict], tests: list[dict], baseline: list[dict] | None) -> 
     lines.append(f"| **all {len(per_family)} families** | {sum(totals[v] for v in (*VERDICTS, 'raises'))} | " + " | ".join(
         str(totals[v]) if v != "only with the Recorder" or baseline is not None else "-" for v in columns) + " |")
     summary = {"families": len(per_family), "totals": {v: totals[v] for v in (*VERDICTS, "raises") if totals[v]},
+               "prompt_lookup_calls": totals["prompt lookup"],
                "tests": len({t["test"] for t in tests}), "tests_failed": sorted(failed),
+               "tests_without_a_call": dict(sorted(no_call.items())),
                "tests_failing_without_the_plugin_too": None if failed_before is None else sorted(failed_before),
                "tests_failing_only_with_the_plugin": only_with_plugin}
     return "\n".join(lines), summary
@@ -255,7 +265,7 @@ def main() -> int:
     parser.add_argument("--corpus", choices=("hf", "standin"), default="hf")
     parser.add_argument("--hf-repo", type=Path, help="a checkout of the transformers repository at the release's tag")
     parser.add_argument("--families", nargs="+", metavar="FAMILY",
-                        help="Hugging Face's model families to run (default: each of the list the checkout holds)")
+                        help="Hugging Face's model families to run (default: every family the checkout holds)")
     parser.add_argument("-n", "--workers", type=int, default=2, help="pytest-xdist workers (default 2)")
     parser.add_argument("-k", dest="selection", help="run only the tests pytest's -k selects")
     parser.add_argument("--baseline", action="store_true", help="also run without the plugin, to compare test outcomes")
