@@ -15,6 +15,7 @@ from .capture import continuous as _continuous
 from .capture import continuous_requests as _requests
 from .capture import hooks as _hooks
 from .capture import layers as _layers
+from .capture import peft as _peft
 from .capture import prompt_logprobs as _prompt_logprobs
 from .capture.capture import Capture
 from .capture.loop_check import RecordingMismatch
@@ -46,9 +47,11 @@ class Recorder(Readable, LogitsProcessor):
     a disagreement marks the generation incomplete and warns `RecordingMismatchWarning`.
 
     Args:
-        model (`transformers.GenerationMixin`): the model whose `generate()` calls are recorded. The
-            recorder wraps a few of this instance's generation methods (never the class) until
-            `close()`.
+        model (`transformers.GenerationMixin` or `peft.PeftModel`): the model whose `generate()` calls are
+            recorded. The recorder wraps a few of this instance's generation methods (never the class)
+            until `close()`. A PEFT model's (LoRA...) are those of the transformers model inside it
+            (`get_base_model()`), which its `generate()` calls; each generation's `adapters` names the
+            adapters in use.
         streams (`tuple[str, ...]`, *optional*, defaults to `("logits", "scores")`): what to record besides
             the tokens and the finished mask: `"logits"`, `"scores"` (`(rows, vocab_size)` per step),
             `"attentions"` (eager attention), `"hidden_states"` (as `output_attentions` /
@@ -125,6 +128,7 @@ class Recorder(Readable, LogitsProcessor):
         encoding_seed: int = 0,
         every_call: bool = False,
     ) -> None:
+        model, self._peft_model = _peft.unwrap(model)  # a PEFT model's generate() reaches the model inside
         options = RecorderOptions.check(
             model, streams=streams, layers=layers, heads=heads, newest_position_only=newest_position_only,
             ring_slots=ring_slots, spill_dir=spill_dir, shard_bytes=shard_bytes, encodings=encodings, append=append,
@@ -314,6 +318,7 @@ class Recorder(Readable, LogitsProcessor):
                 vocab_size=model_info(self._model)["vocab_size"],
                 model_dtype=getattr(self._model, "dtype", torch.float32),
                 encoding_generators=self._encoding_generators,
+                adapters=_peft.adapters(self._peft_model),
             )
             return self._active
 

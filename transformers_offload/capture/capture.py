@@ -49,10 +49,13 @@ class Capture:
                  samples: dict[str, Any] | None = None, threaded: bool = False, on_cpu: bool = False,
                  vocab_size: int | None = None,
                  model_dtype: torch.dtype = torch.float32,
-                 encoding_generators: dict[torch.device, torch.Generator] | None = None) -> None:
+                 encoding_generators: dict[torch.device, torch.Generator] | None = None,
+                 adapters: dict[str, Any] | None = None) -> None:
         """`options`: the recorder's; `index`: the generation's in its recording; `open_store`: opens its
         store; `threaded`: drain the ring in a thread of its own (a CUDA model); `on_cpu`: a CPU model;
-        `encoding_generators`: the recorder's generators of the `"sample:N@T"` draws, per device."""
+        `encoding_generators`: the recorder's generators of the `"sample:N@T"` draws, per device;
+        `adapters`: a PEFT model's adapters in use (`capture.peft.adapters`), for the header."""
+        self.adapters = adapters
         self.streams = options.streams
         self.encodings = dict(options.encodings)  # logits/scores not recorded dense (`encodings`)
         self._encoding = {"model_dtype": model_dtype, "seed": options.encoding_seed,
@@ -190,6 +193,7 @@ class Capture:
             sample_ids=self.samples.get("sample_ids"),
             sample_metadata=self.samples.get("sample_metadata"),
             loop=self.loop,
+            adapters=self.adapters,
             # `layers` is set at the first forward, when attentions or hidden states are recorded.
         )
 

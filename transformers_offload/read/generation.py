@@ -84,6 +84,9 @@ class Generation(LayerReading, EncodedReading, BeamReading):
             `segment`, `attempt`, `batch_rows`, `kept_rows` (docs/recording.md, "Several loops in one call").
         nested_calls (`int`): unrecorded `generate()` calls of the recorded model's children made during
             this generation's call (Moshi's depth decoder, once per step); 0 for a stock `generate()`.
+        adapters (`dict | None`): for a PEFT model (`Recorder(peft_model)`), the adapters in use at the call:
+            `active` (their names), `merged` (those merged into the base weights), `disabled` (inside
+            `disable_adapter()`); None for a model without adapters.
     """
 
     index: int
@@ -107,6 +110,7 @@ class Generation(LayerReading, EncodedReading, BeamReading):
     sample_metadata: tuple[dict[str, Any], ...] | None = field(default=None, repr=False)
     loop: dict[str, Any] | None = field(default=None, repr=False)
     nested_calls: int = field(default=0, repr=False)
+    adapters: dict[str, Any] | None = field(default=None, repr=False)
 
     @property
     def sequences(self) -> torch.Tensor | None:
@@ -373,7 +377,7 @@ def generation_of(stored: StoredGeneration) -> Generation:
         pad_token_id=header.pad_token_id, eos_token_id=header.eos_token_id, generation_config=header.generation_config,
         transfer=stored.transfer, layers=header.layers, _source=stored.source, encodings=read_encodings(header.encodings),
         sample_ids=header.sample_ids, sample_metadata=header.sample_metadata, loop=header.loop,
-        nested_calls=header.nested_calls,
+        nested_calls=header.nested_calls, adapters=header.adapters,
     )
 
 

@@ -30,6 +30,7 @@ class GenerationHeader:
             (`Recorder.set_samples`).
         loop (`dict | None`): for a call that ran the decoding loop several times (Whisper), which loop.
         nested_calls (`int`): unrecorded `generate()` calls of the model's children during the loop.
+        adapters (`dict | None`): for a PEFT model, the adapters in use (`active`, `merged`, `disabled`).
     """
 
     index: int
@@ -47,6 +48,7 @@ class GenerationHeader:
     sample_metadata: tuple[dict[str, Any], ...] | None = None
     loop: dict[str, Any] | None = None
     nested_calls: int = 0
+    adapters: dict[str, Any] | None = None
 
     @classmethod
     def from_manifest(cls, entry: dict[str, Any]) -> GenerationHeader:
@@ -68,6 +70,7 @@ class GenerationHeader:
             sample_metadata=None if entry.get("sample_metadata") is None else tuple(entry["sample_metadata"]),
             loop=entry.get("loop"),
             nested_calls=entry.get("nested_calls", 0),
+            adapters=entry.get("adapters"),
         )
 
 

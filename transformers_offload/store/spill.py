@@ -116,6 +116,8 @@ class Spill:
             "shards": [],
             "sequences": None,
         }
+        if header.adapters is not None:  # a PEFT model's: others read the same without it
+            entry["adapters"] = header.adapters
         if header.sample_ids is not None:  # only when given: a recording without them reads the same
             entry["sample_ids"] = list(header.sample_ids)
             entry["sample_metadata"] = None if header.sample_metadata is None else list(header.sample_metadata)
