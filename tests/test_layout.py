@@ -150,10 +150,11 @@ TESTS = PACKAGE.parent / "tests"
 
 
 def test_the_tests_mirror_the_package_and_import_no_test_module():
-    # tests/<folder>/ for each folder of the package they test; a test module imports the shared `helpers`
-    # (and its fixtures come from `conftest`), never another test module.
+    # tests/<folder>/ for each folder of the package they test (and `integrations`, the libraries users call
+    # generate() from); a test module imports the shared `helpers` (and its fixtures come from `conftest`),
+    # never another test module.
     folders = {path.name for path in TESTS.iterdir() if (path / "__init__.py").exists()
-               and path.name not in ("conformance", "golden", "scripts")}
+               and path.name not in ("conformance", "golden", "scripts", "integrations")}
     package = {path.name for path in PACKAGE.iterdir() if (path / "__init__.py").exists()}
     assert folders and folders <= package, f"test folders the package does not have: {sorted(folders - package)}"
     wrong = []
