@@ -286,3 +286,26 @@ def test_a_generation_stopped_before_its_first_step_exports_as_no_rows(tmp_path)
     assert set(table.column("generation").to_pylist()) == {0} and table.num_rows == 2
     assert run.logprobs(1) == []  # no row was recorded
     assert "<html" in pytest.importorskip("transformers_offload.answers.viewer").render(run)[:200].lower()
+
+
+def test_export_writes_the_format_its_file_name_asks_for_and_refuses_others(gpt2, tmp_path, capsys):
+    import pyarrow.csv as pcsv
+
+    _two_calls(gpt2, tmp_path / "run")
+    for name in ("t.parquet", "t.csv", "t.jsonl"):
+        assert main(["export", str(tmp_path / "run"), str(tmp_path / name)]) == 0
+    table = pq.read_table(tmp_path / "t.parquet")
+    assert (tmp_path / "t.parquet").read_bytes()[:4] == b"PAR1"
+    rows = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert rows == table.to_pylist()
+    csv = pcsv.read_csv(tmp_path / "t.csv", convert_options=pcsv.ConvertOptions(
+        column_types=table.schema, strings_can_be_null=True))  # CSV writes a missing value as an empty cell
+    assert csv.column_names == table.column_names
+    for name in table.column_names:  # read back as the table's types: every value as written (float32 round trips)
+        assert csv.column(name).to_pylist() == table.column(name).to_pylist(), name
+    for name, said in (("t.txt", "name the file .parquet (Parquet), .csv (CSV) or .jsonl"),
+                       ("t", "from its extension '(none)'")):
+        assert main(["export", str(tmp_path / "run"), str(tmp_path / name)]) == 1
+        assert said in capsys.readouterr().err and not (tmp_path / name).exists()
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "top.csv"), "--top", "2"]) == 1
+    assert "hold lists: write it as" in capsys.readouterr().err and not (tmp_path / "top.csv").exists()

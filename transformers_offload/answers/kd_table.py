@@ -50,6 +50,7 @@ from ..codecs.spec import topk_bits, topk_width
 from ..read.logprobs import token_positions
 from ..read.samples import sample_ids
 from .table import _pyarrow, output_path, select_generations, write_batches
+from .table_files import table_format
 
 DEFAULT_TOP = 20
 
@@ -292,6 +293,7 @@ def write_kd_parquet(source: Any, path: str | os.PathLike, *, generations: Seque
         {'rows': 512, 'bytes': 90211}
     """
     _pyarrow()
-    target = output_path(source, path, "Parquet file")
+    target = output_path(source, path, "table")
+    table_format(target)  # an unknown extension is refused before any work
     table_schema, batches = kd_batches(source, generations=generations, top=top, prompt=prompt, chunk_steps=chunk_steps)
     return write_batches(target, table_schema, batches)

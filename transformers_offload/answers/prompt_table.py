@@ -28,6 +28,7 @@ from typing import Any, Iterator, Sequence
 
 from ..read.samples import sample_ids
 from .table import _pyarrow, output_path, select_generations, write_batches
+from .table_files import table_format
 
 
 def prompt_schema(*, top: bool, text: bool, sample_type: Any, metadata: bool) -> Any:
@@ -134,6 +135,7 @@ def write_prompt_parquet(source: Any, path: str | os.PathLike, *, generations: S
     renamed). Returns `rows` and `bytes`; raises as `prompt_batches`, and `OSError` when the file
     cannot be written."""
     _pyarrow()
-    target = output_path(source, path, "Parquet file")
+    target = output_path(source, path, "table")
+    table_format(target)  # an unknown extension is refused before any work
     table_schema, batches = prompt_batches(source, generations=generations, tokenizer=tokenizer)
     return write_batches(target, table_schema, batches)

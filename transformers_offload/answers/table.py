@@ -38,7 +38,7 @@ from typing import Any, Iterator, Sequence
 
 from ..read.logprobs import KINDS, token_chunks
 from ..read.samples import sample_ids
-from ..store.files import write_atomically
+from .table_files import table_format, write_table
 
 KINDS_ORDER = tuple(KINDS)
 
@@ -234,9 +234,10 @@ def to_pandas(source: Any, **options: Any) -> Any:
 
 def write_parquet(source: Any, path: str | os.PathLike, *, generations: Sequence[int] | None = None, top: int = 0,
                   tokenizer: Any = None, chunk_steps: int = 16) -> dict[str, int]:
-    """Write the per-token table to a Parquet file, a chunk of steps at a time (memory bounded by a chunk).
+    """Write the per-token table to a file, a chunk of steps at a time (memory bounded by a chunk), in the
+    format its extension names: `.parquet`, `.csv` (no `top`: its columns hold lists) or `.jsonl`.
 
-    The file appears whole or not at all: it is written beside `path` and renamed into place. It loads
+    The file appears whole or not at all: it is written beside `path` and renamed into place. A Parquet file loads
     with `pyarrow.parquet.read_table`, `pandas.read_parquet` or Hugging Face `datasets`
     (`Dataset.from_parquet(path)`).
 
@@ -244,28 +245,18 @@ def write_parquet(source: Any, path: str | os.PathLike, *, generations: Sequence
         `dict`: `rows` (tokens written) and `bytes` (the file's size).
 
     Raises:
-        as `record_batches`; `OSError` when the file cannot be written (nothing is left behind).
+        as `record_batches`; `ValueError` for another extension (or CSV with `top`), before any work;
+        `OSError` when the file cannot be written (nothing is left behind).
     """
     _pyarrow()
-    target = output_path(source, path, "Parquet file")
+    target = output_path(source, path, "table")
+    table_format(target)  # an unknown extension is refused before any work
     table_schema, batches = record_batches(source, generations=generations, top=top, tokenizer=tokenizer,
                                            chunk_steps=chunk_steps)
     return write_batches(target, table_schema, batches)
 
 
 def write_batches(target: Path, table_schema: Any, batches: Iterator[Any]) -> dict[str, int]:
-    """Write record batches to the Parquet file `target` as they come, whole or not at all (beside it,
-    then renamed). Returns `rows` and `bytes`."""
-    import pyarrow.parquet as pq
-
-    rows = 0
-
-    def write(temporary: Path) -> None:
-        nonlocal rows
-        with pq.ParquetWriter(temporary, table_schema) as writer:
-            for batch in batches:
-                writer.write_batch(batch)
-                rows += batch.num_rows
-
-    record = write_atomically(target, write)
-    return {"rows": rows, "bytes": record["bytes"]}
+    """Write record batches to `target` as they come, in the format its extension names (Parquet, CSV,
+    JSON Lines: `table_files`), whole or not at all. Returns `rows` and `bytes`."""
+    return write_table(target, table_schema, batches)

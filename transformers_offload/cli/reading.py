@@ -38,13 +38,14 @@ def add(commands: Any) -> None:
     )
     export = commands.add_parser(
         "export", parents=[recording, chosen, tokens],
-        help="write the per-token table (one row per generated token) to a Parquet file",
+        help="write the per-token table (one row per generated token) to a Parquet, CSV or JSON Lines file",
         description="Write one row per generated token of each returned sequence: generation, sample, "
         "prompt, sequence, step, token, logprob/rank/entropy under the raw logits and the processed scores "
-        "(and the top alternatives with --top), a chunk of steps at a time. Loads with pandas.read_parquet "
+        "(and the top alternatives with --top), a chunk of steps at a time. A .parquet file loads with pandas.read_parquet "
         "or datasets.Dataset.from_parquet.",
     )
-    export.add_argument("out", help="the Parquet file to write (replaced whole, or left untouched on error)")
+    export.add_argument("out", help="the file to write, its format by its extension: .parquet, .csv (not with --top "
+                        "or --kd: their columns hold lists) or .jsonl (replaced whole, or left untouched on error)")
     export.add_argument("--top", type=int, default=None, help="alternatives per token (0)")
     export.add_argument("--chunk-steps", type=int, default=16, help="steps read at once (16)")
     export.add_argument("--prompt", action="store_true",
