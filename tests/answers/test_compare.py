@@ -397,6 +397,7 @@ def test_compare_on_the_command_line(tmp_path, capsys):
     assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--html", str(tmp_path / "cmp.html")]) == 0
     out = capsys.readouterr().out
     assert "====== KL divergence statistics, KL(a||b) ======" in out and (tmp_path / "cmp.html").stat().st_size > 1000
+    assert out.rstrip().endswith(f"wrote {tmp_path / 'cmp.html'}")
     _record(model, MODES["greedy"], spill_dir=tmp_path / "c", steps=4)
     assert main(["compare", str(tmp_path / "a"), str(tmp_path / "c")]) == 2
     assert "differ in steps" in capsys.readouterr().err

@@ -234,3 +234,24 @@ def test_an_unknown_model_name_says_what_model_takes(tmp_path, monkeypatch, caps
     with pytest.raises(ValueError, match=r"`--model` must be a local directory .* or the demo model's name \(smollm2"):
         cli.options.model_directory("gpt5")
     assert "smollm2" in cli.options.MODEL_HELP
+
+
+def test_every_option_of_every_command_has_help_that_shows_its_default():
+    import argparse
+
+    commands = importlib.import_module("transformers_offload.cli.main").COMMANDS
+    parser = argparse.ArgumentParser()
+    subparsers = parser.add_subparsers()
+    for family in commands:
+        family.add(subparsers)
+    missing, checked = [], 0
+    for name, command in subparsers.choices.items():
+        for action in command._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            checked += 1
+            default = action.default
+            shown = default in (None, False, "") or str(default) in (action.help or "")
+            if not action.help or not shown:
+                missing.append(f"{name} {'/'.join(action.option_strings) or action.dest} (default {default!r})")
+    assert checked > 60 and not missing, missing

@@ -277,3 +277,46 @@ def test_a_resume_over_damaged_shards_is_refused_before_it_records(tmp_path):
     with pytest.raises(RecordingError, match="damaged.*verify"):
         record(model, tokenizer, prompts, tmp_path / "run", batch_size=3, progress=False, max_new_tokens=3)
     assert (tmp_path / "run" / "manifest.json").read_text() == before
+
+
+def test_record_and_score_check_their_inputs_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    import transformers
+
+    model_dir, bare = tmp_path / "model", tmp_path / "bare"
+    record_model().save_pretrained(model_dir)
+    record_tokenizer().save_pretrained(model_dir)
+    record_model().save_pretrained(bare)  # weights, no tokenizer
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 3)
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "short.txt").write_text("w3 w4 w5")
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded before the inputs were checked")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", loaded)
+    cases = [
+        (["record", "--model", str(model_dir), "--prompts", str(tmp_path / "missing.jsonl")], 1, "missing.jsonl"),
+        (["record", "--model", str(bare), "--prompts", str(prompts)], 2, "holds no tokenizer"),
+        (["score", "--model", str(bare), "--text", str(tmp_path / "short.txt")], 2, "pass `--tokenizer DIR`"),
+        (["score", "--model", str(model_dir), "--text", str(tmp_path / "empty.txt")], 2, "holds no tokens"),
+        (["score", "--model", str(model_dir), "--text", str(tmp_path / "short.txt"), "--context", "8"], 2,
+         "holds 3 tokens, fewer than one window of `--context` 8"),
+    ]
+    for argv, status, said in cases:
+        assert main([*argv, "--out", str(tmp_path / "out")]) == status, argv
+        assert said in capsys.readouterr().err, argv
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_resume_command_of_the_console_script_is_short(tmp_path, monkeypatch):
+    from transformers_offload.cli import options
+
+    script = tmp_path / "bin" / "transformers-offload"
+    script.parent.mkdir()
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    monkeypatch.setattr(sys, "argv", [str(script), "record", "--out", "my run"])
+    monkeypatch.setenv("PATH", f"{script.parent}{os.pathsep}{os.environ['PATH']}")
+    assert options.command_line(None) == "transformers-offload record --out 'my run'"
+    monkeypatch.setenv("PATH", str(tmp_path / "elsewhere"))  # not on PATH: the path it was run by
+    assert options.command_line(None) == f"{script} record --out 'my run'"

@@ -531,7 +531,7 @@ def test_inspect_prints_the_summary(recording):
     assert "format 1" in text and "transformers x" in text and "torch y" in text
     assert "MadeUpForCausalLM 'made-up' (MadeUpConfig), vocabulary 4" in text
     assert "generation 0: sample, complete" in text
-    assert f"{STEPS} steps x {ROWS} rows" in text and "3 shard(s)" in text
+    assert f"{STEPS} steps of {ROWS} rows each" in text and "3 shards" in text
     assert "logits        float32   dense     (5, 16)" in text
     assert "2.8 KiB" in text  # 9 steps x 5 rows x 16 x 4 bytes
     assert "prompt lengths (tokens, without padding): [2, 2, 2, 2, 2]" in text
@@ -655,3 +655,12 @@ def test_a_damaged_layers_recording_gives_a_typed_error_naming_the_file(tmp_path
         if on_read:
             run.attentions(), run.hidden_states(), run.encoder_hidden_states()
     assert raised.value.path.name == culprit
+
+
+def test_inspect_counts_read_as_english():
+    from transformers_offload.cli.summary import _count, _steps_and_rows
+
+    assert [_count(n, "shard") for n in (0, 1, 2)] == ["0 shards", "1 shard", "2 shards"]
+    assert _steps_and_rows(1, 1) == "1 step of 1 row each"
+    assert _steps_and_rows(16, 3) == "16 steps of 3 rows each"
+    assert _steps_and_rows(0, 0) == "no step recorded (stopped before its first step)"

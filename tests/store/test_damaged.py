@@ -264,3 +264,12 @@ def test_a_rank_directory_with_damaged_shards(pristine, ranks, capsys):
         with pytest.raises(RecordingError) as caught:
             recording.logits(generation)
         _assert_names_file_and_verify(caught.value, damaged[generation], damaged[generation].parent)
+
+
+def test_exporting_a_recording_with_a_damaged_shard_names_generations_and_the_intact_ones_export(run, tmp_path, capsys):
+    _delete(_shard(run, 1, 2))
+    assert cli(["export", str(run), str(tmp_path / "all.parquet")]) == 1
+    err = capsys.readouterr().err
+    assert "g0001-s00002.safetensors" in err and "name them with `--generations`" in err
+    assert not (tmp_path / "all.parquet").exists()
+    assert cli(["export", str(run), str(tmp_path / "intact.parquet"), "--generations", "0"]) == 0

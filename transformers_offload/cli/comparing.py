@@ -28,7 +28,8 @@ def add(commands: Any) -> None:
     compare.add_argument("a", help="the reference recording directory")
     compare.add_argument("b", nargs="+", help="the recording to compare with it (e.g. its rescore); several: each is "
                          "compared with A, and a table gives one line per candidate after their summaries")
-    compare.add_argument("--stream", choices=("logits", "scores"), default="logits")
+    compare.add_argument("--stream", choices=("logits", "scores"), default="logits",
+                         help="compare the raw logits or the processed scores (logits)")
     compare.add_argument("--chunk-steps", type=int, default=16, help="steps read at once (16)")
     compare.add_argument("--html", help="also write the compare page (one self-contained HTML file) here")
     compare.add_argument("--tokenizer", help="a local tokenizer directory or the demo model's name (smollm2), to show "
@@ -52,7 +53,9 @@ def run(arguments: argparse.Namespace, command_line: str) -> tuple[Any, str]:
 
         write_html(results[0], arguments.html, tokenizer=options.tokenizer(arguments.tokenizer))
     if len(results) == 1:
-        return {**results[0].summary(), "samples": results[0].samples()}, results[0].summary_text()
+        wrote = {"wrote": arguments.html} if arguments.html else {}
+        text = results[0].summary_text() + (f"\nwrote {arguments.html}" if arguments.html else "")
+        return {**results[0].summary(), "samples": results[0].samples(), **wrote}, text
     summaries = [{"candidate": candidate, **result.summary(), "samples": result.samples()}
                  for candidate, result in zip(arguments.b, results)]
     texts = [f"=== {candidate} against {arguments.a} ===\n{result.summary_text()}"

@@ -29,19 +29,19 @@ def add(commands: Any) -> None:
     record.add_argument("--tokenizer", help="a local tokenizer directory or the demo model's name (smollm2) (default: --model)")
     record.add_argument("--prompts", required=True, help="a .jsonl/.parquet file or a saved dataset's directory")
     record.add_argument("--out", required=True, help="the recording directory (created, or resumed)")
-    record.add_argument("--batch-size", type=int, default=8)
-    record.add_argument("--text-column")
-    record.add_argument("--messages-column")
+    record.add_argument("--batch-size", type=int, default=8, help="prompts per generate() call (8)")
+    record.add_argument("--text-column", help="the column of prompt texts (default: text)")
+    record.add_argument("--messages-column", help="the column of chats (lists of role/content messages), used where "
+                        "there is no text column (default: messages)")
     record.add_argument("--id-column", help="the column of sample ids (default: `id` where there is one, else line numbers)")
     record.add_argument("--chat", action="store_true", help="wrap text prompts in the chat template")
-    record.add_argument("--max-new-tokens", type=int, default=64)
-    record.add_argument("--do-sample", action="store_true")
-    for name in ("--temperature", "--top-p", "--repetition-penalty"):
-        record.add_argument(name, type=float)
-    for name in ("--top-k", "--num-beams", "--num-return-sequences"):
-        record.add_argument(name, type=int)
-    record.add_argument("--seed", type=int, default=0, help="seed + the batch's first prompt position, per call")
-    record.add_argument("--streams", default="logits,scores", help="what to record, e.g. scores,stats")
+    record.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt at most (64)")
+    record.add_argument("--do-sample", action="store_true", help="sample (default: greedy, or beam search with --num-beams)")
+    for name in ("--temperature", "--top-p", "--repetition-penalty", "--top-k", "--num-beams", "--num-return-sequences"):
+        record.add_argument(name, type=float if name in ("--temperature", "--top-p", "--repetition-penalty") else int,
+                            help=f"generate()'s `{name[2:].replace('-', '_')}` (default: the model's generation config)")
+    record.add_argument("--seed", type=int, default=0, help="seed + the batch's first prompt position, per call (0)")
+    record.add_argument("--streams", default="logits,scores", help="what to record, e.g. scores,stats (logits,scores)")
     record.add_argument("--encodings", default="", help="e.g. scores=sparse,logits=topk:20")
     record.add_argument("--prompt-logprobs", type=int, nargs="?", const=0, default=None, metavar="K",
                         help="also score each prompt's own tokens (with K: the top-K alternatives too)")
@@ -60,9 +60,10 @@ def add(commands: Any) -> None:
     rescore.add_argument("--model", required=True, help=options.MODEL_HELP)
     rescore.add_argument("--out", required=True, help="the rescored recording's directory (created, or resumed)")
     _loading_options(rescore)
-    rescore.add_argument("--mode", choices=("decode", "forward"), default="decode")
+    rescore.add_argument("--mode", choices=("decode", "forward"), default="decode",
+                         help="decode: step by step as generate() ran; forward: chunked forwards (decode)")
     rescore.add_argument("--chunk-size", type=int, default=512, help="forward mode: positions per forward (512)")
-    rescore.add_argument("--streams", default="logits", help="what to record, e.g. logits,stats")
+    rescore.add_argument("--streams", default="logits", help="what to record, e.g. logits,stats (logits)")
     rescore.add_argument("--encodings", default="", help="e.g. logits=topk:20")
 
 
@@ -124,23 +125,22 @@ def interrupted(arguments: argparse.Namespace, command_line: str) -> str:
 
 
 def _record(arguments: argparse.Namespace) -> dict[str, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    from ..jobs.record import record
+    from ..jobs.record import read_prompts, record
 
     encodings = options.encodings(arguments.encodings)
+    # The prompts and the tokenizer are checked before the model loads (which takes the longest).
+    read_prompts(arguments.prompts, text_column=arguments.text_column, messages_column=arguments.messages_column,
+                 id_column=arguments.id_column)
     settings = {name: getattr(arguments, name) for name in ("temperature", "top_p", "repetition_penalty", "top_k",
                                                               "num_beams", "num_return_sequences")
                 if getattr(arguments, name) is not None}
     arguments.model = options.model_directory(arguments.model)
-    if arguments.tokenizer is not None:
-        from .. import demo_model
-
-        arguments.tokenizer = demo_model.resolve(arguments.tokenizer, what="`--tokenizer`")
+    tokenizer = options.job_tokenizer(arguments.tokenizer, arguments.model)
     if arguments.no_progress:
         options.disable_progress_bars()
     model = AutoModelForCausalLM.from_pretrained(arguments.model, local_files_only=True).to(options.device(arguments.device))
-    tokenizer = AutoTokenizer.from_pretrained(arguments.tokenizer or arguments.model, local_files_only=True)
     return record(
         model.eval(), tokenizer, arguments.prompts, arguments.out, batch_size=arguments.batch_size,
         text_column=arguments.text_column, messages_column=arguments.messages_column,
@@ -188,7 +188,6 @@ def _load_candidate(arguments: argparse.Namespace) -> Any:
 def _score(arguments: argparse.Namespace) -> dict[str, Any]:
     import time
 
-    from .. import demo_model
     from ..jobs.record import read_prompts
     from ..rescoring.corpus import score_run
 
@@ -206,7 +205,13 @@ def _score(arguments: argparse.Namespace) -> dict[str, Any]:
         if not all(isinstance(text, str) for text in texts):
             raise options.UsageError(f"`--text-column` {arguments.text_column!r} of {arguments.dataset!r} must hold text")
     arguments.model = options.model_directory(arguments.model)
-    tokenizer = demo_model.load_tokenizer(arguments.tokenizer or arguments.model, what="`--tokenizer`")
+    tokenizer = options.job_tokenizer(arguments.tokenizer, arguments.model)
+    # The corpus must fill one window before the model loads (score_run cuts the windows again, as it must).
+    tokens = sum(len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in texts)
+    if tokens < arguments.context:
+        raise options.UsageError("the corpus holds no tokens (its texts are empty): pass a text to score" if not tokens
+                                 else f"the corpus holds {tokens} tokens, fewer than one window of `--context` "
+                                 f"{arguments.context}: pass a longer text or a smaller `--context`")
     if arguments.no_progress:
         options.disable_progress_bars()
     model = _load_candidate(arguments)

@@ -35,10 +35,10 @@ def parent(*options: str) -> argparse.ArgumentParser:
         elif option == "tokenizer":
             shared.add_argument("--tokenizer", help=TOKENIZER_HELP)
         elif option == "device":
-            shared.add_argument("--device", default="auto", help="where the model runs (default: under torchrun "
+            shared.add_argument("--device", default="auto", help="where the model runs (auto: under torchrun "
                                 "the rank's own GPU, cuda:LOCAL_RANK, when there is one; else cuda, else cpu)")
         elif option == "no-progress":
-            shared.add_argument("--no-progress", action="store_true")
+            shared.add_argument("--no-progress", action="store_true", help="no progress bars (for logs)")
         else:  # pragma: no cover - a typo in this package
             raise KeyError(option)
     return shared
@@ -79,6 +79,26 @@ def model_directory(model: str) -> str:
     return demo_model.resolve(model, what="`--model`")
 
 
+# Files one of which a tokenizer directory saved by `save_pretrained` holds.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+def job_tokenizer(tokenizer: str | None, model: str) -> Any:
+    """The tokenizer of a job (`record`, `score`): `--tokenizer`, else the `--model` directory's, loaded before the
+    model. A directory without one is refused naming `--tokenizer` (transformers' own error does not)."""
+    from pathlib import Path
+
+    from .. import demo_model
+
+    directory = Path(demo_model.resolve(tokenizer or model, what="`--tokenizer`" if tokenizer else "`--model`"))
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        where = "`--tokenizer`" if tokenizer else "the `--model` directory"
+        raise UsageError(f"{where} {str(directory)!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): pass "
+                         "`--tokenizer DIR`, a directory saved with `tokenizer.save_pretrained(DIR)`, or the demo "
+                         "model's name")
+    return demo_model.load_tokenizer(str(directory), what="`--tokenizer`")
+
+
 def tokenizer(path: str | None) -> Any:
     """`--tokenizer`: a local tokenizer directory or the demo model's name (`demo_model.load_tokenizer`)."""
     from .. import demo_model
@@ -94,10 +114,17 @@ def disable_progress_bars() -> None:
 
 
 def command_line(argv: list[str] | None) -> str:
-    """The command that ran `main()`, quoted for a POSIX shell (`shlex`): from a shell, the interpreter's own
-    command line as typed (`sys.orig_argv`: `python -m transformers_offload record ...`); called from Python,
-    `python -m transformers_offload` with `argv`."""
+    """The command that ran `main()`, quoted for a POSIX shell (`shlex`): the console script as `transformers-offload
+    record ...` (its path where PATH finds another); `python -m transformers_offload record ...` as typed
+    (`sys.orig_argv`); called from Python, `python -m transformers_offload` with `argv`."""
     if argv is None:
+        script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+        if script.startswith("transformers-offload"):  # the console script: by name where PATH finds this one
+            import shutil
+
+            found = shutil.which(script)
+            same = found is not None and os.path.realpath(found) == os.path.realpath(sys.argv[0])
+            return shlex.join([script if same else sys.argv[0], *sys.argv[1:]])
         if getattr(sys, "orig_argv", None):
             return shlex.join(sys.orig_argv)
         argv = sys.argv[1:]

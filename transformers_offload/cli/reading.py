@@ -70,9 +70,10 @@ def add(commands: Any) -> None:
         help="draw PNG plots: logprob and entropy per step, and an attention map (needs matplotlib)",
     )
     plot.add_argument("-o", "--output", required=True, help="the directory to write the PNG files into")
-    plot.add_argument("--layer", type=int, default=-1, help="the attention layer to draw (default the last)")
+    plot.add_argument("--layer", type=int, default=-1, help="the attention layer to draw (-1: the last)")
     plot.add_argument("--head", type=int, default=0, help="the attention head to draw (default 0)")
-    plot.add_argument("--sequence", type=int, default=0, help="the row of out.sequences whose attention map is drawn")
+    plot.add_argument("--sequence", type=int, default=0,
+                      help="the row of out.sequences whose attention map is drawn (0)")
 
 
 def run(arguments: argparse.Namespace, command_line: str) -> tuple[Any, str]:
@@ -99,6 +100,9 @@ def damaged(arguments: argparse.Namespace, error: Exception) -> int | None:
         options.emit(json.dumps({"path": arguments.path, "ok": False, "file": str(error.path), "error": str(error),
                                  "damaged": files}, indent=2))
     print(f"error: {error}", file=sys.stderr)
+    if arguments.command in ("export", "view", "plot") and getattr(arguments, "generations", None) is None:
+        print(f"hint: to {arguments.command} the generations that are intact, name them with `--generations` "
+              f"(`inspect {arguments.path}` marks each generation's damaged files)", file=sys.stderr)
     return 1
 
 

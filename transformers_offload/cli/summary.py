@@ -30,8 +30,8 @@ def format_summary(summary: dict[str, Any], *, verbose: bool = False) -> str:
         lines += [
             "",
             f"generation {generation['index']}{_rank_of(generation)}: {generation['mode']}, {state}",
-            f"  {generation['num_steps']} steps x {generation['num_rows']} rows{beams}, prompt "
-            f"{generation['prompt_length']} tokens, {generation['num_shards']} shard(s), "
+            f"  {_steps_and_rows(generation['num_steps'], generation['num_rows'])}{beams}, prompt "
+            f"{_count(generation['prompt_length'], 'token')}, {_count(generation['num_shards'], 'shard')}, "
             f"{size(generation['file_bytes'])} on disk",
         ]
         for damaged in generation.get("damaged_files", ()):
@@ -63,6 +63,18 @@ def format_summary(summary: dict[str, Any], *, verbose: bool = False) -> str:
                 f"{'?' if info['bytes'] is None else size(info['bytes']):>12}{ratio}"
             )
     return "\n".join(lines)
+
+
+def _count(number: int, noun: str) -> str:
+    """`1 step`, `16 steps`."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
+def _steps_and_rows(steps: int, rows: int) -> str:
+    """`16 steps of 1 row each`; a generation stopped before its first step recorded none."""
+    if not steps:
+        return "no step recorded (stopped before its first step)"
+    return f"{_count(steps, 'step')} of {_count(rows, 'row')} each"
 
 
 def _rank_of(generation: dict[str, Any]) -> str:

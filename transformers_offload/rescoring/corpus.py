@@ -117,6 +117,8 @@ def score_run(model: Any, texts: str | Sequence[str], out: str | os.PathLike | N
     ids = [i for text in texts for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
     bos_token_id = getattr(tokenizer, "bos_token_id", None) if bos else None
     cut = windows(ids, context, bos_token_id)
+    if not ids:
+        raise ValueError("the texts hold no tokens (they are empty): pass a text to score.")
     if not len(cut):
         raise ValueError(f"the texts hold {len(ids)} tokens, fewer than one window of `context` {context}: pass a "
                          "longer text or a smaller `context`.")
