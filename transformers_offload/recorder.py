@@ -11,16 +11,17 @@ from typing import Any, Sequence
 import torch
 from transformers.generation import LogitsProcessor
 
+from .capture import call_checks as _checks
 from .capture import continuous as _continuous
 from .capture import continuous_requests as _requests
 from .capture import hooks as _hooks
 from .capture import layers as _layers
 from .capture import peft as _peft
-from .capture import prompt_logprobs as _prompt_logprobs
+from .capture import processes as _processes
 from .capture.capture import Capture
 from .capture.loop_check import RecordingMismatch
 from .capture.options import DEFAULT_STREAMS, RecorderOptions, check_samples, created_by, device_type, model_info
-from .errors import DeviceAccumulationWarning, RecordingMismatchWarning, UnrecordedCallWarning, UnsupportedModeError
+from .errors import DeviceAccumulationWarning, RecordingMismatchWarning, UnrecordedCallWarning
 from .read.generation import Generation, generation_of
 from .read.readable import Readable
 from .store.header import GenerationHeader
@@ -252,41 +253,21 @@ class Recorder(Readable, LogitsProcessor):
             self._pending_samples = samples
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        raise TypeError(_NOT_PICKLED.format(model=type(self._model).__name__))
-
-    def _check_process(self) -> None:
-        """Refuse to write `spill_dir` from any process but the one that opened it (a fork's child)."""
-        if self._spill is not None and os.getpid() != self._pid:
-            raise RuntimeError(_FORKED.format(path=str(self._spill.root), parent=self._pid, child=os.getpid()))
+        raise _processes.not_pickled(f"a transformers-offload Recorder of {type(self._model).__name__}")
 
     # -- called by the hooks ---------------------------------------------------------------------------
     def check_call(self, *, custom_generate: Any, attention_mask: Any, inputs: Any = None,
                    past_key_values: Any = None) -> None:
         """What `begin_call` refuses, checked without starting anything (before a call whose capture
         begins later, with its loop)."""
-        self._check_process()
-        samples = self._pending_samples
-        if samples is not None:
-            batch = next((int(t.shape[0]) for t in (attention_mask, inputs) if t is not None and t.dim() >= 1), None)
-            if batch is not None and batch != len(samples["sample_ids"]):
-                with self._lock:
-                    self._pending_samples = None  # dropped, as the message says: name them again
-                raise ValueError(
-                    f"`set_samples` named {len(samples['sample_ids'])} prompt(s), but this generate() call has a "
-                    f"batch of {batch}; nothing was run. Call `set_samples` again with one id per prompt."
-                )
-        cached = _prompt_logprobs.cache_length(past_key_values) if self._options.prompt_scoring is not None else 0
-        if cached:
-            raise ValueError(
-                f"`prompt_logprobs` scores the prompt from the call's own prefill, but this call was given a "
-                f"`past_key_values` already holding {cached} token(s), whose forward ran before it; nothing was run. "
-                "Score the whole prompt in one call (without the cache), or record this one without `prompt_logprobs`."
-            )
-        if custom_generate is not None:
-            raise UnsupportedModeError(
-                "`custom_generate` replaces transformers' decoding loop, which the Recorder cannot see "
-                "into; remove the Recorder from `logits_processor` or drop `custom_generate`."
-            )
+        _processes.check_process(self.spill_dir, self._pid)
+        problem = _checks.samples_mismatch(self._pending_samples, attention_mask, inputs)
+        if problem is not None:
+            with self._lock:
+                self._pending_samples = None  # dropped, as the message says: name them again
+            raise ValueError(problem)
+        _checks.refuse(prompt_scoring=self._options.prompt_scoring, past_key_values=past_key_values,
+                       custom_generate=custom_generate)
         if self._active is not None:
             raise RuntimeError(_BUSY)
 
@@ -360,7 +341,7 @@ class Recorder(Readable, LogitsProcessor):
             UnsupportedModeError: the manager batches asynchronously, replays CUDA graphs or compiles its
                 forward, or this recorder records attentions, hidden states or prompt logprobs.
         """
-        self._check_process()
+        _processes.check_process(self.spill_dir, self._pid)
         self._continuous.attach(manager, self._options)
         self._began += 1
 
@@ -409,20 +390,6 @@ class Recorder(Readable, LogitsProcessor):
         )
 
 
-# A forked child (multiprocessing's "fork", `datasets.map(num_proc=N)`, a DataLoader worker) inherits the
-# recorder with its open recording directory and its lock: two processes writing one manifest would replace
-# each other's generations, so the child is refused before its call runs. An in-memory recorder records the
-# child's calls in the child's own memory, readable there (the parent's recorder never sees them).
-_FORKED = ("this Recorder writes to `spill_dir` {path!r}, opened by process {parent}; this is process {child}, "
-           "a fork of it (multiprocessing, `datasets.map(num_proc=N)`, a DataLoader worker). Two processes writing "
-           "one recording would overwrite each other's generations, so nothing was run. Create the Recorder inside "
-           "each worker, each with its own directory, and read them back as one: e.g. in `datasets.map(fn, "
-           "num_proc=N, with_rank=True)`, `Recorder(model, spill_dir=f'runs/x/rank-{{rank}}', append=True)` in `fn`, "
-           "then `open_recording('runs/x')` (docs/integrations.md#processes).")
-_NOT_PICKLED = ("a transformers-offload Recorder of {model} cannot be pickled or copied: it holds the model's hooks, "
-                "its recording and (with `spill_dir`) a directory only its own process may write. To record in other "
-                "processes (multiprocessing's spawn, `datasets.map(num_proc=N)`, DataLoader workers), create a "
-                "Recorder inside each worker, each with its own `spill_dir` (docs/integrations.md#processes).")
 _BUSY = ("this Recorder is already recording a generate() call (in another thread, or one that has not returned): "
          "one Recorder records one call at a time. Give each concurrent call its own Recorder.")
 

@@ -324,7 +324,7 @@ def test_nothing_to_compare_is_a_compare_error(tmp_path, capsys):
 
 
 def test_largest_and_count_above_are_a_stable_sort_and_a_count_on_ties_inf_and_nan():
-    from transformers_offload.answers.compare_metrics import count_above, largest, tile_maxima
+    from transformers_offload.answers.largest import count_above, largest, tile_maxima
 
     generator = torch.Generator().manual_seed(5)
     checked = 0

@@ -35,6 +35,7 @@ from .loops import active_capture as _active_capture
 from .loops import arguments_of as _bind
 from .loops import calls_on as _active
 from .modes import check_mode, check_own_loop
+from .processes import not_pickled
 from .tapped_lists import TappedCriteriaList, TappedProcessorList
 
 _ABSENT = object()
@@ -56,14 +57,7 @@ class ModelHooks:
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         model = self._model_ref()
-        raise TypeError(
-            f"this {type(model).__name__} has a transformers-offload Recorder attached, whose hooks "
-            "cannot be copied or pickled with it: call `rec.close()` (or leave its `with` block) "
-            "before `copy.deepcopy(model)` or `torch.save(model, ...)`; `save_pretrained` and "
-            "`state_dict()` work as they are. To send the model to another process (multiprocessing's "
-            "spawn, `datasets.map(num_proc=N)`), close the Recorder first and create one inside each worker, "
-            "each with its own `spill_dir` (docs/integrations.md#processes)."
-        )
+        raise not_pickled(f"this {type(model).__name__}, with a transformers-offload Recorder attached,")
 
     # -- attach / detach ---------------------------------------------------------------------------
     def install(self) -> None:
