@@ -320,3 +320,36 @@ def test_the_resume_command_of_the_console_script_is_short(tmp_path, monkeypatch
     assert options.command_line(None) == "transformers-offload record --out 'my run'"
     monkeypatch.setenv("PATH", str(tmp_path / "elsewhere"))  # not on PATH: the path it was run by
     assert options.command_line(None) == f"{script} record --out 'my run'"
+
+
+def test_a_resume_with_other_settings_is_refused_before_the_model_loads_naming_each_difference(tmp_path, monkeypatch,
+                                                                                                 capsys):
+    import transformers
+
+    model_dir = tmp_path / "model"
+    record_model().save_pretrained(model_dir)
+    record_tokenizer().save_pretrained(model_dir)
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 3)
+    first = ["record", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(tmp_path / "run"),
+             "--do-sample", "--top-p", "0.9", "--max-new-tokens", "4", "--no-progress"]
+    assert main(first) == 0
+    write_prompts(prompts, 4)  # a prompt added
+    other = [*first[:5], "--out", str(tmp_path / "run"), "--num-beams", "2", "--max-new-tokens", "3", "--no-progress"]
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: pytest.fail("the model was loaded before the settings were compared"))
+    assert main(other) == 1
+    err = capsys.readouterr().err
+    for difference in ("do_sample True (now False)", "max_new_tokens 4 (now 3)", "num_beams None (now 2)",
+                       "top_p 0.9 (now None)", "--allow-other-settings"):
+        assert difference in err, difference
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", load)
+    assert main([*first, "--json"]) == 0  # like with like: the added prompt only
+    assert json.loads(capsys.readouterr().out)["recorded"] == 1
+    write_prompts(prompts, 5)
+    assert main([*other, "--allow-other-settings", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["recorded"] == 1
+    run = open_recording(tmp_path / "run")
+    assert [g.generation_config.get("num_beams", 1) for g in run.generations][-1] == 2  # its own header
+    assert not (tmp_path / "run" / "manifest.json").read_text().count(".job.json")
+    assert run.verify()["files"] > 0

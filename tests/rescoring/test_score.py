@@ -455,3 +455,39 @@ def test_a_gptq_checkpoint_on_cuda_scores_near_its_base(tmp_path):
     candidate = score(loaded, corpus, tokenizer=tokenizer, context=32)
     summary = compare(base, candidate).summary()
     assert summary["tokens"] == 6 * 15 and 0 < summary["kl_ab"]["mean"] < 0.1
+
+
+def test_score_resumed_with_other_settings_is_refused_before_the_model_loads(tmp_path, capsys):
+    import json
+
+    from transformers_offload.cli import main
+
+    from ..helpers import record_model, record_tokenizer
+
+    model_dir, corpus = tmp_path / "model", tmp_path / "corpus.txt"
+    record_model().save_pretrained(model_dir)
+    record_tokenizer().save_pretrained(model_dir)
+    corpus.write_text(" ".join(f"w{3 + (i * 37) % 120}" for i in range(4 * 16)), encoding="utf-8")
+    common = ["score", "--model", str(model_dir), "--text", str(corpus), "--out", str(tmp_path / "run"), "--no-progress",
+              "--batch-size", "1"]
+    assert main([*common, "--context", "16", "--max-windows", "2"]) == 0
+    capsys.readouterr()
+    assert main([*common, "--context", "16", "--dtype", "bfloat16", "--no-bos"]) == 1
+    err = capsys.readouterr().err
+    assert "dtype None (now 'bfloat16')" in err and "no_bos False (now True)" in err
+    assert main([*common, "--context", "16", "--json"]) == 0  # more windows, the same settings: resumed
+    assert json.loads(capsys.readouterr().out)["windows"] == 2
+
+
+def test_a_resume_with_more_windows_scores_each_window_once(tmp_path):
+    from ..helpers import record_model, record_tokenizer
+
+    model, tokenizer = record_model(), record_tokenizer()
+    text = " ".join(f"w{3 + (i * 37) % 120}" for i in range(5 * 16))
+    score(model, text, tmp_path / "run", tokenizer=tokenizer, context=16, batch_size=4, max_windows=2)
+    run = score(model, text, tmp_path / "run", tokenizer=tokenizer, context=16, batch_size=4)  # batch 0 is 0-3 now
+    assert [g.sample_ids for g in run.generations] == [(0, 1), (2, 3), (4,)]  # windows 0 and 1 not scored again
+    whole = score(model, text, None, tokenizer=tokenizer, context=16, batch_size=1)  # one window a generation
+    for generation in run.generations:  # each window predicts its own ids (its logits: another batch, other rounding)
+        for row, window in enumerate(generation.sample_ids):
+            assert [int(t[row]) for t in generation.tokens()] == [int(t[0]) for t in whole.generations[window].tokens()]

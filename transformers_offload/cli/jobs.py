@@ -45,6 +45,7 @@ def add(commands: Any) -> None:
     record.add_argument("--encodings", default="", help="e.g. scores=sparse,logits=topk:20")
     record.add_argument("--prompt-logprobs", type=int, nargs="?", const=0, default=None, metavar="K",
                         help="also score each prompt's own tokens (with K: the top-K alternatives too)")
+    _resume_option(record)
     rescore = commands.add_parser(
         "rescore", parents=[shared],
         help="replay a recording's tokens through another model, dtype or release; record its logits",
@@ -93,6 +94,22 @@ def add(commands: Any) -> None:
     score.add_argument("--no-bos", action="store_true", help="keep each window's first id (else the tokenizer's BOS)")
     _loading_options(score)
     score.add_argument("--encodings", default="", help="e.g. logits=topk:32+tail:48 (a small reference)")
+    _resume_option(score)
+
+
+def _resume_option(parser: Any) -> None:
+    parser.add_argument("--allow-other-settings", action="store_true",
+                        help="resume an --out recorded with other settings (refused by default, naming each difference; "
+                        "each generation's header keeps its own generation settings)")
+
+
+def _settings(arguments: argparse.Namespace, names: tuple[str, ...], **more: Any) -> dict[str, Any]:
+    """The settings a resume of this job must share with the run that began `--out` (`jobs.settings`)."""
+    from pathlib import Path
+
+    model = str(Path(arguments.model).resolve())
+    tokenizer = model if arguments.tokenizer is None else str(Path(arguments.tokenizer).resolve())
+    return {"model": model, "tokenizer": tokenizer, **{name: getattr(arguments, name) for name in names}, **more}
 
 
 def _loading_options(parser: Any) -> None:
@@ -138,6 +155,14 @@ def _record(arguments: argparse.Namespace) -> dict[str, Any]:
                 if getattr(arguments, name) is not None}
     arguments.model = options.model_directory(arguments.model)
     tokenizer = options.job_tokenizer(arguments.tokenizer, arguments.model)
+    if arguments.tokenizer is not None:
+        from .. import demo_model
+
+        arguments.tokenizer = demo_model.resolve(arguments.tokenizer, what="`--tokenizer`")
+    from ..jobs import settings as job_settings
+
+    job_settings.check(arguments.out, "record", _settings(arguments, _RECORD_SETTINGS),
+                       allow_other=arguments.allow_other_settings)
     if arguments.no_progress:
         options.disable_progress_bars()
     model = AutoModelForCausalLM.from_pretrained(arguments.model, local_files_only=True).to(options.device(arguments.device))
@@ -151,6 +176,16 @@ def _record(arguments: argparse.Namespace) -> dict[str, Any]:
         },
         max_new_tokens=arguments.max_new_tokens, do_sample=arguments.do_sample, **settings,
     )
+
+
+# What a resumed `record` must share with the run that began its `--out` (besides the model and tokenizer): the
+# prompts' reading, the decoding and its parameters, the seed, and what is recorded. Not the batch size.
+_RECORD_SETTINGS = ("text_column", "messages_column", "chat", "max_new_tokens", "do_sample", "temperature", "top_p",
+                    "repetition_penalty", "top_k", "num_beams", "num_return_sequences", "seed", "streams", "encodings",
+                    "prompt_logprobs")
+# And a resumed `score`: the model's loading, the windows and the encoding (the texts by their digest). Not
+# --max-windows (a resume may score more), nor the batch or chunk sizes.
+_SCORE_SETTINGS = ("dtype", "attn_implementation", "quantization", "context", "no_bos", "encodings")
 
 
 def _dtype(name: str | None) -> Any:
@@ -212,6 +247,16 @@ def _score(arguments: argparse.Namespace) -> dict[str, Any]:
         raise options.UsageError("the corpus holds no tokens (its texts are empty): pass a text to score" if not tokens
                                  else f"the corpus holds {tokens} tokens, fewer than one window of `--context` "
                                  f"{arguments.context}: pass a longer text or a smaller `--context`")
+    import hashlib
+
+    from .. import demo_model
+    from ..jobs import settings as job_settings
+
+    if arguments.tokenizer is not None:
+        arguments.tokenizer = demo_model.resolve(arguments.tokenizer, what="`--tokenizer`")
+    texts_sha256 = hashlib.sha256("\x00".join(texts).encode("utf-8")).hexdigest()
+    job_settings.check(arguments.out, "score", _settings(arguments, _SCORE_SETTINGS, texts_sha256=texts_sha256),
+                       allow_other=arguments.allow_other_settings)
     if arguments.no_progress:
         options.disable_progress_bars()
     model = _load_candidate(arguments)

@@ -72,8 +72,8 @@ def score(model: Any, texts: str | Sequence[str], out: str | os.PathLike | None 
         rank, world_size (`int`, *optional*): as `record`'s (default: from torchrun's environment): each
             process scores its share of the batches into `out/rank-R`.
 
-    With `out`, a run resumes as `record` does: the batches whose windows `out` holds complete are
-    skipped (a batch a crash, Ctrl-C or SIGKILL interrupted is scored again), a process scoring the same
+    With `out`, a run resumes as `record` does: the windows `out` holds complete are skipped (a batch a
+    crash, Ctrl-C or SIGKILL interrupted is scored again; each window is in one complete generation), a process scoring the same
     windows into `out` blocks the run (BlockingIOError), and `out` holding windows of other texts,
     tokenizer, BOS or `context` is refused (each window's sample metadata names them: `context`, `bos`,
     `ids_sha256` of the windows' ids, `window`, `first_token`).
@@ -134,15 +134,22 @@ def score_run(model: Any, texts: str | Sequence[str], out: str | os.PathLike | N
     corpus = {"context": context, "bos": bos_token_id, "ids_sha256": digest}
     batches = [range(start, min(start + batch_size, len(cut))) for start in range(0, len(cut), batch_size)]
 
+    windows_scored: list[int] = []
+
     def scored(spill_dir: Path | None, todo: list[int]) -> Recorder:
+        # A batch is scored but for its windows `out` holds complete already: a resume with more windows
+        # (`max_windows` grown) cuts its batches anew, and one may hold windows an earlier run scored.
+        done = recorded_samples(out) if spill_dir is not None else set()
         rec = Recorder(model, streams=("logits",), spill_dir=spill_dir, encodings=encodings, append=spill_dir is not None)
         try:
             bar = _progress(len(todo), progress)
             for index in todo:
-                rows = batches[index]
-                rec.set_samples(list(rows), metadata=[{**corpus, "window": w, "first_token": w * context} for w in rows])
-                score_sequences(model, rec, cut[rows.start : rows.stop], first + 1, prompt_mask=None, eos_token_id=[],
-                                pad_token_id=getattr(tokenizer, "pad_token_id", None), chunk_size=chunk_size)
+                rows = [w for w in batches[index] if str(w) not in done]
+                if rows:
+                    rec.set_samples(rows, metadata=[{**corpus, "window": w, "first_token": w * context} for w in rows])
+                    score_sequences(model, rec, cut[rows], first + 1, prompt_mask=None, eos_token_id=[],
+                                    pad_token_id=getattr(tokenizer, "pad_token_id", None), chunk_size=chunk_size)
+                    windows_scored.extend(rows)
                 bar.update(1)
             bar.close()
         finally:
@@ -151,21 +158,21 @@ def score_run(model: Any, texts: str | Sequence[str], out: str | os.PathLike | N
 
     if out is None:
         every = list(range(len(batches)))
-        return scored(None, every), _counts(batches, every, every, steps, 0, 1)
+        return scored(None, every), _counts(batches, every, windows_scored, steps, 0, 1)
     out = Path(out)
     _refuse_other_windows(out, corpus)
     rank, world_size = process_rank(rank, world_size)
-    mine, todo = run_share(out, [[str(w) for w in rows] for rows in batches], rank=rank, world_size=world_size,
-                           work=scored)
-    return open_recording(out), _counts(batches, mine, todo, steps, rank, world_size)
+    mine, _ = run_share(out, [[str(w) for w in rows] for rows in batches], rank=rank, world_size=world_size,
+                        work=scored)
+    return open_recording(out), _counts(batches, mine, windows_scored, steps, rank, world_size)
 
 
 
-def _counts(batches: list[range], mine: list[int], todo: list[int], steps: int, rank: int,
+def _counts(batches: list[range], mine: list[int], scored: list[int], steps: int, rank: int,
             world_size: int) -> dict[str, int]:
-    done = sum(len(batches[i]) for i in todo)
-    return {"windows": done, "tokens_scored": done * steps,
-            "skipped": sum(len(batches[i]) for i in mine) - done, "rank": rank, "world_size": world_size}
+    """This process's work: the windows it scored now, their tokens, and the windows of its share it skipped."""
+    return {"windows": len(scored), "tokens_scored": len(scored) * steps,
+            "skipped": sum(len(batches[i]) for i in mine) - len(scored), "rank": rank, "world_size": world_size}
 
 def _refuse_other_windows(out: Path, corpus: dict[str, Any]) -> None:
     """ValueError where `out` holds complete windows of other texts, tokenizer, BOS or context."""

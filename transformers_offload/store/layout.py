@@ -20,6 +20,8 @@ MANIFEST = "manifest.json"
 # Where the `record` processes writing a recording (or a data-parallel run's directory) keep their claims
 # on its samples (`claims`): present only while one writes; not part of the recording.
 WRITERS = ".writers"
+# The settings `record` and `score` ran with (`jobs.settings`), compared when they resume: not part of the recording.
+JOB_SETTINGS = ".job.json"
 STATUSES = ("recording", "complete", "failed")
 BEAM_MODES = ("beam_search", "beam_sample", "group_beam_search")  # whose generations carry `beam_parents`
 

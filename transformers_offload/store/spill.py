@@ -25,7 +25,8 @@ class Spill:
 
     Args:
         root (`pathlib.Path`): the directory; created if missing, refused if it holds anything (unless
-            `append` and it holds a recording) but `record`'s claims (`format.WRITERS`).
+            `append` and it holds a recording) but `record`'s claims and settings (`layout.WRITERS`,
+            `layout.JOB_SETTINGS`).
         shard_bytes (`int`): target size of one shard, in bytes (a shard holds at least one step).
         model_info (`dict`): the manifest's `model` entry.
         created_by (`dict`): the manifest's `created_by` entry (package versions).
@@ -55,7 +56,8 @@ class Spill:
                 self.close()
                 raise
             return
-        if root.exists() and (not root.is_dir() or any(child.name != _layout.WRITERS for child in root.iterdir())):
+        if root.exists() and (not root.is_dir() or any(child.name not in (_layout.WRITERS, _layout.JOB_SETTINGS)
+                                                       for child in root.iterdir())):
             what = "is not a directory" if not root.is_dir() else "is not empty"
             raise FileExistsError(
                 f"`spill_dir` {str(root)!r} {what}: a Recorder writes a new recording into a new or "
