@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates ./.venv (once) with the package, its test and demo extras, and caches the real model.
+# Creates ./.venv (once) with the package, its test, demo and integrations extras, and caches the real model.
 # Run by scripts/test.sh and scripts/check.sh; safe to run again (it only fills what is missing, and
 # skips an install that is up to date). With --demo (scripts/demo.sh): ./.venv-demo instead, with the demo
 # extra only, as a user installs it (the test extra's quantization packages print their CUDA kernels'
@@ -14,7 +14,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 venv=.venv
-extras=test,demo
+extras=test,demo,integrations
 for argument in "$@"; do
     case "$argument" in
         --no-system-packages) export TRANSFORMERS_OFFLOAD_SKIP_SYSTEM_PACKAGES=1 ;;

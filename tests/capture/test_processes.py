@@ -149,3 +149,24 @@ def test_datasets_map_with_two_processes_records_every_batch_once(tmp_path):
         tokens = torch.stack(run.tokens(generation=index), dim=1).tolist()
         for sample, row in zip(generation.sample_ids, tokens):
             assert sequences[sample][3:] == row
+
+
+def test_datasets_map_in_one_process_appends_every_batch_to_one_spilled_recording(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    model = make_tiny("llama")
+    prompts = datasets.Dataset.from_dict({"id": [f"q{i}" for i in range(5)], "first": [10 + i for i in range(5)]})
+
+    def generate_batch(batch):
+        with Recorder(model, spill_dir=tmp_path / "run", append=True) as rec:  # one recording, a generation a batch
+            ids = torch.tensor([[first, 6, 7] for first in batch["first"]])
+            rec.set_samples(batch["id"])
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), logits_processor=[rec],
+                                 max_new_tokens=3, do_sample=False, pad_token_id=0)
+        return {"sequence": out.tolist()}
+
+    mapped = prompts.map(generate_batch, batched=True, batch_size=2, cache_file_name=str(tmp_path / "mapped.arrow"))
+    run = open_recording(tmp_path / "run")
+    assert [generation.sample_ids for generation in run.generations] == [("q0", "q1"), ("q2", "q3"), ("q4",)]
+    sequences = dict(zip(mapped["id"], mapped["sequence"]))
+    for generation in run.generations:
+        assert torch.equal(generation.sequences, torch.tensor([sequences[sample] for sample in generation.sample_ids]))
