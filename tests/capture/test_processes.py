@@ -18,7 +18,7 @@ from transformers_offload import Recorder, open_recording
 
 from ..helpers import make_tiny
 
-# The tests compare with `out.logits`, which they ask for; forked children inherit the filter.
+# The tests compare with `out.scores`, which they ask for; forked children inherit the filter.
 pytestmark = pytest.mark.filterwarnings("ignore::transformers_offload.errors.DeviceAccumulationWarning")
 PROMPTS = ([10, 20], [30, 40])  # the first token of each child's two prompts
 
@@ -27,7 +27,7 @@ def _generate(model, rec, first: int, **kwargs):
     ids = torch.tensor([[first, 6, 7]])
     return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), logits_processor=[rec],
                           max_new_tokens=3, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
-                          output_logits=True, **kwargs)
+                          output_scores=True, **kwargs)
 
 
 def _in_child(queue, work, *args) -> None:
@@ -67,7 +67,7 @@ def test_a_forked_child_of_a_spilled_recorder_is_refused_before_its_call_and_the
     rec.close()
     run = open_recording(tmp_path / "run")
     assert len(run.generations) == 2  # the parent's two; nothing of the children
-    assert torch.equal(run.logits(generation=1)[0], after.logits[0])
+    assert torch.equal(run.scores(generation=1)[0], after.scores[0])
     assert run.verify()["files"] == 4  # two generations' shard and sequences files
 
 
@@ -77,7 +77,7 @@ def test_a_forked_child_records_into_its_own_memory_with_an_in_memory_recorder()
 
     def work(firsts):
         outs = [_generate(model, rec, first) for first in firsts]
-        return [(len(rec.generations), all(torch.equal(a, b) for a, b in zip(rec.logits(generation=i), out.logits)))
+        return [(len(rec.generations), all(torch.equal(a, b) for a, b in zip(rec.scores(generation=i), out.scores)))
                 for i, out in enumerate(outs)][-1]
 
     assert _forked(work, PROMPTS[0]) == ("ok", (2, True))
@@ -125,7 +125,7 @@ def test_one_recorder_per_forked_worker_gives_every_generation_as_one_recording(
 
 
 def test_datasets_map_with_two_processes_records_every_batch_once(tmp_path):
-    datasets = pytest.importorskip("datasets")
+    datasets = pytest.importorskip("datasets", exc_type=ImportError)  # an old release's hub is too old for it
     model = make_tiny("llama")
     root = tmp_path / "map"
     prompts = datasets.Dataset.from_dict({"id": [f"q{i}" for i in range(6)], "first": [10 + i for i in range(6)]})
@@ -152,7 +152,7 @@ def test_datasets_map_with_two_processes_records_every_batch_once(tmp_path):
 
 
 def test_datasets_map_in_one_process_appends_every_batch_to_one_spilled_recording(tmp_path):
-    datasets = pytest.importorskip("datasets")
+    datasets = pytest.importorskip("datasets", exc_type=ImportError)
     model = make_tiny("llama")
     prompts = datasets.Dataset.from_dict({"id": [f"q{i}" for i in range(5)], "first": [10 + i for i in range(5)]})
 

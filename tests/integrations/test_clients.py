@@ -15,7 +15,15 @@ import transformers
 
 from transformers_offload import Recorder
 
-from ..helpers import HF_LOGITS_EXACT, TRANSFORMERS, assert_steps_equal, make_tiny, record_model, record_tokenizer
+from ..helpers import (
+    HAS_OUTPUT_LOGITS,
+    HF_LOGITS_EXACT,
+    TRANSFORMERS,
+    assert_steps_equal,
+    make_tiny,
+    record_model,
+    record_tokenizer,
+)
 
 # The reference calls ask for Hugging Face's own per-step outputs.
 pytestmark = pytest.mark.filterwarnings("ignore::transformers_offload.errors.DeviceAccumulationWarning")
@@ -24,7 +32,7 @@ TEXTS = ["w3 w4", "w5 w6 w7 w8 w9", "w10"]
 
 def _reference(model, input_ids, attention_mask, **kwargs):
     return model.generate(input_ids=input_ids, attention_mask=attention_mask, return_dict_in_generate=True,
-                          output_scores=True, output_logits=True, **kwargs)
+                          output_scores=True, **({"output_logits": True} if HAS_OUTPUT_LOGITS else {}), **kwargs)
 
 
 def _pipeline():
@@ -52,26 +60,27 @@ def test_a_batched_text_generation_pipeline_is_recorded_exactly(every_call):
         assert_steps_equal(rec.scores(generation=generation.index), out.scores, "scores")
 
 
+@pytest.mark.skipif(not hasattr(transformers, "TextIteratorStreamer"), reason=f"transformers {TRANSFORMERS} has no streamers")
 def test_a_streamer_in_a_thread_sees_the_recorded_tokens():
     model, tokenizer = record_model(), record_tokenizer()
     streamer = transformers.TextIteratorStreamer(tokenizer, skip_prompt=True)
     enc = tokenizer(["w3 w4 w5"], return_tensors="pt")
     with Recorder(model) as rec:
-        torch.manual_seed(0)
         worker = threading.Thread(target=model.generate, kwargs=dict(
-            **enc, logits_processor=[rec], streamer=streamer, max_new_tokens=6, do_sample=True, top_k=20))
+            **enc, logits_processor=[rec], streamer=streamer, max_new_tokens=6, do_sample=False))
         worker.start()
         streamed = "".join(streamer)
         worker.join()
     tokens = torch.stack(rec.tokens(), dim=1)[0]
     assert streamed.split() == tokenizer.convert_ids_to_tokens(tokens.tolist())
-    torch.manual_seed(0)
-    out = _reference(model, enc["input_ids"], enc["attention_mask"], max_new_tokens=6, do_sample=True, top_k=20)
+    out = model.generate(**enc, max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_scores=True)
     assert torch.equal(out.sequences[0, enc["input_ids"].shape[1]:], tokens)
     assert_steps_equal(rec.scores(), out.scores, "scores")
 
 
 @pytest.mark.parametrize("offload", ["cpu_offload", "disk_offload"])
+# transformers up to 4.3x warns that the offloaded model's weights are on the meta device (accelerate's placeholder).
+@pytest.mark.filterwarnings("ignore:You are calling .generate.. with the `input_ids` being on a device type:UserWarning")
 def test_accelerates_offloaded_model_is_recorded_exactly(tmp_path, offload):
     accelerate = pytest.importorskip("accelerate", exc_type=ImportError)
     model = make_tiny("llama")
