@@ -398,6 +398,9 @@ def test_compare_on_the_command_line(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "====== KL divergence statistics, KL(a||b) ======" in out and (tmp_path / "cmp.html").stat().st_size > 1000
     assert out.rstrip().endswith(f"wrote {tmp_path / 'cmp.html'}")
+    before = (tmp_path / "b" / "manifest.json").read_bytes()
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--html", str(tmp_path / "b" / "manifest.json")]) == 2
+    assert "inside the recording" in capsys.readouterr().err and (tmp_path / "b" / "manifest.json").read_bytes() == before
     _record(model, MODES["greedy"], spill_dir=tmp_path / "c", steps=4)
     assert main(["compare", str(tmp_path / "a"), str(tmp_path / "c")]) == 2
     assert "differ in steps" in capsys.readouterr().err

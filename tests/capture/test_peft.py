@@ -86,6 +86,10 @@ def test_merged_and_switched_adapters_are_recorded_exactly_and_named_in_each_gen
         assert_steps_equal(run.logits(generation=index), out.logits, f"generation {index}'s logits")
         assert_steps_equal(run.scores(generation=index), out.scores, f"generation {index}'s scores")
     assert not torch.equal(outs[0].logits[0], outs[1].logits[0])  # the two adapters differ
+    from transformers_offload.cli.summary import format_summary
+
+    shown = format_summary(run.describe())
+    assert "adapters: active default" in shown and "adapters: active other; merged other" in shown
 
 
 def test_a_model_without_adapters_has_none_in_its_header():
@@ -93,3 +97,18 @@ def test_a_model_without_adapters_has_none_in_its_header():
     with Recorder(model) as rec:
         model.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=2, pad_token_id=0)
     assert rec.generations[-1].adapters is None
+
+
+def test_a_mixed_batch_names_each_rows_adapter_and_records_exactly():
+    peft_model = _peft_model()
+    peft_model.add_adapter("other", _lora(2))
+    with Recorder(peft_model) as rec:
+        torch.manual_seed(3)
+        out = peft_model.generate(**left_padded_batch(), logits_processor=[rec], max_new_tokens=4, pad_token_id=0,
+                                  adapter_names=["other", "__base__", "default"], return_dict_in_generate=True,
+                                  output_logits=True, output_scores=True, do_sample=False)
+    assert rec.generations[-1].adapters["per_row"] == ["other", "__base__", "default"]
+    assert_steps_equal(rec.logits(), out.logits, "logits")
+    with Recorder(peft_model) as rec:
+        _generate(peft_model, rec, "greedy")
+    assert "per_row" not in rec.generations[-1].adapters  # the hooks went with the mixed call

@@ -353,3 +353,34 @@ def test_a_resume_with_other_settings_is_refused_before_the_model_loads_naming_e
     assert [g.generation_config.get("num_beams", 1) for g in run.generations][-1] == 2  # its own header
     assert not (tmp_path / "run" / "manifest.json").read_text().count(".job.json")
     assert run.verify()["files"] > 0
+
+
+def test_a_resume_names_the_model_directory_any_way_and_never_mixes_two_models(tmp_path, monkeypatch, capsys):
+    import shutil
+
+    model_dir = tmp_path / "model"
+    record_model().save_pretrained(model_dir)
+    record_tokenizer().save_pretrained(model_dir)
+    shutil.copytree(model_dir, tmp_path / "copy")
+    write_prompts(tmp_path / "prompts.jsonl", 2)
+    monkeypatch.chdir(tmp_path)
+    base = ["record", "--prompts", "prompts.jsonl", "--out", "run", "--max-new-tokens", "2", "--no-progress", "--json"]
+    assert main([*base, "--model", "model", "--streams", "logits,scores"]) == 0
+    write_prompts(tmp_path / "prompts.jsonl", 3)
+    assert main([*base, "--model", "./model/", "--streams", "scores,logits"]) == 0  # the same directory, the same set
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["recorded"] == 1
+    write_prompts(tmp_path / "prompts.jsonl", 4)
+    assert main([*base, "--model", "copy", "--allow-other-settings"]) == 1  # another model, whatever is allowed
+    assert "a recording holds one model's generations" in capsys.readouterr().err
+    assert main([*base, "--model", str(model_dir), "--id-column", "text"]) == 1  # other ids: other samples
+    assert "id_column None (now 'text')" in capsys.readouterr().err
+    assert main([*base, "--model", str(model_dir)]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["recorded"] == 1
+
+
+def test_rescore_refuses_to_write_into_the_recording_it_rescores(tmp_path, capsys):
+    write_prompts(tmp_path / "prompts.jsonl", 2)
+    record(record_model(), record_tokenizer(), tmp_path / "prompts.jsonl", tmp_path / "run", progress=False,
+           max_new_tokens=2)
+    assert main(["rescore", str(tmp_path / "run"), "--model", "smollm2", "--out", str(tmp_path / "run" / ".")]) == 2
+    assert "is the recording to rescore" in capsys.readouterr().err

@@ -273,3 +273,5 @@ def test_exporting_a_recording_with_a_damaged_shard_names_generations_and_the_in
     assert "g0001-s00002.safetensors" in err and "name them with `--generations`" in err
     assert not (tmp_path / "all.parquet").exists()
     assert cli(["export", str(run), str(tmp_path / "intact.parquet"), "--generations", "0"]) == 0
+    assert cli(["export", str(tmp_path / "missing"), str(tmp_path / "none.parquet")]) == 1
+    assert "--generations" not in capsys.readouterr().err  # no recording at all: no generation to name

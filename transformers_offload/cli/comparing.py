@@ -45,6 +45,13 @@ def run(arguments: argparse.Namespace, command_line: str) -> tuple[Any, str]:
     if len(arguments.b) > 1 and arguments.html:
         raise ValueError("`--html` writes the page of one comparison: compare one candidate at a time for a page "
                          f"(`compare {arguments.a} {arguments.b[0]} --html report.html`).")
+    if arguments.html:  # never inside a recording it reads, whose files it could replace (as `view -o`)
+        from types import SimpleNamespace
+
+        from ..answers.table import output_path
+
+        for recording in (arguments.a, *arguments.b):
+            output_path(SimpleNamespace(path=recording), arguments.html, "page")
     results = []
     for candidate in arguments.b:  # every candidate compared before anything is written
         results.append(compare(arguments.a, candidate, stream=arguments.stream, chunk_steps=arguments.chunk_steps))

@@ -109,7 +109,10 @@ def _settings(arguments: argparse.Namespace, names: tuple[str, ...], **more: Any
 
     model = str(Path(arguments.model).resolve())
     tokenizer = model if arguments.tokenizer is None else str(Path(arguments.tokenizer).resolve())
-    return {"model": model, "tokenizer": tokenizer, **{name: getattr(arguments, name) for name in names}, **more}
+    chosen = {name: getattr(arguments, name) for name in names}
+    if "streams" in chosen:  # a set: `scores,logits` records what `logits,scores` does
+        chosen["streams"] = sorted(chosen["streams"].split(","))
+    return {"model": model, "tokenizer": tokenizer, **chosen, **more}
 
 
 def _loading_options(parser: Any) -> None:
@@ -180,7 +183,7 @@ def _record(arguments: argparse.Namespace) -> dict[str, Any]:
 
 # What a resumed `record` must share with the run that began its `--out` (besides the model and tokenizer): the
 # prompts' reading, the decoding and its parameters, the seed, and what is recorded. Not the batch size.
-_RECORD_SETTINGS = ("text_column", "messages_column", "chat", "max_new_tokens", "do_sample", "temperature", "top_p",
+_RECORD_SETTINGS = ("text_column", "messages_column", "id_column", "chat", "max_new_tokens", "do_sample", "temperature", "top_p",
                     "repetition_penalty", "top_k", "num_beams", "num_return_sequences", "seed", "streams", "encodings",
                     "prompt_logprobs")
 # And a resumed `score`: the model's loading, the windows and the encoding (the texts by their digest). Not
@@ -276,6 +279,11 @@ def _rescore(arguments: argparse.Namespace) -> dict[str, Any]:
 
     encodings = options.encodings(arguments.encodings)
     _dtype(arguments.dtype)  # a bad name refused before the model loads
+    from pathlib import Path
+
+    if Path(arguments.out).resolve() == Path(arguments.path).resolve():
+        raise options.UsageError(f"`--out` {arguments.out!r} is the recording to rescore: write the rescore to "
+                                 "another directory")
     arguments.model = options.model_directory(arguments.model)
     open_recording(arguments.path).close()  # a bad recording is reported before the model loads
     if arguments.no_progress:

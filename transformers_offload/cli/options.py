@@ -72,11 +72,14 @@ def device(name: str) -> Any:
 
 
 def model_directory(model: str) -> str:
-    """`--model`'s directory: a local directory as given, or the demo model's cached copy by its name
-    (`demo_model.resolve`: ValueError, ImportError or OSError where neither works)."""
+    """`--model`'s directory, absolute (the recording's `name_or_path`: the same from any working directory): a
+    local directory, or the demo model's cached copy by its name (`demo_model.resolve`: ValueError, ImportError
+    or OSError where neither works)."""
+    from pathlib import Path
+
     from .. import demo_model
 
-    return demo_model.resolve(model, what="`--model`")
+    return str(Path(demo_model.resolve(model, what="`--model`")).resolve())
 
 
 # Files one of which a tokenizer directory saved by `save_pretrained` holds.

@@ -100,10 +100,20 @@ def damaged(arguments: argparse.Namespace, error: Exception) -> int | None:
         options.emit(json.dumps({"path": arguments.path, "ok": False, "file": str(error.path), "error": str(error),
                                  "damaged": files}, indent=2))
     print(f"error: {error}", file=sys.stderr)
-    if arguments.command in ("export", "view", "plot") and getattr(arguments, "generations", None) is None:
+    if (arguments.command in ("export", "view", "plot") and getattr(arguments, "generations", None) is None
+            and _a_generations_file(arguments.path, error)):
         print(f"hint: to {arguments.command} the generations that are intact, name them with `--generations` "
               f"(`inspect {arguments.path}` marks each generation's damaged files)", file=sys.stderr)
     return 1
+
+
+def _a_generations_file(recording: str, error: RecordingError) -> bool:
+    """Whether `error` names a file of one generation (a shard, its sequences), not the recording or its
+    manifest: then the other generations read, and `--generations` can name them."""
+    from pathlib import Path
+
+    damaged = Path(error.path).resolve()
+    return damaged.name != "manifest.json" and Path(recording).resolve() in damaged.parents
 
 
 def _write(arguments: argparse.Namespace, recording: Any) -> dict[str, Any]:

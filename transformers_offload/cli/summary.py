@@ -41,6 +41,8 @@ def format_summary(summary: dict[str, Any], *, verbose: bool = False) -> str:
             lines.append(f"  prompt lengths (tokens, without padding): {_short_list(generation['prompt_lengths'])}")
         if generation.get("sample_ids"):
             lines.append(f"  samples: {_short_list(generation['sample_ids'])}")
+        if generation.get("adapters"):
+            lines.append(f"  adapters: {_adapters(generation['adapters'])}")
         chosen = settings(generation.get("generation_config") or {}, verbose=verbose)
         if chosen:
             lines.append(f"  settings: {chosen}")
@@ -63,6 +65,18 @@ def format_summary(summary: dict[str, Any], *, verbose: bool = False) -> str:
                 f"{'?' if info['bytes'] is None else size(info['bytes']):>12}{ratio}"
             )
     return "\n".join(lines)
+
+
+def _adapters(adapters: dict[str, Any]) -> str:
+    """A PEFT model's adapters of a generation, as `inspect` shows them."""
+    if adapters.get("disabled"):
+        return "disabled (the base model alone)"
+    parts = [f"active {', '.join(adapters.get('active', [])) or 'none'}"]
+    if adapters.get("merged"):
+        parts.append(f"merged {', '.join(adapters['merged'])}")
+    if adapters.get("per_row"):
+        parts.append(f"per row {_short_list(adapters['per_row'])}")
+    return "; ".join(parts)
 
 
 def _count(number: int, noun: str) -> str:

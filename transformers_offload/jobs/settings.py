@@ -5,7 +5,8 @@ The command line writes them to `out/.job.json` (`layout.JOB_SETTINGS`: not part
 with them before the model loads and refuses, naming each difference, a resume whose settings differ (a
 recording whose generations were made under different settings is a silent analysis error), unless the run
 allows it (`--allow-other-settings`: then each generation's header keeps its own generation settings, as
-always). A recording made without the file (by the Python API, or before it existed) is resumed unchecked."""
+always). Another model, or another command's `out`, is refused whatever is allowed: a recording holds one model's
+generations. A recording made without the file (by the Python API, or before it existed) is resumed unchecked."""
 
 from __future__ import annotations
 
@@ -33,6 +34,12 @@ def check(out: str | Path, command: str, settings: dict[str, Any], *, allow_othe
     has_generations = (out / _layout.MANIFEST).is_file() or bool(_layout.rank_directories(out))
     if path.is_file() and has_generations and recorded_samples(out):
         kept = json.loads(path.read_text(encoding="utf-8"))
+        if kept.get("command") != command:
+            raise ValueError(f"`--out` {str(out)!r} was begun by `{kept.get('command')}`, not `{command}`: pick another "
+                             "`--out`.")
+        if kept.get("model") != wanted.get("model"):  # a recording holds one model's generations, whatever is allowed
+            raise ValueError(f"`--out` {str(out)!r} holds generations of the model in {kept.get('model')!r}, not "
+                             f"{wanted.get('model')!r}: a recording holds one model's generations; pick another `--out`.")
         differences = [f"{name} {kept.get(name)!r} (now {wanted.get(name)!r})"
                        for name in sorted(set(kept) | set(wanted)) if kept.get(name) != wanted.get(name)]
         if differences and not allow_other:

@@ -86,7 +86,8 @@ class Generation(LayerReading, EncodedReading, BeamReading):
             this generation's call (Moshi's depth decoder, once per step); 0 for a stock `generate()`.
         adapters (`dict | None`): for a PEFT model (`Recorder(peft_model)`), the adapters in use at the call:
             `active` (their names), `merged` (those merged into the base weights), `disabled` (inside
-            `disable_adapter()`); None for a model without adapters.
+            `disable_adapter()`), and for a mixed batch (`generate(..., adapter_names=[...])`) `per_row`, each
+            row's adapter (`__base__`: none); None for a model without adapters.
     """
 
     index: int

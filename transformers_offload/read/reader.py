@@ -174,6 +174,7 @@ class Recording(Readable):
                     "prompt_lengths": list(generation.prompt_lengths) if generation.prompt_lengths else None,
                     "sample_ids": None if generation.sample_ids is None else list(generation.sample_ids),
                     "generation_config": generation.generation_config,
+                    **({"adapters": generation.adapters} if generation.adapters is not None else {}),
                     "num_shards": len(entry["shards"]),
                     "file_bytes": sum(_size_of(self.path / name) for name in files),
                     "damaged_files": damaged,

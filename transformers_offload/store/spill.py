@@ -135,6 +135,16 @@ class Spill:
         return ShardStore(self, entry, names, max_steps, encodings=header.encodings)
 
 
+def _same_directory(a: Any, b: Any) -> bool:
+    """Whether two `name_or_path` strings name the same local directory from here (`model`, `./model/`,
+    `/abs/model`); a Hub id, or a path no longer there, only equals itself."""
+    try:
+        first, second = Path(a), Path(b)
+        return first.is_dir() and second.is_dir() and first.resolve() == second.resolve()
+    except (TypeError, OSError):
+        return False
+
+
 def _reopen(root: Path, model_info: dict) -> dict[str, Any]:
     """The manifest of the recording in `root`, to append to: checked, made by the same model, and with
     every generation its writer left `"recording"` marked `"failed"` (durably)."""
@@ -145,7 +155,8 @@ def _reopen(root: Path, model_info: dict) -> dict[str, Any]:
     # The checkpoint too (`name_or_path`, the directory or Hub id it was loaded from): another model of
     # the same architecture would otherwise be appended without a word.
     for key in ("class", "config_class", "vocab_size", "name_or_path"):
-        if theirs.get(key) != model_info.get(key):
+        same_directory = key == "name_or_path" and _same_directory(theirs.get(key), model_info.get(key))
+        if theirs.get(key) != model_info.get(key) and not same_directory:
             raise ValueError(
                 f"`spill_dir` {str(root)!r} holds a recording of another model ({key} {theirs.get(key)!r}, this one "
                 f"{model_info.get(key)!r}); append to a recording of the same model, or pick another directory."
