@@ -107,8 +107,11 @@ def _settings(arguments: argparse.Namespace, names: tuple[str, ...], **more: Any
     """The settings a resume of this job must share with the run that began `--out` (`jobs.settings`)."""
     from pathlib import Path
 
+    from .. import demo_model
+
     model = str(Path(arguments.model).resolve())
-    tokenizer = model if arguments.tokenizer is None else str(Path(arguments.tokenizer).resolve())
+    tokenizer = model if arguments.tokenizer is None else str(
+        Path(demo_model.resolve(arguments.tokenizer, what="`--tokenizer`")).resolve())
     chosen = {name: getattr(arguments, name) for name in names}
     if "streams" in chosen:  # a set: `scores,logits` records what `logits,scores` does
         chosen["streams"] = sorted(chosen["streams"].split(","))
@@ -158,10 +161,6 @@ def _record(arguments: argparse.Namespace) -> dict[str, Any]:
                 if getattr(arguments, name) is not None}
     arguments.model = options.model_directory(arguments.model)
     tokenizer = options.job_tokenizer(arguments.tokenizer, arguments.model)
-    if arguments.tokenizer is not None:
-        from .. import demo_model
-
-        arguments.tokenizer = demo_model.resolve(arguments.tokenizer, what="`--tokenizer`")
     from ..jobs import settings as job_settings
 
     job_settings.check(arguments.out, "record", _settings(arguments, _RECORD_SETTINGS),
@@ -252,11 +251,8 @@ def _score(arguments: argparse.Namespace) -> dict[str, Any]:
                                  f"{arguments.context}: pass a longer text or a smaller `--context`")
     import hashlib
 
-    from .. import demo_model
     from ..jobs import settings as job_settings
 
-    if arguments.tokenizer is not None:
-        arguments.tokenizer = demo_model.resolve(arguments.tokenizer, what="`--tokenizer`")
     texts_sha256 = hashlib.sha256("\x00".join(texts).encode("utf-8")).hexdigest()
     job_settings.check(arguments.out, "score", _settings(arguments, _SCORE_SETTINGS, texts_sha256=texts_sha256),
                        allow_other=arguments.allow_other_settings)
