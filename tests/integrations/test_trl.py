@@ -78,3 +78,32 @@ def test_grpo_scores_the_recorded_completions_with_the_recorded_logprobs(tmp_pat
         assert torch.equal(mine[:length], completions[row, :length])
         difference = (logprobs[row][:length] - theirs[row, :length]).abs().max()
         assert difference <= 1e-5, f"row {row}: recorded processed logprobs differ from TRL's by {float(difference):.2e}"
+
+
+# transformers' own, where continuous batching builds its processors without `input_ids` (before dropping the penalty)
+@pytest.mark.filterwarnings("ignore:Passing `repetition_penalty` with `inputs_embeds`:UserWarning")
+def test_grpo_with_a_repetition_penalty_is_refused_under_continuous_batching_and_recorded_by_generate(tmp_path):
+    """Continuous batching drops a repetition penalty (transformers 5.25 warns and samples without it), so the
+    recorder refuses that manager before any request runs; plain `generate()` applies it and records it."""
+    from transformers_offload.errors import UnsupportedModeError
+
+    prompts = datasets.Dataset.from_dict({"prompt": ["w3 w4 w5", "w6 w7"]})
+    for continuous_batching in (True, False):
+        torch.manual_seed(0)
+        model, tokenizer = record_model(), record_tokenizer()
+        args = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2,
+                              max_completion_length=4, max_steps=1, temperature=0.7, repetition_penalty=1.3,
+                              report_to=[], use_cpu=True, beta=0.0, save_strategy="no", disable_tqdm=True,
+                              use_transformers_continuous_batching=continuous_batching)
+        trainer = trl.GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
+                                  args=args, train_dataset=prompts, processing_class=tokenizer)
+        with Recorder(trainer.model, every_call=True) as rec:
+            if continuous_batching:
+                with pytest.raises(UnsupportedModeError, match="RepetitionPenaltyLogitsProcessor, which continuous "
+                                                                "batching drops"):
+                    trainer.train()
+                assert len(rec.generations) == 0
+            else:
+                trainer.train()
+                assert len(rec.generations) == 1
+                assert rec.generations[0].generation_config["repetition_penalty"] == 1.3

@@ -44,7 +44,7 @@ def test_shards_hold_the_steps_the_size_allows(gpt2, tmp_path, steps_per_shard):
     expected = [min(steps_per_shard, NEW_TOKENS - first) for first in range(0, NEW_TOKENS, steps_per_shard)]
     assert [shard["num_steps"] for shard in shards] == expected
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == sorted(
-        ["manifest.json", "g0000-sequences.safetensors", *(shard["file"] for shard in shards)]
+        ["manifest.json", "ledger.jsonl", "g0000-sequences.safetensors", *(shard["file"] for shard in shards)]
     )
 
 

@@ -83,7 +83,9 @@ def run(arguments: argparse.Namespace, command_line: str) -> tuple[Any, str]:
     recording = open_recording(arguments.path)
     if arguments.command == "verify":
         result = {"path": str(recording.path), "ok": True, **recording.verify()}
-        return result, f"ok: {result['files']} file(s), {options.size(result['bytes'])}, intact in {result['path']}"
+        ledger = (f"{result['ledger']} generation(s) each added by one writer" if result["ledger"]
+                  else "no ledger to check for two writers (a recording made before it, or one without generations)")
+        return result, f"ok: {result['files']} file(s), {options.size(result['bytes'])}, intact; {ledger}; in {result['path']}"
     if arguments.command == "inspect":
         result = recording.describe()
         return result, format_summary(result, verbose=arguments.verbose)

@@ -34,6 +34,8 @@ class RankPart(Protocol):
 
     def _check_files(self) -> tuple[int, int, list[RecordingError]]: ...
 
+    def _check_ledger(self) -> tuple[int, list[RecordingError]]: ...
+
     def close(self) -> None: ...
 
 
@@ -128,15 +130,16 @@ class RankedRecording(Readable):
             RecordingError: as `Recording.verify()`: one damaged file's own error (naming the rank's
                 file), or with several, one naming the run's directory whose `damaged` lists each.
         """
-        files = size = 0
+        files = size = lines = 0
         damaged: list[RecordingError] = []
         for part in self.parts:
             checked, read, found = part._check_files()  # noqa: SLF001 - the rank's own verify, not raising
-            files, size = files + checked, size + read
-            damaged.extend(found)
+            ledgered, clashed = part._check_ledger()  # noqa: SLF001
+            files, size, lines = files + checked, size + read, lines + ledgered
+            damaged.extend(found + clashed)
         if damaged:
             raise damaged_files(self.path, damaged, files)
-        return {"files": files, "bytes": size}
+        return {"files": files, "bytes": size, "ledger": lines}
 
     def close(self) -> None:
         """Drop every rank's shard mappings."""

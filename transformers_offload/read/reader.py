@@ -13,6 +13,7 @@ from ..codecs.spec import RECORD_ENCODINGS, SAME_AS_LOGITS, is_packed, stored_fl
 from ..errors import RecordingError, damaged_files
 from ..store import files as _files
 from ..store import layout as _layout
+from ..store import ledger as _ledger
 from ..store import manifest as _manifest
 from ..store.open_files import OpenFiles
 from ..store.shard_reader import ShardSource, stored_generation
@@ -208,28 +209,34 @@ class Recording(Readable):
         """Check every file the manifest names (shards, sequences, encoder outputs): read every byte and
         compare its size and CRC-32C with those the recorder noted when it wrote the file, and check its
         header against the manifest as a read would. Every file is checked, whatever the others hold.
+        Then the ledger (`ledger.jsonl`, one line per generation a writer added): a generation index two
+        processes added, or one the manifest no longer lists, means two wrote the directory at once and
+        generations were lost, though every file the manifest names is intact.
 
         Reading a step held by a file found damaged raises that finding from then on, also where the
         damage lies in tensor data, which a plain read does not check.
 
         Returns:
-            `dict`: `{"files": files checked, "bytes": bytes read}`, when every file is intact.
+            `dict`: `{"files": files checked, "bytes": bytes read, "ledger": ledger lines checked}` (0
+            lines for a recording made before the ledger), when every file is intact and no clash is found.
 
         Raises:
             RecordingError: a file is missing or damaged: its size, checksum or header differs from the
                 manifest (the error's `path` names the file); with several, one error whose `path` is the
                 directory and whose message lists each, its `damaged` holding each file's own error. Also
                 when the recording carries no checksum for a file (recordings written before checksums
-                were added carry none; they read as before without `verify`).
+                were added carry none; they read as before without `verify`). Also (naming the ledger)
+                when the ledger shows two writers clashed.
 
         Example:
             >>> open_recording("run/").verify()  # doctest: +SKIP
-            {'files': 3, 'bytes': 1210816}
+            {'files': 3, 'bytes': 1210816, 'ledger': 1}
         """
         checked, size, damaged = self._check_files()
-        if damaged:
-            raise damaged_files(self.path, damaged, checked)
-        return {"files": checked, "bytes": size}
+        lines, clashed = self._check_ledger()
+        if damaged or clashed:
+            raise damaged_files(self.path, damaged + clashed, checked)
+        return {"files": checked, "bytes": size, "ledger": lines}
 
     def _check_files(self) -> tuple[int, int, list[RecordingError]]:
         """`verify()`'s work without raising (`RankedRecording.verify` sums it over ranks): the files
@@ -264,6 +271,10 @@ class Recording(Readable):
                 else:
                     source.mark(name, None)
         return len(names), size, damaged
+
+    def _check_ledger(self) -> tuple[int, list[RecordingError]]:
+        """The ledger lines checked, and the error naming any generation two writers added (`store.ledger`)."""
+        return _ledger.check(self.path, self._entries)
 
     def close(self) -> None:
         """Drop the shard mappings this object holds (tensors already returned keep theirs)."""

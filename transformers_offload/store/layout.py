@@ -22,6 +22,9 @@ MANIFEST = "manifest.json"
 WRITERS = ".writers"
 # The settings `record` and `score` ran with (`jobs.settings`), compared when they resume: not part of the recording.
 JOB_SETTINGS = ".job.json"
+# One line per generation a writer added (`ledger`), kept beside the manifest: how `verify` finds two
+# processes that wrote one recording at once. Part of the recording; recordings made before it lack it.
+LEDGER = "ledger.jsonl"
 STATUSES = ("recording", "complete", "failed")
 BEAM_MODES = ("beam_search", "beam_sample", "group_beam_search")  # whose generations carry `beam_parents`
 

@@ -11,6 +11,7 @@ from typing import Any
 from ..errors import SpillError
 from . import files as _files
 from . import layout as _layout
+from . import ledger as _ledger
 from .header import GenerationHeader
 from .shard_writer import ShardStore
 
@@ -48,6 +49,7 @@ class Spill:
         self.root = root
         self.shard_bytes = shard_bytes
         self._lock: int | None = None
+        self._writer = _ledger.Writer()
         if append and (root / _files.MANIFEST).is_file():
             self._lock = _files.lock_directory(root)
             try:
@@ -117,14 +119,16 @@ class Spill:
             "streams": {},
             "shards": [],
             "sequences": None,
+            "writer": self._writer.token,  # this process's (`ledger`): verify finds two writers of one index
         }
         if header.adapters is not None:  # a PEFT model's: others read the same without it
             entry["adapters"] = header.adapters
         if header.sample_ids is not None:  # only when given: a recording without them reads the same
             entry["sample_ids"] = list(header.sample_ids)
             entry["sample_metadata"] = None if header.sample_metadata is None else list(header.sample_metadata)
-        try:
+        try:  # the ledger's line after the manifest lists it: a line never names a generation not added
             _files.write_manifest(self.root, {**self.manifest, "generations": [*self.manifest["generations"], entry]})
+            _ledger.append(self.root, index, entry["writer"])
         except OSError as error:
             raise SpillError(
                 error.errno or errno.EIO,
