@@ -368,6 +368,14 @@ def cache_argument(model: Any) -> str:
     return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
 
 
+def logits_to_keep_argument(model: Any) -> str | None:
+    """The name a model's forward takes "compute the logits of the last N positions only" by:
+    `logits_to_keep` from 4.50, `num_logits_to_keep` in 4.45-4.49 (the models that had it then); None where
+    the forward has neither (older releases, models without it): it computes every position's logits."""
+    parameters = inspect.signature(type(model).forward).parameters
+    return next((name for name in ("logits_to_keep", "num_logits_to_keep") if name in parameters), None)
+
+
 def cache_of(output: Any) -> Any:
     """The KV cache a forward returned (`output.cache` from 5.24, `output.past_key_values` before)."""
     cache = getattr(output, "cache", None)

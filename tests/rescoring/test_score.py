@@ -18,25 +18,30 @@ TEXT = "The quick brown fox jumps over the lazy dog; pack my box with five dozen
 
 
 class CharTokenizer:
-    """One id per character (its code point modulo the tiny models' vocabulary, 3 and up), BOS 2."""
+    """One id per character (its code point modulo the tiny models' vocabulary, 3 and up), BOS 2, put first
+    with special tokens where `adds_bos` (a Llama-like tokenizer; SmolLM2's adds none)."""
 
-    bos_token_id, pad_token_id = 2, 0
+    pad_token_id = 0
+
+    def __init__(self, adds_bos: bool = True, bos_token_id: int | None = 2) -> None:
+        self.adds_bos, self.bos_token_id = adds_bos, bos_token_id
 
     def __call__(self, text, add_special_tokens=True):
-        return {"input_ids": [3 + ord(c) % (VOCAB - 3) for c in text]}
+        ids = [3 + ord(c) % (VOCAB - 3) for c in text]
+        return {"input_ids": ([self.bos_token_id] if add_special_tokens and self.adds_bos else []) + ids}
 
     def decode(self, ids):
         return "".join(chr(i) for i in ids)
 
 
 def _ids(text: str = TEXT) -> list[int]:
-    return CharTokenizer()(text)["input_ids"]
+    return CharTokenizer()(text, add_special_tokens=False)["input_ids"]
 
 
 def test_the_windows_and_positions_are_llama_cpps(tmp_path):
     model = make_tiny("llama").eval()
     context = 32
-    ids = _ids()
+    ids = [2, *_ids()]  # llama.cpp tokenises with special tokens: BOS first, where the tokenizer adds it
     count = len(ids) // context
     assert count >= 5
     run = score(model, TEXT, tmp_path / "run", tokenizer=CharTokenizer(), context=context, batch_size=2)
@@ -58,6 +63,30 @@ def test_the_windows_and_positions_are_llama_cpps(tmp_path):
     assert windows(ids, context, None)[:, 0].tolist() == ids[::context][:count]
 
 
+@pytest.mark.parametrize("adds", [True, False], ids=["adds_bos", "adds_none"])
+def test_bos_is_llama_cpps_rule_unless_overridden(adds):
+    """llama.cpp (tools/perplexity): the file tokenised with special tokens (BOS first where `add_bos`), and each
+    window's first id replaced by BOS where `add_bos`, kept elsewhere. `bos=True`/`False` override either way."""
+    model, context = make_tiny("llama").eval(), 16
+    text_ids = _ids()
+    for bos in (None, True, False):
+        run = score(model, TEXT, tokenizer=CharTokenizer(adds_bos=adds), context=context, max_windows=3, batch_size=3)
+        if bos is not None:
+            run = score(model, TEXT, tokenizer=CharTokenizer(adds_bos=adds), context=context, max_windows=3,
+                        batch_size=3, bos=bos)
+        with_bos = adds if bos is None else bos
+        stream = [2, *text_ids] if with_bos else text_ids
+        expected = windows(stream, context, 2 if with_bos else None)[:3]
+        assert (expected[:, 0] == 2).all().item() is with_bos
+        tokens = torch.stack(run.generation().tokens(), 1)  # (windows, steps): ids first + 1 .. context - 1
+        assert torch.equal(tokens, expected[:, context // 2 + 1:]), bos
+        assert [m["bos"] for m in run.generation().sample_metadata] == [2 if with_bos else None] * 3
+    with pytest.raises(ValueError, match="this tokenizer has none"):
+        score(model, TEXT, tokenizer=CharTokenizer(adds_bos=adds, bos_token_id=None), context=context, bos=True)
+    with pytest.raises(ValueError, match="`bos` must be True, False or None"):
+        score(model, TEXT, tokenizer=CharTokenizer(), context=context, bos="yes")
+
+
 def test_chunked_forwards_give_the_whole_forwards_values_to_rounding(tmp_path):
     model = make_tiny("llama").eval()
     whole = score(model, TEXT, tokenizer=CharTokenizer(), context=32, max_windows=2)
@@ -75,12 +104,12 @@ def test_a_candidate_against_its_base_gives_perplexities_and_kl(tmp_path):
     reference_topk = score(base_model, TEXT, tmp_path / "top", tokenizer=CharTokenizer(), context=32,
                            encodings={"logits": "topk:16"})
     cmp = compare(base, candidate)
-    count = len(_ids()) // 32
+    count = (1 + len(_ids())) // 32  # BOS first: this tokenizer adds one
     assert len(cmp) == count * 15 and not cmp.estimate
     summary = cmp.summary()
     assert summary["kl_ab"]["mean"] > 0 and summary["perplexity"]["count"] == len(cmp)
     # PPL(base): exp of the mean negative log-likelihood of the predicted ids, from the forward itself.
-    cut = windows(_ids(), 32, 2)
+    cut = windows([2, *_ids()], 32, 2)
     with torch.no_grad():
         logprobs = torch.log_softmax(base_model(input_ids=cut[:, :31]).logits.double(), -1)
     nll = -logprobs[:, 16:31].gather(-1, cut[:, 17:32, None])[..., 0]
@@ -227,6 +256,8 @@ def test_the_command_scores_a_text_file_and_compare_reports_llama_cpps_statistic
     common = ["--model", "smollm2", "--text", str(text), "--context", "64", "--max-windows", "3", "--no-progress", "--json"]
     assert main(["score", *common, "--out", str(tmp_path / "base")]) == 0
     assert json.loads(capsys.readouterr().out)["tokens_scored"] == 3 * 31
+    # SmolLM2's GGUF sets add_bos_token false, and llama.cpp's perplexity then keeps each window's first id.
+    assert open_recording(tmp_path / "base").generation().sample_metadata[0]["bos"] is None
     assert main(["score", *common, "--out", str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
     capsys.readouterr()
     assert main(["compare", str(tmp_path / "base"), str(tmp_path / "bf16"), "--json"]) == 0
@@ -474,7 +505,7 @@ def test_score_resumed_with_other_settings_is_refused_before_the_model_loads(tmp
     capsys.readouterr()
     assert main([*common, "--context", "16", "--dtype", "bfloat16", "--no-bos"]) == 1
     err = capsys.readouterr().err
-    assert "dtype None (now 'bfloat16')" in err and "no_bos False (now True)" in err
+    assert "dtype None (now 'bfloat16')" in err and "bos None (now False)" in err
     assert main([*common, "--context", "16", "--json"]) == 0  # more windows, the same settings: resumed
     assert json.loads(capsys.readouterr().out)["windows"] == 2
 
@@ -491,3 +522,42 @@ def test_a_resume_with_more_windows_scores_each_window_once(tmp_path):
     for generation in run.generations:  # each window predicts its own ids (its logits: another batch, other rounding)
         for row, window in enumerate(generation.sample_ids):
             assert [int(t[row]) for t in generation.tokens()] == [int(t[0]) for t in whole.generations[window].tokens()]
+
+
+def test_a_compact_references_perplexity_covers_every_token_or_is_refused(monkeypatch):
+    """`score` with a compact encoding records the per-token statistics beside it: compare's perplexity and
+    probability change then cover every scored token (the chosen token's logprob from `stats`, float32
+    `log_softmax`: within 1e-6 of the dense reference's float64 one per token). A compact recording without them
+    (as `score` made before) has those blocks refused, never summarised over the tokens its top-k kept."""
+    from transformers_offload.rescoring import corpus
+
+    base, candidate_model = make_tiny("llama").eval(), make_tiny("llama").eval().to(torch.bfloat16)
+    options = {"tokenizer": CharTokenizer(), "context": 32}
+    dense, candidate = score(base, TEXT, **options), score(candidate_model, TEXT, **options)
+    exact = compare(dense, candidate)
+    for encoding, kind in (("topk:4+tail:6", "unbiased estimate"), ("topk:4", "lower bound")):
+        reference = score(base, TEXT, **options, encodings={"logits": encoding})
+        assert "stats" in reference.generation().streams
+        found = compare(reference, candidate)
+        summary, expected = found.summary(), exact.summary()
+        assert kind in found.estimate_kind and kind in found.summary_text()
+        assert summary["chosen_missing"] == 0 and summary["refused"] is None
+        assert summary["perplexity"]["count"] == expected["perplexity"]["count"] == len(exact) == 120
+        assert np.abs(found.columns["logprob_a"] - exact.columns["logprob_a"]).max() < 1e-6
+        assert summary["perplexity"]["ppl_a"]["value"] == pytest.approx(expected["perplexity"]["ppl_a"]["value"], rel=1e-6)
+        assert summary["same_top1_percent"] == expected["same_top1_percent"]
+        if kind == "lower bound":
+            assert np.all(found.columns["kl_ab"] <= exact.columns["kl_ab"] + 1e-12)
+        else:  # the tail's draws: above the exact value at some tokens, so no bound
+            assert (found.columns["kl_ab"] > exact.columns["kl_ab"]).any()
+    monkeypatch.setattr(corpus, "LOSSLESS_ENCODINGS", (*corpus.LOSSLESS_ENCODINGS, "topk:4"))  # no stats: as before
+    bare = score(base, TEXT, **options, encodings={"logits": "topk:4"})
+    assert "stats" not in bare.generation().streams
+    found = compare(bare, candidate)
+    summary = found.summary()
+    kept = int(found.columns["chosen_known"].sum())
+    assert 0 < kept < len(found) and summary["chosen_missing"] == len(found) - kept
+    assert summary["perplexity"]["count"] == 0 and summary["perplexity"]["ppl_a"]["value"] is None
+    assert summary["prob_change_percent"]["count"] == 0 and summary["prob_change_rms_percent"]["value"] is None
+    assert f"{len(found) - kept} of {len(found)} chosen tokens" in summary["refused"]
+    assert "NOTE: perplexity and probability change refused" in found.summary_text()

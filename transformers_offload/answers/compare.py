@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..codecs.spec import ENCODED_STREAMS, topk_width
+from ..codecs.stats import STATS_STREAM
 from ..errors import CompareError
 from ..read.samples import sample_ids
 from .compare_metrics import Side, Workspace, group_entries, step_values
@@ -32,8 +33,12 @@ def compare(a: Any, b: Any, *, stream: str = "logits", chunk_steps: int = 16) ->
     probability change, top-1 agreement, top-k overlaps, the largest logit difference and the chosen
     token's rank under `b`: `answers.compare_metrics` gives each as a torch expression. They are exact
     on dense, sparse and native recordings; where either side is `topk:K`, the KLs are those over the
-    kept ids plus one bucket for the rest, a lower bound (an estimate, flagged `estimate`;
-    docs/compare.md gives the bound).
+    kept ids plus one bucket for the rest, a lower bound, and where a `topk:K+tail:N` side meets a full
+    one, an unbiased estimate, which may exceed the exact value (both flagged `estimate`, named by
+    `estimate_kind`; docs/compare.md). A top-k side gives the chosen token's logprob only where it kept
+    it, or from a `stats` stream beside it (`score` records one); where some token has none, the
+    perplexity and probability-change statistics are refused (`summary()["refused"]`), never computed
+    over the others.
 
     Steps are read `chunk_steps` at a time (every row), so memory holds one chunk's tensors (and, per
     token, the results: about 350 bytes), whatever the length; a recording on disk keeps only the shard
@@ -86,7 +91,22 @@ def compare(a: Any, b: Any, *, stream: str = "logits", chunk_steps: int = 16) ->
             for values in _pair_values(ga, gb, stream, plan, chunk_steps, ids[id(ga)], workspace):
                 columns.put(values)
     return Comparison(columns.arrays, stream=stream, pairs=[(ga.index, gb.index) for ga, gb in pairs],
-                      sample_as_text=any(isinstance(i, str) for per in ids.values() for i in per))
+                      sample_as_text=any(isinstance(i, str) for per in ids.values() for i in per),
+                      estimate_kind=_estimate_kind(pairs, stream))
+
+
+def _estimate_kind(pairs: list[tuple[Any, Any]], stream: str) -> str:
+    """What a top-k side's KLs are: a lower bound (one bucket for the ids outside the K: the log-sum
+    inequality), or, where a `topk:K+tail:N` side meets a full one, an unbiased estimate of the exact KL
+    (the tail's share estimated from the draws), which may fall on either side of it."""
+    tails = False
+    for ga, gb in pairs:
+        widths = [topk_width(g.encodings.get(stream, "")) for g in (ga, gb)]
+        drawn = ["+tail:" in g.encodings.get(stream, "") for g in (ga, gb)]
+        tails |= (drawn[0] and widths[1] is None) or (drawn[1] and widths[0] is None)
+    if tails:
+        return "top-k ids and draws from the tail: an unbiased estimate of the KL, on either side of it"
+    return "top-k ids plus one bucket for the rest: a lower bound of the KL"
 
 
 def _generations(source: Any, name: str, opened: list[Any], stack: contextlib.ExitStack) -> list[Any]:
@@ -220,7 +240,13 @@ def _width(generation: Any, stream: str) -> int | None:
 
 def _read(generation: Any, stream: str, steps: range, rows: Any = None) -> list[Side]:
     if topk_width(generation.encodings.get(stream, "")) is not None:
-        return [Side(topk=record) for record in generation.topk(stream, steps=steps, rows=rows)]
+        records = generation.topk(stream, steps=steps, rows=rows)
+        if stream != "logits" or STATS_STREAM not in generation.streams:
+            return [Side(topk=record) for record in records]
+        # The raw logits' statistics (`score` records them beside a compact encoding): every chosen token's logprob.
+        stats = generation.step_stats(steps=steps, rows=rows)
+        return [Side(topk=record, chosen={name: step[name] for name in ("token", "logprob_raw", "rank_raw")})
+                for record, step in zip(records, stats)]
     read = generation.logits if stream == "logits" else generation.scores
     return [Side(full=x.reshape(-1, x.shape[-1])) for x in read(steps=steps, rows=rows)]
 
@@ -307,7 +333,9 @@ def _joined(sides: list[Side]) -> Side:
         fulls = [side.full for side in sides]
         joined = _adjacent(fulls)
         return Side(full=torch.cat(fulls) if joined is None else joined)
-    return Side(topk={name: torch.cat([side.topk[name] for side in sides]) for name in sides[0].topk})
+    chosen = None if sides[0].chosen is None else {
+        name: torch.cat([side.chosen[name] for side in sides]) for name in sides[0].chosen}
+    return Side(topk={name: torch.cat([side.topk[name] for side in sides]) for name in sides[0].topk}, chosen=chosen)
 
 
 def _adjacent(tensors: list[torch.Tensor]) -> torch.Tensor | None:

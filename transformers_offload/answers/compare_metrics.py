@@ -71,11 +71,16 @@ GROUP = 1 << 22
 
 
 class Side:
-    """One side's distributions at one step: the full `(rows, vocab)` tensor, or a top-k record."""
+    """One side's distributions at one step: the full `(rows, vocab)` tensor, or a top-k record, with
+    (`chosen`, optional, beside a top-k record) the recording's per-token statistics of the step's rows
+    (`token`, `logprob_raw`, `rank_raw`: the `stats` stream), which give every chosen token's logprob and
+    rank where the record keeps only some of them."""
 
-    def __init__(self, full: torch.Tensor | None = None, topk: dict[str, torch.Tensor] | None = None) -> None:
+    def __init__(self, full: torch.Tensor | None = None, topk: dict[str, torch.Tensor] | None = None,
+                 chosen: dict[str, torch.Tensor] | None = None) -> None:
         self.full = full
         self.topk = topk
+        self.chosen = chosen
 
     @property
     def width(self) -> int | None:
@@ -316,14 +321,17 @@ def _describe(side: Side, rows: torch.Tensor, chosen_rows: torch.Tensor, y: torc
     if "tail_indices" in record:  # `"topk:K+tail:N"`: the draws from outside the K, log-probabilities in float64
         drawn = {"tail_ids": record["tail_indices"][rows],
                  "tail_logprobs": record["tail_values"][rows].double() - record["logsumexp"][rows].double()[:, None]}
+    chosen_logprob = q_logprobs.gather(-1, where)[:, 0]
+    chosen_rank = (q_values > value).sum(-1)  # every entry above a kept one is kept too: its rank among them
+    if side.chosen is not None:  # the recorded statistics: every chosen token's, kept or not, one expression
+        found = side.chosen["token"][chosen_rows] == y
+        chosen_logprob = side.chosen["logprob_raw"][chosen_rows].double()
+        chosen_rank = side.chosen["rank_raw"][chosen_rows]
     return {
         **drawn,
         "ids": ids, "logprobs": logprobs, "mass_outside": record["mass_outside"][rows].double(),
         "top_ids": ids[:, :TOP], "top_logprobs": logprobs[:, :TOP],
-        "chosen_logprob": q_logprobs.gather(-1, where)[:, 0],
-        # Every entry above a kept one is kept too: its rank among the kept values is its rank.
-        "chosen_rank": (q_values > value).sum(-1),
-        "chosen_known": found,
+        "chosen_logprob": chosen_logprob, "chosen_rank": chosen_rank, "chosen_known": found,
     }
 
 

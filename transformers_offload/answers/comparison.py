@@ -50,14 +50,16 @@ class Comparison:
     Attributes:
         stream (`str`): `"logits"` or `"scores"`.
         pairs (`list[tuple[int, int]]`): the paired generations, as (index in `a`, index in `b`).
-        estimate (`bool`): True when a side was recorded `topk:K`: its tokens' KLs are the lower-bound
-            estimate over the kept ids plus the tail (docs/compare.md).
+        estimate (`bool`): True when a side was recorded `topk:K`: its tokens' KLs are estimates (docs/compare.md).
+        estimate_kind (`str`): which: a lower bound (`topk:K`), or an unbiased estimate that may exceed the
+            exact KL (a `topk:K+tail:N` side against a full one).
         columns (`dict[str, numpy.ndarray]`): the per-token values, one entry per token (see `to_arrow`).
     """
 
     def __init__(self, columns: dict[str, np.ndarray], *, stream: str, pairs: list[tuple[int, int]],
-                 sample_as_text: bool) -> None:
+                 sample_as_text: bool, estimate_kind: str = "") -> None:
         self.columns = columns
+        self.estimate_kind = estimate_kind
         self.stream = stream
         self.pairs = pairs
         self._sample_as_text = sample_as_text
@@ -69,6 +71,22 @@ class Comparison:
     def __repr__(self) -> str:
         return (f"Comparison({self.stream!r}, {len(self.pairs)} generation(s), {len(self)} tokens"
                 f"{', estimate' if self.estimate else ''})")
+
+    def chosen_missing(self) -> int:
+        """The tokens whose chosen token's logprob a side cannot give (a compact record that did not keep
+        it, and no `stats` stream beside it): where any is, the perplexity and probability-change
+        statistics are refused rather than computed over the others (a silent subset)."""
+        if not len(self):
+            return 0
+        return int(((self.columns["token"] >= 0) & ~self.columns["chosen_known"]).sum())
+
+    def _refused(self, missing: int) -> str | None:
+        if not missing:
+            return None
+        return (f"perplexity and probability change refused: {missing} of {len(self)} chosen tokens lie outside what a "
+                "compact recording kept, and a statistic over the rest would describe another set of tokens. Record "
+                "the reference dense, or with its per-token statistics beside the compact logits (`score` does so "
+                "for every compact encoding; `Recorder(streams=(\"logits\", \"stats\"))`).")
 
     def _known(self, name: str) -> np.ndarray:
         values = self.columns[name]
@@ -93,7 +111,8 @@ class Comparison:
             >>> compare(run, run).summary()["kl_ab"]["max"]  # doctest: +SKIP
             0.0
         """
-        change = self._known("prob_change")
+        missing = self.chosen_missing()
+        change = self._known("prob_change") if not missing else np.zeros(0)
         rms = rms_stderr = None
         if change.size:
             squares = change ** 2
@@ -113,8 +132,9 @@ class Comparison:
         return {
             "stream": self.stream, "tokens": len(self), "estimate": self.estimate,
             "generations": [list(pair) for pair in self.pairs],
-            "perplexity": perplexity_stats(self._known("logprob_a") if len(self) else np.zeros(0),
-                                           self._known("logprob_b") if len(self) else np.zeros(0)),
+            "perplexity": perplexity_stats(self._known("logprob_a") if len(self) and not missing else np.zeros(0),
+                                           self._known("logprob_b") if len(self) and not missing else np.zeros(0)),
+            "chosen_missing": missing, "refused": self._refused(missing),
             "kl_ab": percentile_stats(self.columns["kl_ab"] if len(self) else np.zeros(0)),
             "kl_ba": percentile_stats(self.columns["kl_ba"] if len(self) else np.zeros(0)),
             "prob_change_percent": percentile_stats(change if len(self) else np.zeros(0), percent=True),
@@ -128,8 +148,10 @@ class Comparison:
         """The summary as text, laid out as llama.cpp's perplexity tool prints its KL-divergence
         statistics (one block per quantity; values in nats, probability changes in percent)."""
         s = self.summary()
-        kind = " (ESTIMATE: top-k ids plus the tail's mass, a lower bound; see docs/compare.md)" if s["estimate"] else ""
+        kind = f" (ESTIMATE: {self.estimate_kind}; see docs/compare.md)" if s["estimate"] else ""
         lines = [f"compared {s['tokens']} tokens of {len(s['generations'])} generation(s), stream {s['stream']!r}{kind}"]
+        if s["refused"]:
+            lines += ["", f"NOTE: {s['refused']}"]
         ppl = s["perplexity"]
         lines += ["", "====== Perplexity statistics (of the chosen tokens; Q: b, base: a) ======",
                   f"Mean PPL(Q)                   : {_pair(ppl['ppl_b'])}",

@@ -91,7 +91,11 @@ def add(commands: Any) -> None:
     score.add_argument("--batch-size", type=int, default=4, help="windows per forward (4)")
     score.add_argument("--chunk-size", type=int, default=512, help="positions per forward (512)")
     score.add_argument("--max-windows", type=int, help="score the first N windows only (llama.cpp's --chunks)")
-    score.add_argument("--no-bos", action="store_true", help="keep each window's first id (else the tokenizer's BOS)")
+    bos = score.add_mutually_exclusive_group()
+    bos.add_argument("--bos", dest="bos", action="store_true", default=None,
+                     help="BOS first and as each window's first id (default: as llama.cpp, where the tokenizer adds BOS)")
+    bos.add_argument("--no-bos", dest="bos", action="store_false", default=None,
+                     help="no BOS: each window's first id kept (default: as llama.cpp, where the tokenizer adds none)")
     _loading_options(score)
     score.add_argument("--encodings", default="", help="e.g. logits=topk:32+tail:48 (a small reference)")
     _resume_option(score)
@@ -187,7 +191,7 @@ _RECORD_SETTINGS = ("text_column", "messages_column", "id_column", "chat", "max_
                     "prompt_logprobs")
 # And a resumed `score`: the model's loading, the windows and the encoding (the texts by their digest). Not
 # --max-windows (a resume may score more), nor the batch or chunk sizes.
-_SCORE_SETTINGS = ("dtype", "attn_implementation", "quantization", "context", "no_bos", "encodings")
+_SCORE_SETTINGS = ("dtype", "attn_implementation", "quantization", "context", "bos", "encodings")
 
 
 def _dtype(name: str | None) -> Any:
@@ -261,7 +265,7 @@ def _score(arguments: argparse.Namespace) -> dict[str, Any]:
     model = _load_candidate(arguments)
     start = time.perf_counter()
     run, counts = score_run(model, texts, arguments.out, tokenizer=tokenizer, context=arguments.context,
-                            batch_size=arguments.batch_size, chunk_size=arguments.chunk_size, bos=not arguments.no_bos,
+                            batch_size=arguments.batch_size, chunk_size=arguments.chunk_size, bos=arguments.bos,
                             encodings=encodings or None, max_windows=arguments.max_windows,
                             progress=not arguments.no_progress)
     run.close()

@@ -3,9 +3,13 @@ position's raw logits recorded as a step, to compare a quantized (or otherwise c
 base (`compare(base, candidate)`: KL divergences, perplexities, same top token).
 
 The windows are llama.cpp's (`tools/perplexity`, `perplexity` and `kl_divergence`): the texts are
-tokenised without special tokens and their ids put one after another; window `w` is ids
-`[w * context, (w + 1) * context)` (a last partial window is dropped), its first id replaced by the
-tokenizer's BOS where it has one (`bos=True`); the positions scored are the second half,
+tokenised without special tokens and their ids put one after another, after one BOS where the model's
+tokenizer adds one (llama.cpp tokenises the file with `add_special`, which puts BOS first only where the
+vocabulary's `add_bos` is set: a GGUF's `tokenizer.ggml.add_bos_token`, a Hugging Face tokenizer's
+`add_bos_token`); window `w` is ids `[w * context, (w + 1) * context)` (a last partial window is dropped),
+its first id replaced by BOS under the same rule (llama.cpp: `if (add_bos && j == 0)`), and left as it
+is where the tokenizer adds none. `bos=True` or `False` overrides the tokenizer's rule either way (BOS
+first and each window's first id, or neither); the positions scored are the second half,
 `first = context // 2` to `context - 2`, the logits at position `j` predicting id `j + 1`: `context - 1 - context // 2`
 tokens a window (255 at 512), each predicted with at least half a context before it. Step `t` of a
 window is position `first + t`. Windows are batched `batch_size` at a time, one generation each (its rows
@@ -27,7 +31,23 @@ from ..jobs.parallel import process_rank
 from ..jobs.record import recorded_samples, run_share
 from ..read.reader import open_recording
 from ..recorder import Recorder
+from ..store.spill import DEFAULT_SHARD_BYTES
 from .forward import score_sequences
+
+# The encodings that keep every logit bit for bit (docs/format.md): compare reads each chosen token's logprob from them.
+LOSSLESS_ENCODINGS = ("dense", "native", "sparse")
+
+
+def adds_bos(tokenizer: Any) -> bool:
+    """Whether `tokenizer` puts its BOS first when it adds special tokens (what llama.cpp's `add_bos`
+    says of a GGUF vocabulary): found by tokenising a probe text with and without special tokens, so a
+    tokenizer whose `add_bos_token` setting is missing or stale is read by what it does."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return False
+    with_special = list(tokenizer("a", add_special_tokens=True)["input_ids"])
+    without = list(tokenizer("a", add_special_tokens=False)["input_ids"])
+    return with_special[:1] == [bos] and without[:1] != [bos]
 
 
 def windows(ids: Sequence[int] | torch.Tensor, context: int, bos_token_id: int | None) -> torch.Tensor:
@@ -42,7 +62,7 @@ def windows(ids: Sequence[int] | torch.Tensor, context: int, bos_token_id: int |
 
 
 def score(model: Any, texts: str | Sequence[str], out: str | os.PathLike | None = None, *, tokenizer: Any,
-          context: int = 512, batch_size: int = 4, chunk_size: int = 512, bos: bool = True,
+          context: int = 512, batch_size: int = 4, chunk_size: int = 512, bos: bool | None = None,
           encodings: dict[str, str] | None = None, max_windows: int | None = None, progress: bool = False,
           rank: int | None = None, world_size: int | None = None) -> Any:
     """Score a text corpus with `model`, as llama.cpp's perplexity tool does, and record each scored
@@ -63,8 +83,10 @@ def score(model: Any, texts: str | Sequence[str], out: str | os.PathLike | None 
         context (`int`, *optional*, defaults to 512): tokens per window (llama.cpp's `-c`), at least 4.
         batch_size (`int`, *optional*, defaults to 4): windows per forward (rows of a generation).
         chunk_size (`int`, *optional*, defaults to 512): positions per forward.
-        bos (`bool`, *optional*, defaults to True): replace each window's first id by the tokenizer's
-            BOS (as llama.cpp does for models that add one); ignored where the tokenizer has none.
+        bos (`bool`, *optional*): put the tokenizer's BOS before the texts' ids and in place of each
+            window's first id (True) or neither (False); default None: as llama.cpp does, where the
+            tokenizer adds BOS (`adds_bos`), not elsewhere. Each window's metadata names the BOS id used
+            (`bos`, null for none).
         encodings (`dict[str, str]`, *optional*): how to store the logits, as `Recorder(encodings=...)`:
             `{"logits": "topk:20"}` for a small reference (its KLs are then estimates: docs/compare.md).
         max_windows (`int`, *optional*): score only the first this many windows (llama.cpp's `--chunks`).
@@ -85,7 +107,7 @@ def score(model: Any, texts: str | Sequence[str], out: str | os.PathLike | None 
 
     Raises:
         ValueError: a bad option; texts that hold fewer than `context` tokens (no window); a tokenizer
-            whose vocabulary the model does not cover.
+            whose vocabulary the model does not cover; `bos=True` with a tokenizer that has no BOS.
         TypeError: `texts` is not a string or a sequence of strings.
         RecordingError: `out` is damaged. BlockingIOError: another process is scoring these windows into `out`.
     """
@@ -95,7 +117,7 @@ def score(model: Any, texts: str | Sequence[str], out: str | os.PathLike | None 
 
 
 def score_run(model: Any, texts: str | Sequence[str], out: str | os.PathLike | None = None, *, tokenizer: Any,
-              context: int = 512, batch_size: int = 4, chunk_size: int = 512, bos: bool = True,
+              context: int = 512, batch_size: int = 4, chunk_size: int = 512, bos: bool | None = None,
               encodings: dict[str, str] | None = None, max_windows: int | None = None, progress: bool = False,
               rank: int | None = None, world_size: int | None = None) -> tuple[Any, dict[str, int]]:
     """`score`, and what this process did (the command's result): `windows` and `tokens_scored` scored now,
@@ -114,11 +136,16 @@ def score_run(model: Any, texts: str | Sequence[str], out: str | os.PathLike | N
     if tokenizer is None or not callable(tokenizer):
         raise ValueError(f"`tokenizer` is needed to cut the texts into tokens: pass the model's tokenizer "
                          f"(`AutoTokenizer.from_pretrained(...)`), got {type(tokenizer).__name__}.")
+    if bos is not None and not isinstance(bos, bool):
+        raise ValueError(f"`bos` must be True, False or None (as the tokenizer does), got {bos!r}.")
+    if bos and getattr(tokenizer, "bos_token_id", None) is None:
+        raise ValueError("`bos=True` asks for the tokenizer's BOS, and this tokenizer has none (`bos_token_id` is "
+                         "None): pass `bos=None` or `False`.")
+    bos_token_id = tokenizer.bos_token_id if (adds_bos(tokenizer) if bos is None else bos) else None
     ids = [i for text in texts for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
-    bos_token_id = getattr(tokenizer, "bos_token_id", None) if bos else None
-    cut = windows(ids, context, bos_token_id)
     if not ids:
         raise ValueError("the texts hold no tokens (they are empty): pass a text to score.")
+    cut = windows(([] if bos_token_id is None else [bos_token_id]) + ids, context, bos_token_id)
     if not len(cut):
         raise ValueError(f"the texts hold {len(ids)} tokens, fewer than one window of `context` {context}: pass a "
                          "longer text or a smaller `context`.")
@@ -134,13 +161,20 @@ def score_run(model: Any, texts: str | Sequence[str], out: str | os.PathLike | N
     corpus = {"context": context, "bos": bos_token_id, "ids_sha256": digest}
     batches = [range(start, min(start + batch_size, len(cut))) for start in range(0, len(cut), batch_size)]
 
+    vocab_width = int(vocab) if vocab is not None else 2**17
+    shard_bytes = shard_size(min(batch_size, len(cut)) * steps * vocab_width * 4)
+    # A compact reference keeps some tokens' logits only: the per-token statistics beside it (36 bytes a token) give
+    # every scored token's logprob and rank, so that compare's perplexity covers every token, never a subset.
+    compact = (encodings or {}).get("logits", "dense") not in LOSSLESS_ENCODINGS
+    streams = ("logits", "stats") if compact else ("logits",)
     windows_scored: list[int] = []
 
     def scored(spill_dir: Path | None, todo: list[int]) -> Recorder:
         # A batch is scored but for its windows `out` holds complete already: a resume with more windows
         # (`max_windows` grown) cuts its batches anew, and one may hold windows an earlier run scored.
         done = recorded_samples(out) if spill_dir is not None else set()
-        rec = Recorder(model, streams=("logits",), spill_dir=spill_dir, encodings=encodings, append=spill_dir is not None)
+        rec = Recorder(model, streams=streams, spill_dir=spill_dir, encodings=encodings, append=spill_dir is not None,
+                       shard_bytes=shard_bytes if spill_dir is not None else None)
         try:
             bar = _progress(len(todo), progress)
             for index in todo:
@@ -166,6 +200,14 @@ def score_run(model: Any, texts: str | Sequence[str], out: str | os.PathLike | N
                         work=scored)
     return open_recording(out), _counts(batches, mine, windows_scored, steps, rank, world_size)
 
+
+
+def shard_size(batch_logits_bytes: int) -> int:
+    """The shards `score` writes, for a batch whose scored logits take `batch_logits_bytes` (float32): the
+    writer holds about three shards at once (one filling, one being written, its serialisation), so shards
+    of a 32nd of that keep them near 10% of what one forward of the batch holds; at least 1 MiB, at most
+    the Recorder's usual 64 MiB (reached where a batch's logits pass 2 GiB)."""
+    return max(2**20, min(DEFAULT_SHARD_BYTES, batch_logits_bytes // 32))
 
 
 def _counts(batches: list[range], mine: list[int], scored: list[int], steps: int, rank: int,
@@ -195,4 +237,4 @@ def _progress(total: int, show: bool) -> Any:
     return tqdm(total=total, unit="batch", disable=not show, desc="score")
 
 
-__all__ = ["score", "score_run", "windows"]
+__all__ = ["adds_bos", "score", "score_run", "windows"]

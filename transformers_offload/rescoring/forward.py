@@ -83,18 +83,23 @@ def score_sequences(model: Any, rec: Any, sequences: torch.Tensor, prompt_length
         cache = None
         logits = None  # one `(rows, vocab)` float32 buffer, reused for every position (the ring copies it)
         cache_argument = _compat.cache_argument(model)
+        keep_argument = _compat.logits_to_keep_argument(model)
         end_of_scored = length + steps - 1  # the last token is appended, never scored
         with torch.no_grad():
             for start in range(0, end_of_scored, chunk_size):
                 end = min(start + chunk_size, end_of_scored)
+                # The scored positions of a chunk are its last ones: where the forward can, it computes
+                # only their logits (one position's where none is scored; 0 would mean every position).
+                kept = end - start if keep_argument is None else max(1, end - max(start, length - 1))
+                keep = {} if keep_argument is None else {keep_argument: kept}
                 out = model(input_ids=sequences[:, start:end], attention_mask=mask[:, :end],
-                            position_ids=positions[:, start:end], use_cache=True, **{cache_argument: cache})
+                            position_ids=positions[:, start:end], use_cache=True, **{cache_argument: cache}, **keep)
                 cache = _compat.cache_of(out)
                 for position in range(max(start, length - 1), end):
                     step = position - (length - 1)
                     if logits is None:
                         logits = torch.empty(out.logits[:, 0].shape, dtype=torch.float32, device=out.logits.device)
-                    logits.copy_(out.logits[:, position - start])
+                    logits.copy_(out.logits[:, position - (end - kept)])
                     ids = sequences[:, : length + step]
                     capture.on_raw(ids, logits)
                     capture.on_processed(ids, logits)
