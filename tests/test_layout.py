@@ -29,6 +29,7 @@ ALLOWED = {
     "capture": {"errors", "codecs", "store", "_compat", "_interrupts", "_lazy", "_version"},
     "read": {"errors", "codecs", "store", "_lazy"},
     "answers": {"errors", "codecs", "store", "read", "demo_model", "_lazy"},
+    "rl": {"errors", "codecs", "read"},
     "recorder": {"errors", "codecs", "store", "capture", "read", "_compat", "_version"},
     "jobs": {"errors", "store", "read", "recorder"},
     "rescoring": {"errors", "store", "read", "recorder", "jobs", "_compat"},

@@ -37,6 +37,10 @@ _EXPORTS = {
     "RecordingError": ".errors",
     "SpillError": ".errors",
     "TransferStats": ".store.stored",
+    "KeptSets": ".rl.kept",
+    "kept_sets": ".rl.kept",
+    "replay_logprobs": ".rl.replay",
+    "sampler_logprobs": ".rl.sampler",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])
@@ -79,4 +83,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from .recorder import Recorder
     from .rescoring.corpus import score
     from .rescoring.decode import rescore
+    from .rl.kept import KeptSets, kept_sets
+    from .rl.replay import replay_logprobs
+    from .rl.sampler import sampler_logprobs
     from .store.stored import TransferStats

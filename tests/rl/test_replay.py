@@ -1,0 +1,65 @@
+"""`replay_logprobs`: the trainer's logprob of each sampled token at the sampling temperature, renormalised over
+its kept set. On the recorded raw logits it is the recorded processed logprob bit for bit; against a float64
+computation from the kept ids, within 2e-6; its gradient is zero outside the kept sets and at invalid positions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from transformers_offload import Recorder, kept_sets, replay_logprobs
+
+from ..helpers import make_tiny
+
+
+@pytest.fixture
+def recorded(sample):
+    model = make_tiny("llama")
+    with Recorder(model, streams=("logits", "scores")) as rec:
+        sample(model, rec, max_new_tokens=8, eos_token_id=list(range(3, 20)), output_scores=False,
+                 return_dict_in_generate=False)
+    return rec
+
+
+def test_on_the_recorded_raw_logits_replay_is_the_processed_logprob_bit_for_bit(recorded):
+    kept = kept_sets(recorded)
+    raw = torch.stack(recorded.logits(), 1)
+    processed = torch.stack([torch.log_softmax(s, -1).gather(-1, t[:, None])[:, 0]
+                             for s, t in zip(recorded.scores(), recorded.tokens())], 1)
+    assert 0 < int(kept.valid.sum()) < kept.valid.numel()  # some rows finished: invalid positions are there
+    for chunk_steps in (1, 3, 16):
+        found = replay_logprobs(raw, kept, chunk_steps=chunk_steps)
+        assert found.dtype == torch.float32 and found.shape == kept.tokens.shape
+        assert torch.equal(found, torch.where(kept.valid, processed, 0.0))
+
+
+def test_replay_is_the_float64_expression_over_the_kept_ids_and_differentiable(recorded):
+    kept = kept_sets(recorded)
+    torch.manual_seed(1)
+    logits = torch.randn(kept.rows, kept.steps, kept.vocab_size + 3, dtype=torch.bfloat16, requires_grad=True)
+    found = replay_logprobs(logits, kept, temperature=0.9, chunk_steps=5)
+    expected = torch.zeros(kept.rows, kept.steps, dtype=torch.float64)
+    for r in range(kept.rows):
+        for t in range(kept.steps):
+            if kept.valid[r, t]:
+                x = logits[r, t].detach().double() / 0.9
+                ids = kept.ids_at(r, t).long()
+                expected[r, t] = x[int(kept.tokens[r, t])] - torch.logsumexp(x[ids], 0)
+    assert (found.double() - expected).abs().max() < 2e-6
+    found.sum().backward()
+    outside = torch.ones_like(logits, dtype=torch.bool)
+    for r in range(kept.rows):
+        for t in range(kept.steps):
+            if kept.valid[r, t]:
+                outside[r, t, kept.ids_at(r, t).long()] = False
+    assert torch.all(logits.grad[outside] == 0) and logits.grad[~outside].abs().sum() > 0
+
+
+def test_bad_input_is_refused(recorded):
+    kept = kept_sets(recorded)
+    with pytest.raises(ValueError, match=r"must be \(rows, steps, vocab\)"):
+        replay_logprobs(torch.zeros(kept.rows, kept.steps + 1, kept.vocab_size), kept)
+    with pytest.raises(ValueError, match="entries per position"):
+        replay_logprobs(torch.zeros(kept.rows, kept.steps, kept.vocab_size - 1), kept)
+    with pytest.raises(ValueError, match="`temperature` must be positive"):
+        replay_logprobs(torch.zeros(kept.rows, kept.steps, kept.vocab_size), kept, temperature=0.0)
