@@ -81,7 +81,7 @@ def test_what_cannot_give_the_exact_sets_is_refused(sample):
         kept_sets(rec)
     assert kept_sets(rec, mask_only=True).ids.numel() > 0
     with Recorder(model, streams=("logits", "scores")) as rec:
-        sample(model, rec, do_sample=False, num_beams=2, num_return_sequences=1)
+        sample(model, rec, do_sample=False, num_beams=2, num_return_sequences=1, temperature=None, top_p=None, top_k=None)
     with pytest.raises(ValueError, match="beam search"):
         kept_sets(rec)
     with pytest.raises(TypeError, match="expected a Generation"):
@@ -111,3 +111,30 @@ def test_a_topk_record_wide_enough_gives_the_same_sets(sample):
         sample(model, compact)
     a, b = kept_sets(dense), kept_sets(compact)
     assert torch.equal(a.offsets, b.offsets) and torch.equal(a.ids, b.ids) and torch.equal(a.tokens, b.tokens)
+
+
+def test_continuous_batching_requests_are_rows_of_their_own_and_replay_is_their_processed_logprob():
+    from transformers import GenerationConfig
+
+    from transformers_offload import replay_logprobs
+    from transformers_offload.capture import continuous
+
+    if not continuous.runner_known():
+        pytest.skip("this release's continuous batching is refused by the recorder")
+    model = make_tiny("llama")
+    prompts = [[3, 4, 5], [6, 7, 8, 9, 10, 11, 12], [13, 14]]
+    torch.manual_seed(0)
+    with Recorder(model, streams=("logits", "scores")) as rec:
+        model.generate_batch(prompts, generation_config=GenerationConfig(max_new_tokens=5, do_sample=True, top_k=5,
+                                                                          temperature=0.7, eos_token_id=None, pad_token_id=0),
+                             logits_processor=[rec], progress_bar=False)
+    assert [g.mode for g in rec.generations] == ["continuous_batching"] * 3
+    kept = kept_sets(rec)
+    assert (kept.rows, kept.steps) == (3, 5) and bool(kept.valid.all()) and kept.generations == (0, 1, 2)
+    assert torch.all(kept.offsets[1:] - kept.offsets[:-1] == 5)  # top-k 5 at every step
+    for r, generation in enumerate(rec.generations):
+        raw = torch.stack(generation.logits(), 1)
+        processed = torch.stack([torch.log_softmax(s, -1).gather(-1, t[:, None])[:, 0]
+                                 for s, t in zip(generation.scores(), generation.tokens())], 1)
+        assert torch.equal(replay_logprobs(raw, kept_sets(generation)), processed)
+        assert torch.equal(kept.tokens[r], torch.cat(generation.tokens()))
