@@ -785,3 +785,97 @@ class FailAtStepCriteria(StoppingCriteria):
         if self.calls > self.step:
             raise RuntimeError("stopped on purpose")
         return False  # transformers 4.36 wants a bool; later releases broadcast it over the rows
+
+
+# -- host syncs, caught without a GPU ---------------------------------------------------------------------
+class HostSyncGuard:
+    """A `TorchDispatchMode` that notes every op which, on a CUDA tensor, makes the host wait for the device,
+    issued while it is active (entered only around this package's per-step code: `guarded`), so that the CPU
+    suite catches what the CUDA sync-debug test (tests/capture/test_cuda.py) would.
+
+    The ops: `_local_scalar_dense` (behind `.item()`, `.tolist()`, `bool()`, `int()`, `float()` of a tensor),
+    `is_nonzero`, `equal` (`torch.equal` returns a bool), `nonzero`, `masked_select`, `_unique`, `_unique2`,
+    `unique_dim`, `unique_consecutive`, `repeat_interleave` without `output_size`, indexing or `index_put_`
+    with a boolean index (`aten.index.Tensor`, `aten.index_put(_)`), and `_to_copy` / `copy_` to the CPU
+    from another device (nothing on a CPU-only run: the transfer ring's own CPU path stands in for it, so the
+    guard is paused inside `HostRing.put`, whose CUDA path the CUDA test guards). `ops` counts the ops it saw,
+    `found` the offending ones with this package's innermost frame, but those in `cpu_only`, functions
+    (`"file.py:function"`) that read values only on the CPU branch of a device test a CUDA tensor never takes."""
+
+    def __init__(self, cpu_only: tuple[str, ...] = ()) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        guard = self
+        self.ops, self.found, self.paused, self.cpu_only = 0, [], 0, cpu_only
+        aten = torch.ops.aten
+        always = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default,
+                  aten.nonzero.default, aten.masked_select.default, aten._unique.default, aten._unique2.default,
+                  aten.unique_dim.default, aten.unique_consecutive.default}
+
+        def bool_index(indices) -> bool:
+            return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ())
+
+        def syncs(func, args, kwargs) -> bool:
+            if func in always:
+                return True
+            packet = func.overloadpacket
+            if packet is aten.repeat_interleave and func is aten.repeat_interleave.Tensor:
+                return kwargs.get("output_size") is None and (len(args) < 2 or args[1] is None)
+            if packet in (aten.index, aten.index_put, aten.index_put_):
+                return bool_index(args[1] if len(args) > 1 else kwargs.get("indices"))
+            if packet in (aten._to_copy, aten.copy_):
+                source = args[1] if packet is aten.copy_ else args[0]
+                target = args[0].device if packet is aten.copy_ else kwargs.get("device")
+                return (isinstance(source, torch.Tensor) and source.device.type != "cpu"
+                        and target is not None and torch.device(target).type == "cpu")
+            return False
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if not guard.paused:
+                    guard.ops += 1
+                    if syncs(func, args, kwargs):
+                        where = _innermost_own_frame()
+                        if not any(where.startswith(f"{name.split(':')[0]}:") and where.endswith(f"({name.split(':')[1]})")
+                                   for name in guard.cpu_only):
+                            guard.found.append(f"{func} at {where}")
+                return func(*args, **kwargs)
+
+        self.mode = Mode()
+
+    def guarded(self, function):
+        """`function`, run with the guard active."""
+        import functools
+
+        @functools.wraps(function)
+        def run(*args, **kwargs):
+            with self.mode:
+                return function(*args, **kwargs)
+
+        return run
+
+    def paused_in(self, function):
+        """`function`, run with the guard not noting (its CPU work stands in for a device path guarded elsewhere)."""
+        import functools
+
+        @functools.wraps(function)
+        def run(*args, **kwargs):
+            self.paused += 1
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.paused -= 1
+
+        return run
+
+
+def _innermost_own_frame() -> str:
+    """`file:line (function)` of this package's innermost frame on the stack."""
+    import traceback
+
+    frames = [f for f in traceback.extract_stack() if "transformers_offload" in f.filename and "/tests/" not in f.filename]
+    if not frames:
+        return "?"
+    frame = frames[-1]
+    return f"{frame.filename.split('transformers_offload/')[-1]}:{frame.lineno} ({frame.name})"

@@ -9,7 +9,7 @@ import torch
 
 from transformers_offload import Recorder, kept_sets, replay_logprobs
 
-from ..helpers import make_tiny
+from ..helpers import HostSyncGuard, make_tiny
 
 
 @pytest.fixture
@@ -63,3 +63,11 @@ def test_bad_input_is_refused(recorded):
         replay_logprobs(torch.zeros(kept.rows, kept.steps, kept.vocab_size - 1), kept)
     with pytest.raises(ValueError, match="`temperature` must be positive"):
         replay_logprobs(torch.zeros(kept.rows, kept.steps, kept.vocab_size), kept, temperature=0.0)
+
+
+def test_replay_makes_no_synchronising_call(recorded):
+    kept, guard = kept_sets(recorded), HostSyncGuard()
+    raw = torch.stack(recorded.logits(), 1).requires_grad_(True)
+    found = guard.guarded(replay_logprobs)(raw, kept, chunk_steps=3)
+    guard.guarded(lambda: found.sum().backward())()
+    assert guard.ops > 0 and not guard.found, guard.found
