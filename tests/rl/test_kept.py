@@ -113,6 +113,7 @@ def test_a_topk_record_wide_enough_gives_the_same_sets(sample):
     assert torch.equal(a.offsets, b.offsets) and torch.equal(a.ids, b.ids) and torch.equal(a.tokens, b.tokens)
 
 
+@pytest.mark.slow  # continuous batching's manager on CPU: 20 s
 def test_continuous_batching_requests_are_rows_of_their_own_and_replay_is_their_processed_logprob():
     from transformers import GenerationConfig
 
