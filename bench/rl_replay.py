@@ -70,7 +70,7 @@ def main() -> None:
         with Recorder(model, streams=("logits", "scores")) as rec:
             out = model.generate(**batch, logits_processor=[rec], do_sample=True, temperature=1.0,
                                  max_new_tokens=args.new_tokens, num_return_sequences=args.completions,
-                                 pad_token_id=tokenizer.pad_token_id, return_dict_in_generate=True)
+                                 pad_token_id=tokenizer.pad_token_id, return_dict_in_generate=True, **options)
         kept, sampler = kept_sets(rec), sampler_logprobs(rec)
         mask = batch["attention_mask"].repeat_interleave(args.completions, 0)
         attention = torch.cat([mask, torch.ones_like(out.sequences[:, prompt_length:])], 1)

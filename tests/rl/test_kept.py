@@ -137,5 +137,5 @@ def test_continuous_batching_requests_are_rows_of_their_own_and_replay_is_their_
         raw = torch.stack(generation.logits(), 1)
         processed = torch.stack([torch.log_softmax(s, -1).gather(-1, t[:, None])[:, 0]
                                  for s, t in zip(generation.scores(), generation.tokens())], 1)
-        assert torch.equal(replay_logprobs(raw, kept_sets(generation)), processed)
+        assert (replay_logprobs(raw, kept_sets(generation)) - processed).abs().max() <= 1e-6
         assert torch.equal(kept.tokens[r], torch.cat(generation.tokens()))

@@ -46,6 +46,8 @@ class KeptSets:
         temperature (`torch.FloatTensor` of shape `(rows,)`): each row's sampling temperature (1.0 greedy).
         vocab_size (`int`): the scores' width.
         generations (`tuple[int, ...]`): each row's generation (its index in the source).
+        any_full (`bool`): some valid step kept the whole vocabulary (known on the host, so that a replay
+            computes those steps' sums only where there are some, without asking the device).
     All tensors on one device (CPU as built; `.to(device)`).
     """
 
@@ -58,6 +60,7 @@ class KeptSets:
     temperature: torch.Tensor
     vocab_size: int
     generations: tuple[int, ...]
+    any_full: bool = False
 
     @property
     def rows(self) -> int:
@@ -181,7 +184,8 @@ def kept_sets(source: Any, *, mask_only: bool = False) -> KeptSets:
     flat_ids = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int32)
     return KeptSets(offsets=offsets, ids=flat_ids.to(torch.int32), tokens=torch.cat(tokens), valid=torch.cat(valid),
                     full=torch.cat(full), greedy=torch.cat(greedy), temperature=torch.cat(temperature),
-                    vocab_size=int(vocab or 0), generations=tuple(generations[i].index for i in owners))
+                    vocab_size=int(vocab or 0), generations=tuple(generations[i].index for i in owners),
+                    any_full=bool(torch.cat(full).any()))
 
 
 def _finite_sets(generation: Any, encoding: str):
