@@ -59,7 +59,7 @@ def replay_logprobs(logits: torch.Tensor, kept: KeptSets, *, temperature: float 
                          "pass the trainer's logits over the whole vocabulary.")
     if isinstance(chunk_steps, bool) or not isinstance(chunk_steps, int) or chunk_steps < 1:
         raise ValueError(f"`chunk_steps` must be an int of at least 1, got {chunk_steps!r}.")
-    device, (rows, steps, vocab) = logits.device, logits.shape
+    device, (rows, steps) = logits.device, logits.shape[:2]
     if kept.device != device:
         kept = kept.to(device, non_blocking=True)
     if temperature is None:
@@ -69,12 +69,11 @@ def replay_logprobs(logits: torch.Tensor, kept: KeptSets, *, temperature: float 
             raise ValueError(f"`temperature` must be positive, got {temperature!r}.")
         temperature = torch.full((rows,), float(temperature), dtype=torch.float32, device=device)
     temperature = temperature.to(device=device, dtype=torch.float32)
-    flat = logits.reshape(rows * steps, vocab)
+    # `logits` is read where it lies (a slice of a forward's output is not contiguous: no reshape, no copy).
     per_position = temperature.repeat_interleave(steps, output_size=rows * steps)  # (rows * steps,)
-    tokens = kept.tokens.reshape(-1).clamp(min=0)
-    chosen = flat.gather(-1, tokens[:, None])[:, 0].float() / per_position
+    chosen = logits.gather(-1, kept.tokens.clamp(min=0)[..., None]).reshape(-1).float() / per_position
     positions = kept.positions()
-    z = flat[positions, kept.ids.long()].float() / per_position[positions]  # (nnz,): the kept entries only
+    z = logits[positions // steps, positions % steps, kept.ids.long()].float() / per_position[positions]  # (nnz,)
     with torch.no_grad():
         peak = torch.zeros(rows * steps, device=device).scatter_reduce_(0, positions, z, reduce="amax",
                                                                         include_self=False)
@@ -82,14 +81,15 @@ def replay_logprobs(logits: torch.Tensor, kept: KeptSets, *, temperature: float 
     total = torch.zeros(rows * steps, device=device).index_add(0, positions, (z - peak[positions]).exp()) + empty
     normaliser = peak + total.log()
     if kept.any_full:
-        full = _full_logsumexp(flat, per_position, chunk_steps * rows)
+        full = _full_logsumexp(logits, temperature, chunk_steps)
         normaliser = torch.where(kept.full.reshape(-1), full, normaliser)
     picked = (chosen - normaliser).view(rows, steps)
     return torch.where(kept.valid, picked, torch.zeros((), device=device))
 
 
-def _full_logsumexp(flat: torch.Tensor, temperature: torch.Tensor, chunk: int) -> torch.Tensor:
-    """`torch.logsumexp(flat.float() / temperature, -1)` per position, `chunk` positions at a time."""
-    parts = [torch.logsumexp(flat[start : start + chunk].float() / temperature[start : start + chunk, None], -1)
-             for start in range(0, flat.shape[0], chunk)]
-    return torch.cat(parts)
+def _full_logsumexp(logits: torch.Tensor, temperature: torch.Tensor, chunk_steps: int) -> torch.Tensor:
+    """`torch.logsumexp(logits.float() / temperature, -1)` per position, `(rows * steps,)` in row-major order,
+    `chunk_steps` steps at a time."""
+    parts = [torch.logsumexp(logits[:, start : start + chunk_steps].float() / temperature[:, None, None], -1)
+             for start in range(0, logits.shape[1], chunk_steps)]
+    return torch.cat(parts, 1).reshape(-1)
