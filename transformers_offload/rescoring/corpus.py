@@ -205,9 +205,11 @@ def score_run(model: Any, texts: str | Sequence[str], out: str | os.PathLike | N
 def shard_size(batch_logits_bytes: int) -> int:
     """The shards `score` writes, for a batch whose scored logits take `batch_logits_bytes` (float32): the
     writer holds about three shards at once (one filling, one being written, its serialisation), so shards
-    of a 64th of that keep them near 5% of what one forward of the batch holds; at least 1 MiB, at most
-    the Recorder's usual 64 MiB (reached where a batch's logits pass 4 GiB)."""
-    return max(2**20, min(DEFAULT_SHARD_BYTES, batch_logits_bytes // 64))
+    of a 32nd of that keep them near 10% of what one forward of the batch holds; at least 1 MiB, at most
+    the Recorder's usual 64 MiB (reached where a batch's logits pass 2 GiB). Smaller shards cost time: a
+    64th gave a peak 1.065x the scored logits at a 152k vocabulary but 1.11-1.12x a plain forward's time
+    (bench/README.md)."""
+    return max(2**20, min(DEFAULT_SHARD_BYTES, batch_logits_bytes // 32))
 
 
 def _counts(batches: list[range], mine: list[int], scored: list[int], steps: int, rank: int,
