@@ -37,7 +37,7 @@ def replay_logprobs(logits: torch.Tensor, kept: KeptSets, *, temperature: float 
         kept (`KeptSets`): from `kept_sets(...)`, with the same rows and steps; moved to `logits`' device.
         temperature (`float` or `torch.Tensor` of shape `(rows,)`, *optional*): default: each row's sampling
             temperature (`kept.temperature`).
-        chunk_steps (`int`, *optional*, defaults to 16): steps computed at once.
+        chunk_steps (`int`, *optional*, defaults to 16): steps whose whole-vocabulary sums are computed at once.
 
     Returns:
         `torch.FloatTensor` of shape `(rows, steps)`, float32, on `logits`' device: the module's expression, 0
