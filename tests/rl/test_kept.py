@@ -61,7 +61,7 @@ def test_finished_rows_and_several_generations_line_up_as_rows(sample):
     assert torch.equal(kept.valid[4:, : finished.shape[1]], ~finished)
 
 
-def test_what_cannot_give_the_exact_sets_is_refused(sample):
+def test_what_cannot_give_the_exact_sets_is_refused(sample, prompts):
     model = make_tiny("llama")
     with Recorder(model, streams=("logits",)) as rec:
         sample(model, rec)
@@ -81,7 +81,7 @@ def test_what_cannot_give_the_exact_sets_is_refused(sample):
         kept_sets(rec)
     assert kept_sets(rec, mask_only=True).ids.numel() > 0
     with Recorder(model, streams=("logits", "scores")) as rec:
-        sample(model, rec, do_sample=False, num_beams=2, num_return_sequences=1, temperature=None, top_p=None, top_k=None)
+        model.generate(**prompts, logits_processor=[rec], num_beams=2, max_new_tokens=3, pad_token_id=0)
     with pytest.raises(ValueError, match="beam search"):
         kept_sets(rec)
     with pytest.raises(TypeError, match="expected a Generation"):
