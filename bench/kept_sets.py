@@ -27,6 +27,13 @@ PROMPTS = ["Tell me a story about a lighthouse keeper.", "Explain how a steam en
            "Summarise the rules of chess."]
 
 
+def chat_batch(tokenizer, count: int):
+    """The first `count` of `PROMPTS` (repeated as needed), as chat prompts, tokenised and left-padded."""
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+             for p in (PROMPTS * 4)[:count]]
+    return tokenizer(texts, return_tensors="pt", padding=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=8)
@@ -40,9 +47,7 @@ def main() -> None:
     from transformers_offload.demo_model import load
 
     model, tokenizer = load()
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-             for p in (PROMPTS * 4)[: args.prompts]]
-    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    batch = chat_batch(tokenizer, args.prompts)
     rows = []
     found = {}
     filters = (("top_p 0.9", {"top_p": 0.9, "top_k": 0}), ("top_p 0.8", {"top_p": 0.8, "top_k": 0}),

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import RESULTS, high_water_mib, machine, median, print_table, reset_high_water, rss_bytes, write_json  # noqa: E402
-from kept_sets import PROMPTS  # noqa: E402
+from kept_sets import chat_batch  # noqa: E402
 
 
 def _plain(logits, tokens, temperature):
@@ -60,9 +60,7 @@ def main() -> None:
     from transformers_offload.demo_model import load
 
     model, tokenizer = load()
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-             for p in (PROMPTS * 4)[: args.prompts]]
-    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    batch = chat_batch(tokenizer, args.prompts)
     prompt_length = batch["input_ids"].shape[1]
     rows, found = [], {}
     for name, options in (("top_p 0.8", {"top_p": 0.8, "top_k": 0}), ("top_k 20", {"top_k": 20, "top_p": 1.0})):
