@@ -30,6 +30,7 @@ ALLOWED = {
     "read": {"errors", "codecs", "store", "_lazy"},
     "answers": {"errors", "codecs", "store", "read", "demo_model", "_lazy"},
     "rl": {"errors", "codecs", "read"},
+    "trainers": {"errors", "recorder", "rl", "_compat"},
     "recorder": {"errors", "codecs", "store", "capture", "read", "_compat", "_version"},
     "jobs": {"errors", "store", "read", "recorder"},
     "rescoring": {"errors", "store", "read", "recorder", "jobs", "_compat"},

@@ -25,6 +25,7 @@ _EXPORTS = {
     "open_recording": ".read.reader",
     "DeviceAccumulationWarning": ".errors",
     "Recorder": ".recorder",
+    "RecordedGRPOTrainer": ".trainers.grpo",
     "RecordingMismatchWarning": ".errors",
     "UnrecordedCallWarning": ".errors",
     "RescoreError": ".errors",
@@ -40,6 +41,7 @@ _EXPORTS = {
     "KeptSets": ".rl.kept",
     "kept_sets": ".rl.kept",
     "replay_logprobs": ".rl.replay",
+    "replay_logprobs_from_hidden": ".rl.head",
     "sampler_logprobs": ".rl.sampler",
 }
 
@@ -83,6 +85,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from .recorder import Recorder
     from .rescoring.corpus import score
     from .rescoring.decode import rescore
+    from .rl.head import replay_logprobs_from_hidden
     from .rl.kept import KeptSets, kept_sets
     from .rl.replay import replay_logprobs
     from .rl.sampler import sampler_logprobs

@@ -55,13 +55,9 @@ def generation_delegates(model: Any) -> list[Any]:
 
 # The GenerationMixin methods that run each mode's decoding loop, under their names across releases
 # (4.36-4.38 `greedy_search`/`sample`, 4.39-4.4x `_greedy_search`/`_sample`, 4.45+ `_sample` for both...).
-_LOOP_METHODS = {
-    "greedy_search": ("_sample", "_greedy_search", "greedy_search"),
-    "sample": ("_sample", "sample"),
-    "beam_search": ("_beam_search", "beam_search"),
-    "beam_sample": ("_beam_search", "_beam_sample", "beam_sample"),
-    "assisted_generation": ("_assisted_decoding", "assisted_decoding"),
-}
+_LOOP_METHODS = {"greedy_search": ("_sample", "_greedy_search", "greedy_search"), "sample": ("_sample", "sample"),
+                 "beam_search": ("_beam_search", "beam_search"), "beam_sample": ("_beam_search", "_beam_sample", "beam_sample"),
+                 "assisted_generation": ("_assisted_decoding", "assisted_decoding")}
 
 
 def own_decoding_loop(model: Any, mode: str) -> str | None:
@@ -110,9 +106,7 @@ GROUP_BEAM_MODE = "group_beam_search"
 # Why a mode is not recorded, for the error message.
 _FROM_THE_HUB = "this release runs it from the Hub (`custom_generate`), whose decoding loop the recorder cannot see"
 UNSUPPORTED_BECAUSE = {
-    "contrastive_search": _FROM_THE_HUB,
-    "dola_generation": _FROM_THE_HUB,
-    "group_beam_search": _FROM_THE_HUB,
+    "contrastive_search": _FROM_THE_HUB, "dola_generation": _FROM_THE_HUB, "group_beam_search": _FROM_THE_HUB,
     "beam_sample": "before 4.35 it samples from the warpers run on the scores plus each beam's running score, "
     "and returns in `out.scores` the warpers run again without them, a call the loop does not make while recording",
     "assisted_generation": "before 4.36 its recorded scores are not bit-equal to `out.scores`",
@@ -394,3 +388,12 @@ def _chunked_padded_forward() -> bool:
 
 
 CHUNKED_PADDED_FORWARD = _chunked_padded_forward()  # False up to 4.36 (with SDPA attention on 4.36)
+
+
+
+# trainers.grpo overrides TRL GRPOTrainer's private methods as these releases have them (its tests ran on these only).
+TRL_TESTED = ("1.16",)
+
+
+def trl_tested(version: str) -> bool:
+    return "{0.major}.{0.minor}".format(Version(version)) in TRL_TESTED

@@ -96,6 +96,50 @@ class KeptSets:
         return torch.repeat_interleave(torch.arange(counts.numel(), device=self.device), counts,
                                        output_size=self.ids.numel())
 
+    def select(self, rows: Any, steps: int | None = None) -> KeptSets:
+        """The sets of `rows` (in that order), over `steps` steps (the first `steps`; positions beyond this
+        layout's steps are added, not valid), on this layout's device. Built on the host: for a trainer's
+        micro-batch, once per batch, not inside a decoding step.
+
+        Args:
+            rows (sequence of `int` or `torch.LongTensor` of shape `(n,)`): rows of this layout.
+            steps (`int`, *optional*): default: this layout's steps.
+
+        Raises:
+            ValueError: a row outside `0 .. rows - 1`, or a negative `steps`.
+        """
+        chosen = torch.as_tensor(rows, dtype=torch.long).cpu().reshape(-1)
+        if chosen.numel() and (int(chosen.min()) < 0 or int(chosen.max()) >= self.rows):
+            raise ValueError(f"`rows` must lie in 0 .. {self.rows - 1}, got {chosen.tolist()}.")
+        steps = self.steps if steps is None else int(steps)
+        if steps < 0:
+            raise ValueError(f"`steps` must be at least 0, got {steps}.")
+        host = self.to("cpu")
+        keep = min(steps, self.steps)
+        counts = (host.offsets[1:] - host.offsets[:-1]).view(self.rows, self.steps)
+        starts = host.offsets[:-1].view(self.rows, self.steps)
+        new_counts = torch.zeros((chosen.numel(), steps), dtype=torch.long)
+        new_counts[:, :keep] = counts[chosen, :keep]
+        new_starts = torch.zeros((chosen.numel(), steps), dtype=torch.long)
+        new_starts[:, :keep] = starts[chosen, :keep]
+        flat_counts = new_counts.reshape(-1)
+        offsets = torch.zeros(flat_counts.numel() + 1, dtype=torch.long)
+        offsets[1:] = flat_counts.cumsum(0)
+        within = torch.arange(int(offsets[-1])) - offsets[:-1].repeat_interleave(flat_counts)
+        ids = host.ids[new_starts.reshape(-1).repeat_interleave(flat_counts) + within]
+
+        def widened(values: torch.Tensor, fill: Any) -> torch.Tensor:
+            out = torch.full((chosen.numel(), steps), fill, dtype=values.dtype)
+            out[:, :keep] = values[chosen, :keep]
+            return out
+
+        full = widened(host.full, False)
+        selected = KeptSets(offsets=offsets, ids=ids, tokens=widened(host.tokens, -1), valid=widened(host.valid, False),
+                            full=full, greedy=widened(host.greedy, False), temperature=host.temperature[chosen],
+                            vocab_size=self.vocab_size, generations=tuple(self.generations[i] for i in chosen.tolist()),
+                            any_full=bool(full.any()))
+        return selected.to(self.device)
+
     @property
     def nbytes(self) -> int:
         """Bytes of every tensor (what shipping the sets with a batch costs)."""

@@ -74,17 +74,24 @@ def replay_logprobs(logits: torch.Tensor, kept: KeptSets, *, temperature: float 
     chosen = logits.gather(-1, kept.tokens.clamp(min=0)[..., None]).reshape(-1).float() / per_position
     positions = kept.positions()
     z = logits[positions // steps, positions % steps, kept.ids.long()].float() / per_position[positions]  # (nnz,)
-    with torch.no_grad():
-        peak = torch.zeros(rows * steps, device=device).scatter_reduce_(0, positions, z, reduce="amax",
-                                                                        include_self=False)
-    empty = (kept.offsets[1:] == kept.offsets[:-1]).float()  # no kept id stored (full, or not valid): a sum of 1
-    total = torch.zeros(rows * steps, device=device).index_add(0, positions, (z - peak[positions]).exp()) + empty
-    normaliser = peak + total.log()
+    normaliser = kept_logsumexp(z, kept, positions)
     if kept.any_full:
         full = _full_logsumexp(logits, temperature, chunk_steps)
         normaliser = torch.where(kept.full.reshape(-1), full, normaliser)
     picked = (chosen - normaliser).view(rows, steps)
     return torch.where(kept.valid, picked, torch.zeros((), device=device))
+
+
+def kept_logsumexp(z: torch.Tensor, kept: KeptSets, positions: torch.Tensor) -> torch.Tensor:
+    """`(rows * steps,)` float32: per position, `m + log(sum(exp(z[K] - m)))` over its kept entries `z` (`(nnz,)`,
+    in `kept.ids`' order; `positions` is `kept.positions()`), `m` their max taken without gradient; 0 where the
+    position stores no id (full, or not valid)."""
+    size = kept.rows * kept.steps
+    with torch.no_grad():
+        peak = torch.zeros(size, device=z.device).scatter_reduce_(0, positions, z, reduce="amax", include_self=False)
+    empty = (kept.offsets[1:] == kept.offsets[:-1]).float()  # no kept id stored (full, or not valid): a sum of 1
+    total = torch.zeros(size, device=z.device).index_add(0, positions, (z - peak[positions]).exp()) + empty
+    return peak + total.log()
 
 
 def _full_logsumexp(logits: torch.Tensor, temperature: torch.Tensor, chunk_steps: int) -> torch.Tensor:
