@@ -41,10 +41,11 @@ def _trainer(tmp_path, cls=RecordedGRPOTrainer, *, continuous_batching=False, se
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
     extra = {name: options.pop(name) for name in ("importance_sampling", "replay", "recording_dir") if name in options}
-    args = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
-                          max_completion_length=6, temperature=0.7, top_p=0.8, report_to=[],
-                          use_cpu=True, bf16=False, beta=0.0, save_strategy="no", disable_tqdm=True, seed=seed,
-                          use_transformers_continuous_batching=continuous_batching, **{"max_steps": 1, **options})
+    config = {"per_device_train_batch_size": 4, "num_generations": 2, "max_completion_length": 6, "max_steps": 1,
+              "temperature": 0.7, "top_p": 0.8, "report_to": [], "use_cpu": True, "bf16": False, "beta": 0.0,
+              "save_strategy": "no", "disable_tqdm": True, "seed": seed,
+              "use_transformers_continuous_batching": continuous_batching}
+    args = trl.GRPOConfig(output_dir=str(tmp_path), **{**config, **options})
     prompts = datasets.Dataset.from_dict({"prompt": ["w3 w4 w5", "w6 w7", "w8 w9 w10 w11", "w12"] * 2})
     trainer = cls(model=model, reward_funcs=lambda completions, **_: [float(len(c)) for c in completions], args=args,
                   train_dataset=prompts, processing_class=tokenizer, **extra)
