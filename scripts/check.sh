@@ -24,7 +24,7 @@ cd "$(dirname "$0")/.."
 declare -A commands=(
     [lint]="${CHECK_LINT:-bash scripts/setup.sh && .venv/bin/ruff check .}"
     [package]="${CHECK_PACKAGE:-bash scripts/package.sh}"
-    [suite]="${CHECK_SUITE:-OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 bash scripts/test.sh -q -n auto}"
+    [suite]="${CHECK_SUITE:-OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 bash scripts/test.sh -q -n auto --durations=30}"
     [matrix]="${CHECK_MATRIX:-bash scripts/matrix.sh}"
     [support]="${CHECK_SUPPORT:-.venv/bin/python scripts/support_table.py --check}"
     [conformance]="${CHECK_CONFORMANCE:-bash scripts/conformance.sh}"

@@ -77,6 +77,7 @@ RELEASE_INDEPENDENT = frozenset({
     "test_checksums",
     "test_cli_start",
     "test_damaged",
+    "test_file_modes",
     "test_fuzz",
     "test_layout",
     "test_memory_store",
