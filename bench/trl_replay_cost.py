@@ -57,7 +57,7 @@ def main() -> None:
                                       processing_class=tokenizer, replay=True)
     model.train()
     found, rows = {}, []
-    for name, options in (("top_p 0.8", {"top_p": 0.8, "top_k": 0}), ("top_k 20", {"top_k": 20, "top_p": 1.0})):
+    for label, options in (("top_p 0.8", {"top_p": 0.8, "top_k": 0}), ("top_k 20", {"top_k": 20, "top_p": 1.0})):
         torch.manual_seed(0)
         with torch.no_grad(), Recorder(model, streams=("logits", "scores")) as rec:
             sequences = model.generate(**batch, logits_processor=[rec], do_sample=True, temperature=1.0,
@@ -67,37 +67,27 @@ def main() -> None:
         trainer._kept_batches[0] = kept
         mask = batch["attention_mask"].repeat_interleave(args.completions, 0)
         attention = torch.cat([mask, kept.valid.long()], 1)
-        steps = kept.steps
-
-        def scoring(replay: bool) -> None:
-            trainer._replay_rows = (0, None) if replay else None
-            try:
-                logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
-                    model, sequences, attention, steps, compute_entropy=True)
-                (logps * kept.valid).sum().backward()
-            finally:
-                trainer._replay_rows = None
-            model.zero_grad(set_to_none=True)
 
         seconds = {"trl": [], "replay": []}
         peaks = {"trl": [], "replay": []}
-        scoring(False)
-        scoring(True)  # warm both paths once
+        case = (trainer, model, sequences, attention, kept)
+        _scoring(case, False)
+        _scoring(case, True)  # warm both paths once
         for _ in range(args.repeats):
-            for case in seconds:
+            for name in seconds:
                 reset_high_water()
                 before = rss_bytes() / 2**20
                 start = time.perf_counter()
-                scoring(case == "replay")
-                seconds[case].append(time.perf_counter() - start)
-                peaks[case].append(high_water_mib() - before)
-        entry = {case: {"seconds": median(seconds[case]), "peak_mib": median(peaks[case]),
-                        "all_seconds": seconds[case], "all_peak_mib": peaks[case]} for case in seconds}
+                _scoring(case, name == "replay")
+                seconds[name].append(time.perf_counter() - start)
+                peaks[name].append(high_water_mib() - before)
+        entry = {name: {"seconds": median(seconds[name]), "peak_mib": median(peaks[name]),
+                        "all_seconds": seconds[name], "all_peak_mib": peaks[name]} for name in seconds}
         entry["time_ratio"] = entry["replay"]["seconds"] / entry["trl"]["seconds"]
         entry["peak_ratio"] = entry["replay"]["peak_mib"] / entry["trl"]["peak_mib"]
         entry["kept_ids"], entry["tokens"] = int(kept.ids.numel()), int(kept.valid.sum())
-        found[name] = entry
-        rows.append([name, f"{entry['trl']['seconds']:.3f}", f"{entry['replay']['seconds']:.3f}",
+        found[label] = entry
+        rows.append([label, f"{entry['trl']['seconds']:.3f}", f"{entry['replay']['seconds']:.3f}",
                      f"{entry['time_ratio']:.3f}", f"{entry['trl']['peak_mib']:.1f}", f"{entry['replay']['peak_mib']:.1f}",
                      f"{entry['peak_ratio']:.3f}", entry["kept_ids"]])
     print_table(["filter", "TRL s", "replay s", "time ratio", "TRL peak MiB", "replay peak MiB", "peak ratio", "kept ids"],
@@ -105,6 +95,20 @@ def main() -> None:
     write_json(args.out / "trl_replay_cost.json", {"machine": machine(), "versions": {"trl": trl.__version__},
                                                    "args": vars(args) | {"out": str(args.out)}, "results": found,
                                                    "prompt_length": prompt_length})
+
+
+def _scoring(case: tuple, replay: bool) -> None:
+    """GRPO's loss-side scoring of the batch, forward and backward: the trainer's per-token logprobs (and
+    entropies), replayed over the kept sets or TRL's own."""
+    trainer, model, sequences, attention, kept = case
+    trainer._replay_rows = (0, None) if replay else None
+    try:
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(model, sequences, attention, kept.steps,
+                                                                 compute_entropy=True)
+        (logps * kept.valid).sum().backward()
+    finally:
+        trainer._replay_rows = None
+    model.zero_grad(set_to_none=True)
 
 
 if __name__ == "__main__":
