@@ -27,7 +27,9 @@ print("python", platform.python_version(), "torch", torch.__version__, "transfor
 } 2>&1 | tee "$OUT/machine.txt"
 
 started=$SECONDS
-timeout "${TESTS_TIMEOUT:-180}" "$PYTHON" -m pytest -q -p no:cacheprovider -W default -m cuda tests/capture/test_cuda.py \
+# The CUDA-marked tests: recording (test_cuda.py), continuous batching's per-step work, and RL's replay.
+timeout "${TESTS_TIMEOUT:-240}" "$PYTHON" -m pytest -q -p no:cacheprovider -W default -m cuda tests/capture/test_cuda.py \
+    tests/capture/test_continuous_batching.py tests/rl/test_cuda.py \
     --junitxml "$OUT/cuda-tests.xml" 2>&1 | tee "$OUT/cuda-tests.log"
 tests_rc=${PIPESTATUS[0]}
 echo "cuda tests: exit $tests_rc after $((SECONDS - started)) s" | tee -a "$OUT/cuda-tests.log"
