@@ -81,7 +81,9 @@ def test_importance_sampling_runs_trls_correction_on_the_recorded_sampler_logpro
     batch = batches[0]
     mask = batch["completion_mask"].bool()
     run = open_recording(tmp_path / "rollouts")  # rank-0's rollouts, every generation of the call
-    sampled = sampler_logprobs(run)
+    # what is kept of each rollout: the scores' kept entries (sparse), not the vocabulary's logits
+    assert all("logits" not in g.streams and g.encodings["scores"] == "sparse" for g in run.generations), run.generations
+    sampled = sampler_logprobs(run, raw=False)
     if continuous_batching:
         order = sorted(range(len(run.generations)), key=lambda i: int(run.generations[i].sample_ids[0].rsplit("_", 1)[-1]))
         sampled = {name: value[order] for name, value in sampled.items()}

@@ -26,9 +26,24 @@ def test_the_sampler_logprobs_are_the_recorded_distributions_at_each_token(sampl
     assert torch.all(found["sampled"][found["valid"]] >= found["raw_temperature"][found["valid"]])
 
 
-def test_without_the_raw_logits_it_is_refused(sample):
+def test_without_the_raw_logits_only_the_sampled_logprob_is_given(sample):
     model = make_tiny("llama")
     with Recorder(model, streams=("scores",)) as rec:
         sample(model, rec, output_scores=False, return_dict_in_generate=False)
-    with pytest.raises(ValueError, match="need the raw logits and the scores"):
+    with pytest.raises(ValueError, match="or pass `raw=False`"):
         sampler_logprobs(rec)
+    found = sampler_logprobs(rec, raw=False)  # the sampler's own logprob needs the scores only
+    assert sorted(found) == ["sampled", "tokens", "valid"]
+    for t, s in enumerate(rec.scores()):
+        expected = torch.log_softmax(s, -1).gather(-1, found["tokens"][:, t, None])[:, 0]
+        assert torch.equal(found["sampled"][:, t], torch.where(found["valid"][:, t], expected, 0.0))
+
+
+def test_sparse_scores_give_the_same_sampled_logprobs_bit_for_bit(sample):
+    model = make_tiny("llama")
+    found = []
+    for options in ({}, {"encodings": {"scores": "sparse"}}):
+        with Recorder(model, streams=("scores",), **options) as rec:
+            sample(model, rec, output_scores=False, return_dict_in_generate=False)
+        found.append(sampler_logprobs(rec, raw=False))
+    assert all(torch.equal(found[0][name], found[1][name]) for name in found[0])

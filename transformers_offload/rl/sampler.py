@@ -19,16 +19,17 @@ import torch
 from .layout import check_scores_exact, generations_of, is_topk, temperature_of
 
 
-def sampler_logprobs(source: Any) -> dict[str, torch.Tensor]:
+def sampler_logprobs(source: Any, *, raw: bool = True) -> dict[str, torch.Tensor]:
     """The sampled tokens' logprobs under the distribution sampled and under the raw one (module docstring).
 
     Args:
         source: a `Generation`, `Recording` or `Recorder` (rows laid out as `kept_sets(source)`), recorded with
-            `streams=("logits", "scores")` (dense, `sparse` or `native`).
+            `streams=("logits", "scores")` (dense, `sparse` or `native`); `("scores",)` is enough with `raw=False`.
+        raw (`bool`, *optional*, defaults to True): also `raw` and `raw_temperature` (which read the raw logits).
 
     Returns:
-        `dict` of CPU tensors `(rows, steps)`: `sampled`, `raw`, `raw_temperature` (float32), `tokens` (int64),
-        `valid` (bool).
+        `dict` of CPU tensors `(rows, steps)`: `sampled`, `raw`, `raw_temperature` (float32; the last two only
+        with `raw`), `tokens` (int64), `valid` (bool).
 
     Raises:
         ValueError: a stream not recorded, or recorded top-k or lossily; a beam search.
@@ -40,23 +41,27 @@ def sampler_logprobs(source: Any) -> dict[str, torch.Tensor]:
     """
     generations = generations_of(source)
     steps = max(generation.num_steps for generation in generations)
-    found: dict[str, list[torch.Tensor]] = {name: [] for name in ("sampled", "raw", "raw_temperature", "tokens", "valid")}
+    kinds = ("sampled", "raw", "raw_temperature") if raw else ("sampled",)
+    found: dict[str, list[torch.Tensor]] = {name: [] for name in (*kinds, "tokens", "valid")}
     for generation in generations:
         encoding = check_scores_exact(generation)
-        if is_topk(encoding) or "logits" not in generation.streams or is_topk(generation.encodings.get("logits", "dense")):
-            raise ValueError(f"generation {generation.index}: sampler logprobs need the raw logits and the scores "
-                             "recorded in full (dense, `sparse` or `native`): record with "
-                             "`streams=(\"logits\", \"scores\")`.")
+        no_logits = "logits" not in generation.streams or is_topk(generation.encodings.get("logits", "dense"))
+        if is_topk(encoding) or (raw and no_logits):
+            raise ValueError(f"generation {generation.index}: sampler logprobs need the scores (and, with `raw`, the raw "
+                             "logits) recorded in full (dense, `sparse` or `native`): record with "
+                             "`streams=(\"logits\", \"scores\")`, or pass `raw=False`.")
         rows, count, temperature = generation.num_rows, generation.num_steps, temperature_of(generation)
-        columns = {name: torch.zeros((rows, steps), dtype=torch.float32) for name in ("sampled", "raw", "raw_temperature")}
+        names = ("sampled", "raw", "raw_temperature") if raw else ("sampled",)
+        columns = {name: torch.zeros((rows, steps), dtype=torch.float32) for name in names}
         tokens = torch.full((rows, steps), -1, dtype=torch.long)
         valid = torch.zeros((rows, steps), dtype=torch.bool)
         if count:
             tokens[:, :count] = torch.stack(generation.tokens(), 1)
             valid[:, :count] = ~torch.stack(generation.finished(), 1)
-            for t, (x, s) in enumerate(zip(generation.logits(), generation.scores())):
+            for t, s in enumerate(generation.scores()):
+                columns["sampled"][:, t] = torch.log_softmax(s.float(), -1).gather(-1, tokens[:, t, None])[:, 0]
+            for t, x in enumerate(generation.logits() if raw else ()):
                 y = tokens[:, t, None]
-                columns["sampled"][:, t] = torch.log_softmax(s.float(), -1).gather(-1, y)[:, 0]
                 columns["raw"][:, t] = torch.log_softmax(x.float(), -1).gather(-1, y)[:, 0]
                 columns["raw_temperature"][:, t] = torch.log_softmax(x.float() / temperature, -1).gather(-1, y)[:, 0]
         for name, column in columns.items():

@@ -16,9 +16,10 @@ With neither (the default) it is `GRPOTrainer` itself: nothing recorded, nothing
 spills each process's rollouts to `recording_dir/rank-R` (`open_recording(recording_dir)` reads every rank's as
 one recording).
 
-How: the rollout call (`_generate`) runs inside a `Recorder(model, every_call=True, streams=("logits",
-"scores"))`; its tokens are checked against TRL's completions (a mismatch raises before any loss); kept sets
-and sampler logprobs are taken from it. TRL's importance-sampling code runs where it is written, gated on
+How: the rollout call (`_generate`) runs inside a `Recorder(model, every_call=True, streams=("scores",),
+encodings={"scores": "sparse"})` (per step and row, the ids the processors kept and their scores); its tokens
+are checked against TRL's completions (a mismatch raises before any loss); kept sets and sampler logprobs are
+taken from it. TRL's importance-sampling code runs where it is written, gated on
 `use_vllm`: the trainer raises that flag around `_generate_and_score_completions` and `_compute_loss` (and lowers
 it again around the rollout, which is transformers'). Replay reads the policy backbone's last hidden state
 (a forward hook) beside TRL's fused head, and each micro-batch finds its rows' kept sets by a `replay_rows`
@@ -133,14 +134,15 @@ class RecordedGRPOTrainer(GRPOTrainer):
     def _generate(self, prompts: list) -> Any:
         if not self._records:
             return super()._generate(prompts)
-        options: dict[str, Any] = {"every_call": True, "streams": ("logits", "scores")}
+        # the scores only, sparse: each step's kept entries (what top-p/top-k left), not the whole vocabulary
+        options: dict[str, Any] = {"every_call": True, "streams": ("scores",), "encodings": {"scores": "sparse"}}
         if self._recording_dir is not None:
             options.update(spill_dir=f"{self._recording_dir}/rank-{self.accelerator.process_index}", append=True)
         with self._vllm_flags(False), Recorder(self.model, **options) as rec:
             result = list(super()._generate(prompts))
         completion_ids = result[1]
         rows = _Rows(_in_completion_order(rec.generations))
-        sampler = sampler_logprobs(rows)
+        sampler = sampler_logprobs(rows, raw=False)
         _check_tokens(sampler, completion_ids)
         if self._replay:
             kept = kept_sets(rows)
