@@ -40,7 +40,8 @@ def _trainer(tmp_path, cls=RecordedGRPOTrainer, *, continuous_batching=False, se
     for module in model.modules():  # no dropout: TRL's scoring forward runs in training mode
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-    extra = {name: options.pop(name) for name in ("importance_sampling", "replay", "recording_dir") if name in options}
+    extra = {name: options.pop(name) for name in ("importance_sampling", "replay", "recording_dir", "peft_config")
+             if name in options}
     config = {"per_device_train_batch_size": 4, "num_generations": 2, "max_completion_length": 6, "max_steps": 1,
               "temperature": 0.7, "top_p": 0.8, "report_to": [], "use_cpu": True, "bf16": False, "beta": 0.0,
               "save_strategy": "no", "disable_tqdm": True, "seed": seed,
@@ -163,3 +164,16 @@ def test_what_cannot_be_recorded_or_replayed_is_refused(tmp_path):
         _trainer(tmp_path, importance_sampling=True, loss_type="vespo", vllm_importance_sampling_mode="sequence_mask")
     assert trl_tested(trl.__version__) and trl_tested("1.16.3")
     assert not trl_tested("1.15.2") and not trl_tested("1.17.0") and not trl_tested("2.16.0")
+
+
+def test_a_peft_adapter_is_replayed_through_its_base_models_head(tmp_path):
+    """TRL wraps the model with PEFT (`peft_config`); the recorder records the PeftModel's rollouts and the replay
+    reads the base model's backbone and head: `old_per_token_logps` is the sampler's own logprob within 1e-5."""
+    peft = pytest.importorskip("peft", exc_type=ImportError)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True, task_type="CAUSAL_LM")
+    trainer, batches = _trainer(tmp_path, importance_sampling=True, replay=True, peft_config=config)
+    assert isinstance(trainer.model, peft.PeftModel)
+    trainer.train()
+    batch = batches[0]
+    mask = batch["completion_mask"].bool()
+    assert (batch["old_per_token_logps"] - batch["sampling_per_token_logps"])[mask].abs().max() <= 1e-5
