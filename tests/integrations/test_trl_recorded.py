@@ -160,6 +160,12 @@ def test_replay_reaches_the_loss_and_its_gradient(tmp_path):
 def test_what_cannot_be_recorded_or_replayed_is_refused(tmp_path):
     with pytest.raises(ValueError, match="repetition_penalty=1.3"):
         _trainer(tmp_path, replay=True, repetition_penalty=1.3)
+    with pytest.raises(ValueError, match=r"generation_kwargs` \['repetition_penalty'\]"):
+        _trainer(tmp_path, replay=True, generation_kwargs={"repetition_penalty": 1.3})
+    with pytest.raises(ValueError, match="sample at temperature 0.5, TRL scores at `temperature=0.7`"):
+        _trainer(tmp_path, replay=True, generation_kwargs={"temperature": 0.5})
+    with pytest.raises(ValueError, match="drop one of the two"):
+        _trainer(tmp_path, importance_sampling=True, vllm_importance_sampling_correction=False)
     with pytest.raises(ValueError, match="VESPO loss needs"):
         _trainer(tmp_path, importance_sampling=True, loss_type="vespo", vllm_importance_sampling_mode="sequence_mask")
     assert trl_tested(trl.__version__) and trl_tested("1.16.3")

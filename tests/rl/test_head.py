@@ -81,6 +81,24 @@ def test_bad_input_is_refused(kept):
         replay_logprobs_from_hidden(hidden, weight[:, 1:], kept)
     with pytest.raises(ValueError, match="`chunk` must be"):
         replay_logprobs_from_hidden(hidden, weight, kept, chunk=0)
+    with pytest.raises(ValueError, match=r"`bias` must be \("):
+        replay_logprobs_from_hidden(hidden, weight, kept, bias=torch.zeros(5))
+    with pytest.raises(ValueError, match=r"a `temperature` tensor must be floating, of shape"):
+        replay_logprobs_from_hidden(hidden, weight, kept, temperature=torch.ones(kept.rows + 1))
+    with pytest.raises(TypeError, match="`temperature` must be a number"):
+        replay_logprobs_from_hidden(hidden, weight, kept, temperature="0.7")
+    with pytest.raises(TypeError, match="`kept` must be a KeptSets"):
+        replay_logprobs_from_hidden(hidden, weight, {"rows": 1})
+    with pytest.raises(TypeError, match="`hidden` must be a floating-point tensor"):
+        replay_logprobs_from_hidden(hidden.long(), weight, kept)
+    with pytest.raises(TypeError, match="`rows` must be a sequence of row indices"):
+        kept.select(torch.ones(kept.rows, dtype=torch.bool))
+    with pytest.raises(TypeError, match="`rows` must be a sequence of row indices"):
+        kept.select([0.7])
+    with pytest.raises(IndexError, match="outside the sets"):
+        kept.ids_at(-1, -1)
+    with pytest.raises(TypeError, match="takes a device"):
+        kept.to(torch.float16)
 
 
 def test_from_hidden_makes_no_synchronising_call(kept):

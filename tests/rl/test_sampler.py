@@ -30,7 +30,7 @@ def test_without_the_raw_logits_only_the_sampled_logprob_is_given(sample):
     model = make_tiny("llama")
     with Recorder(model, streams=("scores",)) as rec:
         sample(model, rec, output_scores=False, return_dict_in_generate=False)
-    with pytest.raises(ValueError, match="or pass `raw=False`"):
+    with pytest.raises(ValueError, match="or pass `raw=False` for the sampled logprob alone"):
         sampler_logprobs(rec)
     found = sampler_logprobs(rec, raw=False)  # the sampler's own logprob needs the scores only
     assert sorted(found) == ["sampled", "tokens", "valid"]

@@ -26,7 +26,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .kept import KeptSets
-from .replay import kept_logsumexp
+from .replay import check_kept, kept_logsumexp, row_temperatures
 
 
 class _GatheredLogits(torch.autograd.Function):
@@ -86,18 +86,28 @@ def replay_logprobs_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, kept
         `torch.FloatTensor` of shape `(rows, steps)`, float32, on `hidden`'s device; 0 where not `kept.valid`.
 
     Raises:
-        ValueError: shapes that do not match `kept` or each other; a bad `chunk` or temperature.
+        TypeError: a tensor argument not floating, `kept` not a `KeptSets`, a temperature of another type.
+        ValueError: shapes that do not match `kept` or each other; tensors on other devices than `hidden`; a
+            bad `chunk`; a temperature as `replay_logprobs` refuses it.
 
     Example:
         >>> h = model.model(ids).last_hidden_state[:, prompt_len - 1 : -1]  # doctest: +SKIP
         >>> lp = replay_logprobs_from_hidden(h, model.lm_head.weight, kept)  # doctest: +SKIP
     """
+    check_kept(kept)
+    for name, value in (("hidden", hidden), ("weight", weight), ("bias", bias)):
+        if value is not None and (not isinstance(value, torch.Tensor) or not value.is_floating_point()):
+            raise TypeError(f"`{name}` must be a floating-point tensor, got {getattr(value, 'dtype', type(value).__name__)}.")
+        if value is not None and value.device != hidden.device:
+            raise ValueError(f"`{name}` is on {value.device}, `hidden` on {hidden.device}: put them on one device.")
     if hidden.dim() != 3 or hidden.shape[:2] != (kept.rows, kept.steps):
         raise ValueError(f"`hidden` must be (rows, steps, hidden_size) = ({kept.rows}, {kept.steps}, hidden_size) as "
                          f"`kept`, got {tuple(hidden.shape)}.")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] < kept.vocab_size:
         raise ValueError(f"`weight` must be (vocab, {hidden.shape[-1]}) with vocab at least the recording's "
                          f"{kept.vocab_size}, got {tuple(weight.shape)}.")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"`bias` must be ({weight.shape[0]},) as `weight`'s rows, got {tuple(bias.shape)}.")
     if full_logprobs is not None and full_logprobs.shape != hidden.shape[:2]:
         raise ValueError(f"`full_logprobs` must be (rows, steps) = {tuple(hidden.shape[:2])}, got "
                          f"{tuple(full_logprobs.shape)}.")
@@ -106,13 +116,7 @@ def replay_logprobs_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, kept
     device, (rows, steps) = hidden.device, hidden.shape[:2]
     if kept.device != device:
         kept = kept.to(device, non_blocking=True)
-    if temperature is None:
-        temperature = kept.temperature
-    elif not isinstance(temperature, torch.Tensor):
-        if not temperature > 0:
-            raise ValueError(f"`temperature` must be positive, got {temperature!r}.")
-        temperature = torch.full((rows,), float(temperature), dtype=torch.float32, device=device)
-    temperature = temperature.to(device=device, dtype=torch.float32)
+    temperature = row_temperatures(temperature, kept, device)
     per_position = temperature.repeat_interleave(steps, output_size=rows * steps)  # (rows * steps,)
     flat = hidden.reshape(rows * steps, hidden.shape[-1])
     everywhere = torch.arange(rows * steps, device=device)

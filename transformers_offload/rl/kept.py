@@ -23,7 +23,7 @@ import torch
 from .layout import check_scores_exact, generations_of, is_topk, temperature_of
 
 # Generation settings whose processors change finite scores beyond `x / T` (the values a replay needs).
-_VALUE_CHANGING = {
+VALUE_CHANGING = {
     "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "sequence_bias": None,
     "exponential_decay_length_penalty": None, "guidance_scale": None, "watermarking_config": None,
 }
@@ -75,7 +75,13 @@ class KeptSets:
         return self.ids.device
 
     def to(self, device: Any, non_blocking: bool = False) -> KeptSets:
-        """The same sets on `device` (every tensor moved)."""
+        """The same sets on `device` (every tensor moved, dtypes kept).
+
+        Raises:
+            TypeError: `device` is not a device (a dtype, say: the ids and offsets stay integers)."""
+        if isinstance(device, torch.dtype) or not isinstance(device, (str, int, torch.device)):
+            raise TypeError(f"`KeptSets.to` takes a device (\"cuda\", torch.device(...)), got {device!r}.")
+        device = torch.device(device)
         moved = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
         for name, value in moved.items():
             if isinstance(value, torch.Tensor):
@@ -83,7 +89,12 @@ class KeptSets:
         return KeptSets(**moved)
 
     def ids_at(self, row: int, step: int) -> torch.Tensor | None:
-        """The kept ids of one position (int32, ascending); None where the whole vocabulary was kept."""
+        """The kept ids of one position (int32, ascending); None where the whole vocabulary was kept.
+
+        Raises:
+            IndexError: `row` or `step` outside `0 .. rows - 1`, `0 .. steps - 1`."""
+        if not (0 <= row < self.rows and 0 <= step < self.steps):
+            raise IndexError(f"position ({row}, {step}) is outside the sets' {self.rows} rows x {self.steps} steps.")
         if bool(self.full[row, step]):
             return None
         p = row * self.steps + step
@@ -106,9 +117,15 @@ class KeptSets:
             steps (`int`, *optional*): default: this layout's steps.
 
         Raises:
+            TypeError: `rows` not integers in one dimension (a boolean mask, floats).
             ValueError: a row outside `0 .. rows - 1`, or a negative `steps`.
         """
-        chosen = torch.as_tensor(rows, dtype=torch.long).cpu().reshape(-1)
+        given = torch.as_tensor(rows)
+        if given.dim() > 1 or given.dtype.is_floating_point or given.dtype in (torch.bool, torch.complex64, torch.complex128):
+            raise TypeError(f"`rows` must be a sequence of row indices (ints, one dimension), got {given.dtype} of "
+                            f"shape {tuple(given.shape)}" + (": for a mask, pass `mask.nonzero()[:, 0]`." if
+                                                           given.dtype == torch.bool else "."))
+        chosen = given.to(torch.long).cpu().reshape(-1)
         if chosen.numel() and (int(chosen.min()) < 0 or int(chosen.max()) >= self.rows):
             raise ValueError(f"`rows` must lie in 0 .. {self.rows - 1}, got {chosen.tolist()}.")
         steps = self.steps if steps is None else int(steps)
@@ -270,7 +287,7 @@ def _topk_vocab(generation: Any) -> int:
 
 def _refuse_value_changes(generation: Any) -> None:
     config = generation.generation_config
-    found = [name for name, neutral in _VALUE_CHANGING.items()
+    found = [name for name, neutral in VALUE_CHANGING.items()
              if config.get(name) is not None and config.get(name) != neutral]
     if found:
         raise ValueError(f"generation {generation.index} was generated with {', '.join(found)}, which change the "

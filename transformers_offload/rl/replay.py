@@ -44,13 +44,18 @@ def replay_logprobs(logits: torch.Tensor, kept: KeptSets, *, temperature: float 
         where not `kept.valid`.
 
     Raises:
+        TypeError: `logits` not a floating tensor, `kept` not a `KeptSets`, a temperature of another type.
         ValueError: shapes that do not match `kept`; a vocabulary narrower than the recording's; a bad
-            `chunk_steps` or a non-positive temperature.
+            `chunk_steps`; a non-positive number, or a tensor not `(rows,)`, as temperature (a tensor's values
+            are taken as given: reading them would wait for the device).
 
     Example:
         >>> kept = kept_sets(rec)  # doctest: +SKIP
         >>> lp = replay_logprobs(model(ids).logits[:, prompt_len - 1 : -1], kept)  # doctest: +SKIP
     """
+    check_kept(kept)
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+        raise TypeError(f"`logits` must be a floating-point tensor, got {getattr(logits, 'dtype', type(logits).__name__)}.")
     if logits.dim() != 3 or logits.shape[:2] != (kept.rows, kept.steps):
         raise ValueError(f"`logits` must be (rows, steps, vocab) = ({kept.rows}, {kept.steps}, vocab) as `kept`, got "
                          f"{tuple(logits.shape)}.")
@@ -62,13 +67,7 @@ def replay_logprobs(logits: torch.Tensor, kept: KeptSets, *, temperature: float 
     device, (rows, steps) = logits.device, logits.shape[:2]
     if kept.device != device:
         kept = kept.to(device, non_blocking=True)
-    if temperature is None:
-        temperature = kept.temperature
-    elif not isinstance(temperature, torch.Tensor):
-        if not temperature > 0:
-            raise ValueError(f"`temperature` must be positive, got {temperature!r}.")
-        temperature = torch.full((rows,), float(temperature), dtype=torch.float32, device=device)
-    temperature = temperature.to(device=device, dtype=torch.float32)
+    temperature = row_temperatures(temperature, kept, device)
     # `logits` is read where it lies (a slice of a forward's output is not contiguous: no reshape, no copy).
     per_position = temperature.repeat_interleave(steps, output_size=rows * steps)  # (rows * steps,)
     chosen = logits.gather(-1, kept.tokens.clamp(min=0)[..., None]).reshape(-1).float() / per_position
@@ -80,6 +79,34 @@ def replay_logprobs(logits: torch.Tensor, kept: KeptSets, *, temperature: float 
         normaliser = torch.where(kept.full.reshape(-1), full, normaliser)
     picked = (chosen - normaliser).view(rows, steps)
     return torch.where(kept.valid, picked, torch.zeros((), device=device))
+
+
+def check_kept(kept: object) -> None:
+    """Raises TypeError where `kept` is not a `KeptSets`."""
+    if not isinstance(kept, KeptSets):
+        raise TypeError(f"`kept` must be a KeptSets (from `kept_sets(...)`), got {type(kept).__name__}.")
+
+
+def row_temperatures(temperature: object, kept: KeptSets, device: torch.device) -> torch.Tensor:
+    """`(rows,)` float32 on `device`: `kept.temperature` where `temperature` is None, else the number for every
+    row, or the tensor as given (its values are not read on the host, which would wait for the device).
+
+    Raises:
+        TypeError: neither None, a number nor a floating tensor. ValueError: a number that is not positive, or
+            a tensor that is not `(rows,)`.
+    """
+    if temperature is None:
+        return kept.temperature.to(device=device, dtype=torch.float32)
+    if isinstance(temperature, torch.Tensor):
+        if not temperature.is_floating_point() or tuple(temperature.shape) != (kept.rows,):
+            raise ValueError(f"a `temperature` tensor must be floating, of shape ({kept.rows},) (one per row), got "
+                             f"{temperature.dtype} of shape {tuple(temperature.shape)}.")
+        return temperature.to(device=device, dtype=torch.float32)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"`temperature` must be a number, a (rows,) tensor or None, got {temperature!r}.")
+    if not temperature > 0:
+        raise ValueError(f"`temperature` must be positive, got {temperature!r}.")
+    return torch.full((kept.rows,), float(temperature), dtype=torch.float32, device=device)
 
 
 def kept_logsumexp(z: torch.Tensor, kept: KeptSets, positions: torch.Tensor) -> torch.Tensor:

@@ -46,10 +46,14 @@ def sampler_logprobs(source: Any, *, raw: bool = True) -> dict[str, torch.Tensor
     for generation in generations:
         encoding = check_scores_exact(generation)
         no_logits = "logits" not in generation.streams or is_topk(generation.encodings.get("logits", "dense"))
-        if is_topk(encoding) or (raw and no_logits):
-            raise ValueError(f"generation {generation.index}: sampler logprobs need the scores (and, with `raw`, the raw "
-                             "logits) recorded in full (dense, `sparse` or `native`): record with "
-                             "`streams=(\"logits\", \"scores\")`, or pass `raw=False`.")
+        if is_topk(encoding):
+            raise ValueError(f"generation {generation.index}'s scores are recorded `{encoding}` (the top K only): the "
+                             "sampler's logprob needs every kept entry, so record the scores dense, `sparse` or "
+                             "`native`.")
+        if raw and no_logits:
+            raise ValueError(f"generation {generation.index}: `raw` and `raw_temperature` need the raw logits recorded "
+                             "in full (dense, `sparse` or `native`): record with `streams=(\"logits\", \"scores\")`, "
+                             "or pass `raw=False` for the sampled logprob alone.")
         rows, count, temperature = generation.num_rows, generation.num_steps, temperature_of(generation)
         names = ("sampled", "raw", "raw_temperature") if raw else ("sampled",)
         columns = {name: torch.zeros((rows, steps), dtype=torch.float32) for name in names}

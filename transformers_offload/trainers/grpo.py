@@ -38,7 +38,7 @@ import torch
 from .._compat import TRL_TESTED, text_config, trl_tested
 from ..recorder import Recorder
 from ..rl.head import replay_logprobs_from_hidden
-from ..rl.kept import KeptSets, kept_sets
+from ..rl.kept import VALUE_CHANGING, KeptSets, kept_sets
 from ..rl.sampler import sampler_logprobs
 
 try:
@@ -114,6 +114,18 @@ class RecordedGRPOTrainer(GRPOTrainer):
         if self.tools or self.rollout_func is not None or self.environment_factories is not None:
             raise ValueError(f"`{what}` needs each rollout to be one recorded generate call; tools, environments and "
                              "a custom `rollout_func` add tokens no call sampled: use trl.GRPOTrainer.")
+        if self._importance_sampling and not self.vllm_importance_sampling_correction:
+            raise ValueError("`importance_sampling=True` runs TRL's correction, which `GRPOConfig("
+                             "vllm_importance_sampling_correction=False)` turns off: drop one of the two.")
+        extra = dict(self.args.generation_kwargs or {})
+        changing = sorted(name for name, neutral in VALUE_CHANGING.items() if extra.get(name, neutral) != neutral)
+        if self._replay and changing:
+            raise ValueError(f"`replay=True` with `generation_kwargs` {changing}: these change the scores' values, not "
+                             "only which ids are kept, so a replay over the kept sets is not the distribution sampled. "
+                             "Remove them, or set `replay=False`.")
+        if self._replay and extra.get("temperature", self.temperature) != self.temperature:
+            raise ValueError(f"`replay=True`: `generation_kwargs` sample at temperature {extra['temperature']}, TRL "
+                             f"scores at `temperature={self.temperature}`: set one temperature.")
         if self._replay and (self.repetition_penalty or 1.0) != 1.0:
             raise ValueError(f"`replay=True` with `repetition_penalty={self.repetition_penalty}`: the penalty changes "
                              "the scores' values, not only which ids are kept, so a replay over the kept sets is not "
