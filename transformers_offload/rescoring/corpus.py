@@ -204,7 +204,8 @@ def score_run(model: Any, texts: str | Sequence[str], out: str | os.PathLike | N
 
 def shard_size(batch_logits_bytes: int) -> int:
     """The shards `score` writes, for a batch whose scored logits take `batch_logits_bytes` (float32): the
-    writer holds about three shards at once (one filling, one being written, its serialisation), so shards
+    writer holds up to three shard buffers at once (one filling, one being written, one more while the writer
+    lags: `store.shard_writer.MAX_SHARD_BUFFERS`), so shards
     of a 32nd of that keep them near 10% of what one forward of the batch holds; at least 1 MiB, at most
     the Recorder's usual 64 MiB (reached where a batch's logits pass 2 GiB). Smaller shards cost time: a
     64th gave a peak 1.065x the scored logits at a 152k vocabulary but 1.11-1.12x a plain forward's time
