@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,8 +24,12 @@ pytestmark = pytest.mark.slow  # two processes each import torch and transformer
 
 
 def _launch(script: Path, *arguments: str, cwd: Path) -> list[dict]:
+    with socket.socket() as probe:  # a free port: accelerate's default (29500) is shared by tests running at once
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script), *arguments]
+               "--num_machines", "1", "--main_process_port", str(port), "--mixed_precision", "no",
+               "--dynamo_backend", "no", str(script), *arguments]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=cwd)
