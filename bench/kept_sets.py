@@ -27,6 +27,21 @@ PROMPTS = ["Tell me a story about a lighthouse keeper.", "Explain how a steam en
            "Summarise the rules of chess."]
 
 
+# The two filters the replay benches sample with (transformers' default top-k of 50 off with top-p).
+REPLAY_FILTERS = (("top_p 0.8", {"top_p": 0.8, "top_k": 0}), ("top_k 20", {"top_k": 20, "top_p": 1.0}))
+
+
+def rollout_arguments(description: str) -> argparse.Namespace:
+    """The replay benches' options: `--prompts`, `--completions`, `--new-tokens`, `--repeats`, `--out`."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--completions", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    return parser.parse_args()
+
+
 def chat_batch(tokenizer, count: int):
     """The first `count` of `PROMPTS` (repeated as needed), as chat prompts, tokenised and left-padded."""
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)

@@ -18,7 +18,6 @@ of the process's resident memory over each (`_common.high_water_mib` started ove
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import sys
@@ -29,8 +28,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import RESULTS, high_water_mib, machine, median, print_table, reset_high_water, rss_bytes, write_json  # noqa: E402
-from kept_sets import chat_batch  # noqa: E402
+from _common import high_water_mib, machine, median, print_table, reset_high_water, rss_bytes, write_json  # noqa: E402
+from kept_sets import REPLAY_FILTERS, chat_batch, rollout_arguments  # noqa: E402
 
 
 def _plain(logits, tokens, temperature):
@@ -47,13 +46,7 @@ def _ratios(trainer, sampler, valid) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--completions", type=int, default=4)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
+    args = rollout_arguments(__doc__.splitlines()[0])
     import torch
 
     from transformers_offload import Recorder, kept_sets, replay_logprobs, sampler_logprobs
@@ -63,7 +56,7 @@ def main() -> None:
     batch = chat_batch(tokenizer, args.prompts)
     prompt_length = batch["input_ids"].shape[1]
     rows, found = [], {}
-    for name, options in (("top_p 0.8", {"top_p": 0.8, "top_k": 0}), ("top_k 20", {"top_k": 20, "top_p": 1.0})):
+    for name, options in REPLAY_FILTERS:
         torch.manual_seed(0)
         with Recorder(model, streams=("logits", "scores")) as rec:
             out = model.generate(**batch, logits_processor=[rec], do_sample=True, temperature=1.0,

@@ -15,7 +15,6 @@ resident memory over each round above what it held before (`_common.high_water_m
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -26,18 +25,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import RESULTS, high_water_mib, machine, median, print_table, reset_high_water, rss_bytes, write_json  # noqa: E402
-from kept_sets import chat_batch  # noqa: E402
+from _common import high_water_mib, machine, median, print_table, reset_high_water, rss_bytes, write_json  # noqa: E402
+from kept_sets import REPLAY_FILTERS, chat_batch, rollout_arguments  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--completions", type=int, default=4)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
+    args = rollout_arguments(__doc__.splitlines()[0])
     import datasets
     import torch
     import trl
@@ -57,7 +50,7 @@ def main() -> None:
                                       processing_class=tokenizer, replay=True)
     model.train()
     found, rows = {}, []
-    for label, options in (("top_p 0.8", {"top_p": 0.8, "top_k": 0}), ("top_k 20", {"top_k": 20, "top_p": 1.0})):
+    for label, options in REPLAY_FILTERS:
         torch.manual_seed(0)
         with torch.no_grad(), Recorder(model, streams=("logits", "scores")) as rec:
             sequences = model.generate(**batch, logits_processor=[rec], do_sample=True, temperature=1.0,

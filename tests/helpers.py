@@ -879,3 +879,33 @@ def _innermost_own_frame() -> str:
         return "?"
     frame = frames[-1]
     return f"{frame.filename.split('transformers_offload/')[-1]}:{frame.lineno} ({frame.name})"
+
+
+# -- shared by the TRL tests ---------------------------------------------------------------------------------
+def keep_trl_batches(trainer) -> list:
+    """The list each rollout batch TRL's `_generate_and_score_completions` returns is appended to (before TRL
+    shuffles and splits it)."""
+    batches = []
+    generate_and_score = trainer._generate_and_score_completions
+
+    def kept(*args, **kwargs):
+        batches.append(generate_and_score(*args, **kwargs))
+        return batches[-1]
+
+    trainer._generate_and_score_completions = kept
+    return batches
+
+
+# -- shared by the CUDA tests --------------------------------------------------------------------------------
+def cuda_strict(function):
+    """`function`, run with CUDA's sync debug mode set to raise on any synchronising call."""
+
+    def strict(*args, **kwargs):
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return function(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+
+    return strict

@@ -390,7 +390,6 @@ def _chunked_padded_forward() -> bool:
 CHUNKED_PADDED_FORWARD = _chunked_padded_forward()  # False up to 4.36 (with SDPA attention on 4.36)
 
 
-
 # trainers.grpo overrides TRL GRPOTrainer's private methods as these releases have them (its tests ran on these only).
 TRL_TESTED = ("1.16",)
 

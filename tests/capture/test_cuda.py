@@ -11,7 +11,7 @@ from transformers_offload.capture import capture as _capture
 from transformers_offload.capture import transfer as _transfer
 from transformers_offload.capture.transfer import HostRing
 
-from ..helpers import assert_steps_equal, left_padded_batch, make_tiny
+from ..helpers import assert_steps_equal, cuda_strict, left_padded_batch, make_tiny
 
 pytestmark = pytest.mark.cuda
 
@@ -101,23 +101,9 @@ def test_the_memory_store_keeps_pageable_copies_of_the_pinned_slots():
     assert not any(step.is_pinned() for step in rec.logits() + rec.scores())
 
 
-def _strict(function):
-    """`function`, run with CUDA's sync debug mode set to raise on any synchronising call."""
-
-    def strict(*args, **kwargs):
-        previous = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return function(*args, **kwargs)
-        finally:
-            torch.cuda.set_sync_debug_mode(previous)
-
-    return strict
-
-
 def test_sync_debug_mode_catches_a_synchronising_call():
     with pytest.raises(RuntimeError, match="synchroniz"):
-        _strict(lambda: torch.ones(1, device="cuda").item())()
+        cuda_strict(lambda: torch.ones(1, device="cuda").item())()
 
 
 @pytest.mark.parametrize("encodings", [None, {"logits": "topk:5", "scores": "topk:5:q4"}, {"logits": "sample:8@0.7"},
@@ -126,8 +112,8 @@ def test_sync_debug_mode_catches_a_synchronising_call():
 def test_the_recorder_makes_no_synchronising_call_in_the_step_path(kwargs, store, encodings, tmp_path, monkeypatch):
     # generate() itself synchronises every step; only the recorder's own per-step code runs strict.
     for name in ("on_forward", "on_raw", "on_processed", "on_stopping"):
-        monkeypatch.setattr(_capture.Capture, name, _strict(getattr(_capture.Capture, name)))
-    monkeypatch.setattr(_transfer.HostRing, "put", _strict(_transfer.HostRing.put))
+        monkeypatch.setattr(_capture.Capture, name, cuda_strict(getattr(_capture.Capture, name)))
+    monkeypatch.setattr(_transfer.HostRing, "put", cuda_strict(_transfer.HostRing.put))
     model = make_tiny("llama").to("cuda")
     batch = {k: v.to("cuda") for k, v in left_padded_batch().items()}
     options = store.options(shard_bytes=20_000)
@@ -203,8 +189,8 @@ def test_attentions_and_hidden_states_on_cuda_equal_hugging_face(kwargs, store, 
 @pytest.mark.parametrize("options", sorted(LAYER_OPTIONS))
 def test_recording_attentions_makes_no_synchronising_call_in_the_step_path(options, store, tmp_path, monkeypatch):
     for name in ("on_forward", "on_raw", "on_processed", "on_stopping", "_on_layer"):  # _on_layer: module hooks
-        monkeypatch.setattr(_capture.Capture, name, _strict(getattr(_capture.Capture, name)))
-    monkeypatch.setattr(_transfer.HostRing, "put", _strict(_transfer.HostRing.put))
+        monkeypatch.setattr(_capture.Capture, name, cuda_strict(getattr(_capture.Capture, name)))
+    monkeypatch.setattr(_transfer.HostRing, "put", cuda_strict(_transfer.HostRing.put))
     model = make_tiny("llama", attn_implementation="eager").to("cuda")
     batch = {k: v.to("cuda") for k, v in left_padded_batch().items()}
     spill = store.options(shard_bytes=20_000)
@@ -298,8 +284,8 @@ def test_stats_on_cuda_equal_their_expressions_on_the_device(kwargs, store, dtyp
 @pytest.mark.parametrize("kwargs", [dict(), dict(do_sample=True, top_k=20), dict(num_beams=3)])
 def test_recording_stats_makes_no_synchronising_call_in_the_step_path(kwargs, store, tmp_path, monkeypatch):
     for name in ("on_forward", "on_raw", "on_processed", "on_stopping"):
-        monkeypatch.setattr(_capture.Capture, name, _strict(getattr(_capture.Capture, name)))
-    monkeypatch.setattr(_transfer.HostRing, "put", _strict(_transfer.HostRing.put))
+        monkeypatch.setattr(_capture.Capture, name, cuda_strict(getattr(_capture.Capture, name)))
+    monkeypatch.setattr(_transfer.HostRing, "put", cuda_strict(_transfer.HostRing.put))
     model = make_tiny("llama").to("cuda")
     batch = {k: v.to("cuda") for k, v in left_padded_batch().items()}
     options = store.options(shard_bytes=20_000)
@@ -362,8 +348,8 @@ def test_sparse_on_cuda_equals_hugging_face(kwargs, store, dtype, capacity, tmp_
 @pytest.mark.parametrize("kwargs", [dict(do_sample=True, top_k=20), dict(num_beams=3)])
 def test_encodings_make_no_synchronising_call_in_the_step_path(kwargs, encoding, tmp_path, monkeypatch):
     for name in ("on_forward", "on_raw", "on_processed", "on_stopping"):
-        monkeypatch.setattr(_capture.Capture, name, _strict(getattr(_capture.Capture, name)))
-    monkeypatch.setattr(_transfer.HostRing, "put", _strict(_transfer.HostRing.put))
+        monkeypatch.setattr(_capture.Capture, name, cuda_strict(getattr(_capture.Capture, name)))
+    monkeypatch.setattr(_transfer.HostRing, "put", cuda_strict(_transfer.HostRing.put))
     model = make_tiny("llama").to("cuda")
     batch = {k: v.to("cuda") for k, v in left_padded_batch().items()}
     with Recorder(model, encodings={"logits": encoding, "scores": encoding}, spill_dir=tmp_path / "run",
@@ -376,8 +362,8 @@ def test_encodings_make_no_synchronising_call_in_the_step_path(kwargs, encoding,
 @pytest.mark.parametrize("kwargs", [dict(), dict(do_sample=True, top_k=20, num_return_sequences=2), dict(num_beams=3)])
 def test_prompt_logprobs_on_cuda_make_no_synchronising_call_and_equal_a_plain_forward(kwargs, tmp_path, monkeypatch):
     for name in ("on_forward", "on_base_output", "on_raw", "on_processed", "on_stopping"):
-        monkeypatch.setattr(_capture.Capture, name, _strict(getattr(_capture.Capture, name)))
-    monkeypatch.setattr(_transfer.HostRing, "put", _strict(_transfer.HostRing.put))
+        monkeypatch.setattr(_capture.Capture, name, cuda_strict(getattr(_capture.Capture, name)))
+    monkeypatch.setattr(_transfer.HostRing, "put", cuda_strict(_transfer.HostRing.put))
     model = make_tiny("llama").to("cuda")
     batch = {k: v.to("cuda") for k, v in left_padded_batch().items()}
     with Recorder(model, prompt_logprobs=3, prompt_chunk=2, spill_dir=tmp_path / "run", shard_bytes=20_000) as rec:

@@ -13,7 +13,7 @@ import torch
 
 from transformers_offload import Recorder
 
-from ..helpers import TRANSFORMERS, record_model, record_tokenizer
+from ..helpers import TRANSFORMERS, keep_trl_batches, record_model, record_tokenizer
 
 try:  # TRL is made for the newest transformers
     import datasets
@@ -51,14 +51,7 @@ def test_grpo_scores_the_recorded_completions_with_the_recorded_logprobs(tmp_pat
                           use_transformers_continuous_batching=continuous_batching)
     trainer = trl.GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
                               args=args, train_dataset=prompts, processing_class=tokenizer)
-    batches = []
-    generate_and_score = trainer._generate_and_score_completions
-
-    def kept(*args, **kwargs):
-        batches.append(generate_and_score(*args, **kwargs))
-        return batches[-1]
-
-    trainer._generate_and_score_completions = kept
+    batches = keep_trl_batches(trainer)
     with Recorder(trainer.model, every_call=True) as rec:
         trainer.train()
     assert len(batches) == 1

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from ..helpers import TRANSFORMERS, record_model, record_tokenizer
+from ..helpers import TRANSFORMERS, keep_trl_batches, record_model, record_tokenizer
 
 try:  # TRL is made for the newest transformers
     import datasets
@@ -50,14 +50,7 @@ def _trainer(tmp_path, cls=RecordedGRPOTrainer, *, continuous_batching=False, se
     prompts = datasets.Dataset.from_dict({"prompt": ["w3 w4 w5", "w6 w7", "w8 w9 w10 w11", "w12"] * 2})
     trainer = cls(model=model, reward_funcs=lambda completions, **_: [float(len(c)) for c in completions], args=args,
                   train_dataset=prompts, processing_class=tokenizer, **extra)
-    batches = []
-    generate_and_score = trainer._generate_and_score_completions
-
-    def kept(*args, **kwargs):
-        batches.append(generate_and_score(*args, **kwargs))
-        return batches[-1]
-
-    trainer._generate_and_score_completions = kept
+    batches = keep_trl_batches(trainer)
     return trainer, batches
 
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from transformers_offload import Recorder, kept_sets
+
+from ..helpers import make_tiny
+
 PROMPTS = {"input_ids": torch.tensor([[5, 6, 7, 8], [0, 9, 10, 11]]),
            "attention_mask": torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])}
 
@@ -25,3 +29,14 @@ def sample():
 @pytest.fixture
 def prompts():
     return PROMPTS
+
+
+@pytest.fixture(params=[{}, {"top_p": 1.0, "top_k": 0}], ids=["masked", "full"])
+def kept(request):
+    """The kept sets of a tiny Llama's rollouts (8 steps, rows finishing early), masked by top-p/top-k or, with
+    both off, keeping the whole vocabulary at every step."""
+    model = make_tiny("llama")
+    with Recorder(model, streams=("logits", "scores")) as rec:
+        _sampled(model, rec, max_new_tokens=8, eos_token_id=list(range(3, 20)), output_scores=False,
+                 return_dict_in_generate=False, **request.param)
+    return kept_sets(rec)

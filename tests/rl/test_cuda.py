@@ -7,29 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from transformers_offload import Recorder, kept_sets, replay_logprobs, replay_logprobs_from_hidden
+from transformers_offload import replay_logprobs, replay_logprobs_from_hidden
 
-from ..helpers import make_tiny
+from ..helpers import cuda_strict
 
 pytestmark = pytest.mark.cuda
-
-
-@pytest.fixture(params=[{}, {"top_p": 1.0, "top_k": 0}], ids=["masked", "full"])
-def kept(request, sample):
-    model = make_tiny("llama")
-    with Recorder(model, streams=("logits", "scores")) as rec:
-        sample(model, rec, max_new_tokens=8, eos_token_id=list(range(3, 20)), output_scores=False,
-               return_dict_in_generate=False, **request.param)
-    return kept_sets(rec)
-
-
-def _strict(function, *args, **kwargs):
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        return function(*args, **kwargs)
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -38,8 +20,8 @@ def test_replay_on_cuda_is_its_cpu_value_without_a_synchronising_call(kept, dtyp
     logits = torch.randn(kept.rows, kept.steps, kept.vocab_size, dtype=dtype)
     on_device = logits.cuda().requires_grad_(True)
     device_kept = kept.to("cuda")
-    found = _strict(replay_logprobs, on_device, device_kept)
-    _strict(lambda: found.sum().backward())
+    found = cuda_strict(replay_logprobs)(on_device, device_kept)
+    cuda_strict(lambda: found.sum().backward())()
     cpu = logits.clone().requires_grad_(True)
     expected = replay_logprobs(cpu, kept)
     expected.sum().backward()
@@ -52,8 +34,8 @@ def test_replay_from_hidden_on_cuda_is_its_cpu_value_without_a_synchronising_cal
     hidden, weight = torch.randn(kept.rows, kept.steps, 16), torch.randn(kept.vocab_size, 16)
     h, w = hidden.cuda().requires_grad_(True), weight.cuda().requires_grad_(True)
     device_kept = kept.to("cuda")
-    found = _strict(replay_logprobs_from_hidden, h, w, device_kept)
-    _strict(lambda: found.sum().backward())
+    found = cuda_strict(replay_logprobs_from_hidden)(h, w, device_kept)
+    cuda_strict(lambda: found.sum().backward())()
     hc, wc = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     expected = replay_logprobs_from_hidden(hc, wc, kept)
     expected.sum().backward()

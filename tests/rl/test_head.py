@@ -8,18 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from transformers_offload import Recorder, kept_sets, replay_logprobs, replay_logprobs_from_hidden
+from transformers_offload import replay_logprobs, replay_logprobs_from_hidden
 
-from ..helpers import HostSyncGuard, make_tiny
-
-
-@pytest.fixture(params=[{}, {"top_p": 1.0, "top_k": 0}], ids=["masked", "full"])
-def kept(request, sample):
-    model = make_tiny("llama")
-    with Recorder(model, streams=("logits", "scores")) as rec:
-        sample(model, rec, max_new_tokens=8, eos_token_id=list(range(3, 20)), output_scores=False,
-               return_dict_in_generate=False, **request.param)
-    return kept_sets(rec)
+from ..helpers import HostSyncGuard
 
 
 def _case(kept, bias=True):

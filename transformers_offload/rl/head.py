@@ -26,7 +26,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .kept import KeptSets
-from .replay import check_kept, kept_logsumexp, row_temperatures
+from .replay import check_kept, kept_logsumexp, on_device
 
 
 class _GatheredLogits(torch.autograd.Function):
@@ -114,10 +114,7 @@ def replay_logprobs_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, kept
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"`chunk` must be an int of at least 1, got {chunk!r}.")
     device, (rows, steps) = hidden.device, hidden.shape[:2]
-    if kept.device != device:
-        kept = kept.to(device, non_blocking=True)
-    temperature = row_temperatures(temperature, kept, device)
-    per_position = temperature.repeat_interleave(steps, output_size=rows * steps)  # (rows * steps,)
+    kept, _, per_position = on_device(kept, temperature, device)
     flat = hidden.reshape(rows * steps, hidden.shape[-1])
     everywhere = torch.arange(rows * steps, device=device)
     chosen = _GatheredLogits.apply(flat, weight, bias, everywhere, kept.tokens.clamp(min=0).reshape(-1), chunk)

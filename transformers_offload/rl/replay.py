@@ -65,11 +65,8 @@ def replay_logprobs(logits: torch.Tensor, kept: KeptSets, *, temperature: float 
     if isinstance(chunk_steps, bool) or not isinstance(chunk_steps, int) or chunk_steps < 1:
         raise ValueError(f"`chunk_steps` must be an int of at least 1, got {chunk_steps!r}.")
     device, (rows, steps) = logits.device, logits.shape[:2]
-    if kept.device != device:
-        kept = kept.to(device, non_blocking=True)
-    temperature = row_temperatures(temperature, kept, device)
+    kept, temperature, per_position = on_device(kept, temperature, device)
     # `logits` is read where it lies (a slice of a forward's output is not contiguous: no reshape, no copy).
-    per_position = temperature.repeat_interleave(steps, output_size=rows * steps)  # (rows * steps,)
     chosen = logits.gather(-1, kept.tokens.clamp(min=0)[..., None]).reshape(-1).float() / per_position
     positions = kept.positions()
     z = logits[positions // steps, positions % steps, kept.ids.long()].float() / per_position[positions]  # (nnz,)
@@ -107,6 +104,16 @@ def row_temperatures(temperature: object, kept: KeptSets, device: torch.device) 
     if not temperature > 0:
         raise ValueError(f"`temperature` must be positive, got {temperature!r}.")
     return torch.full((kept.rows,), float(temperature), dtype=torch.float32, device=device)
+
+
+def on_device(kept: KeptSets, temperature: object, device: torch.device) -> tuple[KeptSets, torch.Tensor, torch.Tensor]:
+    """`kept` on `device`, each row's temperature (`row_temperatures`) and each position's, `(rows * steps,)`
+    float32 in row-major order."""
+    if kept.device != device:
+        kept = kept.to(device, non_blocking=True)
+    temperature = row_temperatures(temperature, kept, device)
+    per_position = temperature.repeat_interleave(kept.steps, output_size=kept.rows * kept.steps)
+    return kept, temperature, per_position
 
 
 def kept_logsumexp(z: torch.Tensor, kept: KeptSets, positions: torch.Tensor) -> torch.Tensor:

@@ -55,8 +55,7 @@ def sampler_logprobs(source: Any, *, raw: bool = True) -> dict[str, torch.Tensor
                              "in full (dense, `sparse` or `native`): record with `streams=(\"logits\", \"scores\")`, "
                              "or pass `raw=False` for the sampled logprob alone.")
         rows, count, temperature = generation.num_rows, generation.num_steps, temperature_of(generation)
-        names = ("sampled", "raw", "raw_temperature") if raw else ("sampled",)
-        columns = {name: torch.zeros((rows, steps), dtype=torch.float32) for name in names}
+        columns = {name: torch.zeros((rows, steps), dtype=torch.float32) for name in kinds}
         tokens = torch.full((rows, steps), -1, dtype=torch.long)
         valid = torch.zeros((rows, steps), dtype=torch.bool)
         if count:
