@@ -22,9 +22,36 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("ci", database=None, derandomize=True, deadline=None, print_blob=True)
 settings.register_profile("large", database=None, deadline=None, print_blob=True)
 
-from .helpers import FUZZ_SCALE, TINY_MODELS, Store, make_tiny, record_with_reference  # noqa: E402
+from .helpers import FUZZ_SCALE, TEST_CB_MEMORY_PERCENT, TINY_MODELS, Store, make_tiny, record_with_reference  # noqa: E402
 
 settings.load_profile("large" if FUZZ_SCALE > 1 else "ci")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _continuous_batching_cache_of_a_test_size():
+    """Continuous batching sizes its cache from the machine's memory (transformers 5.x: 60% of it on CPU, about
+    14 GiB resident on a 24 GiB machine for a tiny model); two test workers doing it at once were killed for memory.
+    Tests cap it at `TEST_CB_MEMORY_PERCENT` (4%) on CPU where `max_memory_percent` is not set, plenty for the
+    tiny models' few requests."""
+    try:
+        from transformers.generation.continuous_batching import initialization
+    except ImportError:  # a release without continuous batching, or with another set-up (no cap)
+        yield
+        return
+    resolve = getattr(initialization, "resolve_max_memory_percent", None)
+    if resolve is None:
+        yield
+        return
+
+    def capped(cb_config, *args, **kwargs):
+        device = kwargs.get("device")
+        if cb_config.max_memory_percent is None and (device is None or torch.device(device).type == "cpu"):
+            cb_config.max_memory_percent = TEST_CB_MEMORY_PERCENT
+        return resolve(cb_config, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(initialization, "resolve_max_memory_percent", capped)
+        yield
 
 
 @pytest.fixture(params=sorted(TINY_MODELS))

@@ -882,6 +882,11 @@ def _innermost_own_frame() -> str:
 
 
 # -- shared by the TRL tests ---------------------------------------------------------------------------------
+# The share of memory continuous batching may take for its cache in tests (tests/conftest.py caps transformers'
+# default with it; TRL sets its own 0.5, so its tests pass this through `transformers_continuous_batching_config`).
+TEST_CB_MEMORY_PERCENT = 0.04
+
+
 def keep_trl_batches(trainer) -> list:
     """The list each rollout batch TRL's `_generate_and_score_completions` returns is appended to (before TRL
     shuffles and splits it)."""

@@ -13,7 +13,7 @@ import torch
 
 from transformers_offload import Recorder
 
-from ..helpers import TRANSFORMERS, keep_trl_batches, record_model, record_tokenizer
+from ..helpers import TEST_CB_MEMORY_PERCENT, TRANSFORMERS, keep_trl_batches, record_model, record_tokenizer
 
 try:  # TRL is made for the newest transformers
     import datasets
@@ -48,7 +48,8 @@ def test_grpo_scores_the_recorded_completions_with_the_recorded_logprobs(tmp_pat
                           max_completion_length=4, max_steps=1, temperature=0.7, report_to=[], use_cpu=True,
                           num_iterations=2,  # TRL computes old_per_token_logps only where it reuses a batch
                           beta=0.0, save_strategy="no", disable_tqdm=True,
-                          use_transformers_continuous_batching=continuous_batching)
+                          use_transformers_continuous_batching=continuous_batching,
+                          transformers_continuous_batching_config={"max_memory_percent": TEST_CB_MEMORY_PERCENT})
     trainer = trl.GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
                               args=args, train_dataset=prompts, processing_class=tokenizer)
     batches = keep_trl_batches(trainer)
@@ -87,7 +88,8 @@ def test_grpo_with_a_repetition_penalty_is_refused_under_continuous_batching_and
         args = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2,
                               max_completion_length=4, max_steps=1, temperature=0.7, repetition_penalty=1.3,
                               report_to=[], use_cpu=True, beta=0.0, save_strategy="no", disable_tqdm=True,
-                              use_transformers_continuous_batching=continuous_batching)
+                              use_transformers_continuous_batching=continuous_batching,
+                              transformers_continuous_batching_config={"max_memory_percent": TEST_CB_MEMORY_PERCENT})
         trainer = trl.GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
                                   args=args, train_dataset=prompts, processing_class=tokenizer)
         with Recorder(trainer.model, every_call=True) as rec:

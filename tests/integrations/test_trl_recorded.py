@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from ..helpers import TRANSFORMERS, keep_trl_batches, record_model, record_tokenizer
+from ..helpers import TEST_CB_MEMORY_PERCENT, TRANSFORMERS, keep_trl_batches, record_model, record_tokenizer
 
 try:  # TRL is made for the newest transformers
     import datasets
@@ -45,7 +45,8 @@ def _trainer(tmp_path, cls=RecordedGRPOTrainer, *, continuous_batching=False, se
     config = {"per_device_train_batch_size": 4, "num_generations": 2, "max_completion_length": 6, "max_steps": 1,
               "temperature": 0.7, "top_p": 0.8, "report_to": [], "use_cpu": True, "bf16": False, "beta": 0.0,
               "save_strategy": "no", "disable_tqdm": True, "seed": seed,
-              "use_transformers_continuous_batching": continuous_batching}
+              "use_transformers_continuous_batching": continuous_batching,
+              "transformers_continuous_batching_config": {"max_memory_percent": TEST_CB_MEMORY_PERCENT}}
     args = trl.GRPOConfig(output_dir=str(tmp_path), **{**config, **options})
     prompts = datasets.Dataset.from_dict({"prompt": ["w3 w4 w5", "w6 w7", "w8 w9 w10 w11", "w12"] * 2})
     trainer = cls(model=model, reward_funcs=lambda completions, **_: [float(len(c)) for c in completions], args=args,
