@@ -112,3 +112,25 @@ def test_a_mixed_batch_names_each_rows_adapter_and_records_exactly():
     with Recorder(peft_model) as rec:
         _generate(peft_model, rec, "greedy")
     assert "per_row" not in rec.generations[-1].adapters  # the hooks went with the mixed call
+
+
+def test_score_computes_a_lora_models_scored_positions_only_and_records_its_forwards_values():
+    """A PeftModel's forward takes `logits_to_keep` and the cache through its keywords, as the model inside names them
+    (before, `score` passed `past_key_values`, deprecated on 5.24 and later, and computed every position)."""
+    from transformers_offload import score
+    from transformers_offload.rescoring.corpus import windows
+
+    peft_model = _peft_model()
+    widths: list[int] = []
+    peft_model.register_forward_hook(lambda module, args, out: widths.append(out.logits.shape[1]))
+    ids = [3 + i % 50 for i in range(70)]
+    tokenizer = type("Ids", (), {"bos_token_id": None, "pad_token_id": 0,
+                                 "__call__": lambda self, text, add_special_tokens=True: {"input_ids": ids}})()
+    run = score(peft_model, "any text", tokenizer=tokenizer, context=32, max_windows=2)
+    assert widths == [15]
+    with torch.no_grad():
+        expected = peft_model(input_ids=windows(ids, 32, None)[:2, :31]).logits.float()
+    logits = run.generation().logits()
+    assert len(logits) == 15
+    for t, step in enumerate(logits):
+        assert torch.equal(step, expected[:, 16 + t]), t

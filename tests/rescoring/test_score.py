@@ -96,6 +96,58 @@ def test_chunked_forwards_give_the_whole_forwards_values_to_rounding(tmp_path):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
+def _forward_widths(model) -> list[int]:
+    """The positions each forward of `model` computed logits for, appended as they run."""
+    widths: list[int] = []
+    model.register_forward_hook(lambda module, args, out: widths.append(out.logits.shape[1]))
+    return widths
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("path", ["release", "head"])
+def test_each_forward_computes_its_scored_positions_logits_only(name, path, monkeypatch):
+    """By `logits_to_keep` where the forward takes it, by the head's input cut to the scored positions where it
+    does not (releases before 4.45, wrappers: `release` is this release's own way, `head` the cut forced by
+    hiding the argument); the values are the whole forward's, bit for bit."""
+    from transformers_offload import _compat
+
+    model = make_tiny(name).eval()
+    if path == "head":
+        monkeypatch.setattr(_compat, "logits_to_keep_argument", lambda model: None)
+    widths = _forward_widths(model)
+    context, first = 32, 16
+    # 31 positions in chunks of 10: scored from position 16 on, so 1 (none scored), 4, 10 and 1.
+    run = score(model, TEXT, tokenizer=CharTokenizer(), context=context, max_windows=2, chunk_size=10)
+    assert widths == [1, 4, 10, 1] and run.generation().num_steps == 15
+    widths.clear()
+    run = score(model, TEXT, tokenizer=CharTokenizer(), context=context, max_windows=2)
+    assert widths == [context - 1 - first]
+    cut = windows([2, *_ids()], context, 2)
+    with torch.no_grad():
+        expected = model(input_ids=cut[:2, : context - 1]).logits.float()
+    assert len(widths) == 2 and widths[1] == context - 1  # the whole forward: every position
+    for t, logits in enumerate(run.generation().logits()):
+        assert torch.equal(logits, expected[:, first + t]), t
+
+
+def test_a_head_the_forward_does_not_call_leaves_every_position_and_other_widths_are_refused(monkeypatch):
+    from transformers_offload import _compat
+
+    model = make_tiny("llama").eval()
+    monkeypatch.setattr(_compat, "logits_to_keep_argument", lambda model: None)
+    widths = _forward_widths(model)
+    expected = score(model, TEXT, tokenizer=CharTokenizer(), context=32, max_windows=2, chunk_size=10)
+    monkeypatch.setattr(type(model), "get_output_embeddings", lambda self: None)
+    widths.clear()
+    run = score(model, TEXT, tokenizer=CharTokenizer(), context=32, max_windows=2, chunk_size=10)
+    assert widths == [10, 10, 10, 1]
+    for a, b in zip(run.generation().logits(), expected.generation().logits()):
+        assert torch.equal(a, b)  # the head over the whole chunk, the scored rows the same
+    model.register_forward_hook(lambda module, args, out: out.__setitem__("logits", out.logits[:, :2]))
+    with pytest.raises(RuntimeError, match="logits of 2 positions for a chunk of 10"):
+        score(model, TEXT, tokenizer=CharTokenizer(), context=32, max_windows=2, chunk_size=10)
+
+
 def test_a_candidate_against_its_base_gives_perplexities_and_kl(tmp_path):
     base_model = make_tiny("llama").eval()
     candidate_model = make_tiny("llama").eval().to(torch.bfloat16)

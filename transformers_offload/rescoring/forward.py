@@ -18,6 +18,7 @@ import torch
 from transformers import GenerationConfig
 
 from .. import _compat
+from ..capture.peft import unwrap
 from ..read.generation import Generation
 
 
@@ -76,30 +77,43 @@ def score_sequences(model: Any, rec: Any, sequences: torch.Tensor, prompt_length
                               eos_token_id=list(eos_token_id) or None)
     capture = rec.begin_call(assistant_model=None, custom_generate=None, attention_mask=given_mask,
                              inputs=sequences[:, :length])
+    head = None
     try:
         capture.start(config, length, no_processors=True)
         eos = torch.tensor(list(eos_token_id), device=device, dtype=torch.long)
         done = torch.zeros(rows, dtype=torch.bool, device=device)
         cache = None
         logits = None  # one `(rows, vocab)` float32 buffer, reused for every position (the ring copies it)
-        cache_argument = _compat.cache_argument(model)
-        keep_argument = _compat.logits_to_keep_argument(model)
+        inner = unwrap(model)[0]  # a PEFT model's forward hands its keywords to the transformers model's
+        cache_argument = _compat.cache_argument(inner)
+        keep_argument = _compat.logits_to_keep_argument(inner)
+        if keep_argument is None:
+            head = _HeadOnScored(model)
         end_of_scored = length + steps - 1  # the last token is appended, never scored
         with torch.no_grad():
             for start in range(0, end_of_scored, chunk_size):
                 end = min(start + chunk_size, end_of_scored)
-                # The scored positions of a chunk are its last ones: where the forward can, it computes
-                # only their logits (one position's where none is scored; 0 would mean every position).
-                kept = end - start if keep_argument is None else max(1, end - max(start, length - 1))
+                # The scored positions of a chunk are its last ones: the forward computes only their logits
+                # (one position's where none is scored; 0 would mean every position), by `logits_to_keep`
+                # where it has it and by the head's input cut to them elsewhere.
+                kept = max(1, end - max(start, length - 1))
                 keep = {} if keep_argument is None else {keep_argument: kept}
+                if head is not None:
+                    head.width, head.kept = end - start, kept
                 out = model(input_ids=sequences[:, start:end], attention_mask=mask[:, :end],
                             position_ids=positions[:, start:end], use_cache=True, **{cache_argument: cache}, **keep)
                 cache = _compat.cache_of(out)
+                computed = out.logits.shape[1]  # the chunk's last `computed` positions
+                if computed not in (kept, end - start):
+                    raise RuntimeError(
+                        f"{type(model).__name__}'s forward gave the logits of {computed} positions for a chunk of "
+                        f"{end - start} ({kept} scored): neither every position nor the scored ones, so which "
+                        "position each belongs to is unknown. Report it with the model's name.")
                 for position in range(max(start, length - 1), end):
                     step = position - (length - 1)
                     if logits is None:
                         logits = torch.empty(out.logits[:, 0].shape, dtype=torch.float32, device=out.logits.device)
-                    logits.copy_(out.logits[:, position - (end - kept)])
+                    logits.copy_(out.logits[:, position - (end - computed)])
                     ids = sequences[:, : length + step]
                     capture.on_raw(ids, logits)
                     capture.on_processed(ids, logits)
@@ -110,4 +124,30 @@ def score_sequences(model: Any, rec: Any, sequences: torch.Tensor, prompt_length
     except BaseException as exc:  # recorded so far stays readable, as a failed generate() call's
         rec.end_call(capture, None, exc)
         raise
+    finally:
+        if head is not None:
+            head.remove()
     rec.end_call(capture, sequences, None)
+
+
+class _HeadOnScored:
+    """For a forward without `logits_to_keep` (releases before 4.45, models whose forward does not name it):
+    a pre-hook on the model's head (`get_output_embeddings()`) that hands it the
+    last `kept` positions of a `(rows, width, hidden)` input only, the slice `logits_to_keep` takes where the
+    forward has it. A head the forward does not call on that input leaves the logits of every position."""
+
+    def __init__(self, model: Any) -> None:
+        self.width = self.kept = 0
+        get = getattr(model, "get_output_embeddings", None)
+        module = get() if callable(get) else None
+        self._handle = module.register_forward_pre_hook(self._cut) if isinstance(module, torch.nn.Module) else None
+
+    def _cut(self, module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        hidden = args[0] if args else None
+        if isinstance(hidden, torch.Tensor) and hidden.dim() == 3 and hidden.shape[1] == self.width > self.kept:
+            return (hidden[:, -self.kept :], *args[1:])
+        return None
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
