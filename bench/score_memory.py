@@ -7,10 +7,11 @@ Cases: `smollm2`, SmolLM2-135M-Instruct (float32, vocabulary 49,152) at context 
 Python's help texts (`pydoc_data.topics`) in one batch; `wide`, a 2-layer Qwen2 made from a config with
 Qwen2's vocabulary of 152,064 (hidden size 256, random weights, float32) at context 2,048, 2 windows in
 one batch, the text's ids folded into the vocabulary. `--mode on` is `score` as it is (each forward
-computes its scored positions' logits only, `logits_to_keep`); `off` the path before it (every position's
-logits), by making `_compat.logits_to_keep_argument` answer None; `before` that and the Recorder's usual
-64 MiB shards (`score` before issue 47, which now sizes its shards to its batches: `corpus.shard_size`);
-`plain` the floor, one forward of the same windows with `logits_to_keep` and nothing recorded. The chunk
+computes its scored positions' logits only, `logits_to_keep`); `head` the path of releases and models
+without that argument (the head's input cut to the scored positions), by making
+`_compat.logits_to_keep_argument` answer None; `before` neither (every position's logits) and the
+Recorder's usual 64 MiB shards (`score` before issue 47, which now sizes its shards to its batches:
+`corpus.shard_size`); `plain` the floor, one forward of the same windows with `logits_to_keep` and nothing recorded. The chunk
 is the whole window (`chunk_size` = context). Each case runs in a fresh process (a peak never goes down);
 the peak is the kernel's high-water mark (`VmHWM`) started over once the model is loaded and has run (a
 model loaded by mmap pages its weights in at its first forward), so `peak_over_model_mib` is what scoring
@@ -81,11 +82,12 @@ def one(case: str, mode: str) -> dict:
 
     from transformers_offload import _compat, score
 
-    if mode in ("off", "before"):  # every position's logits
+    if mode in ("head", "before"):  # no `logits_to_keep`: the head's input cut to the scored positions
         _compat.logits_to_keep_argument = lambda model: None
-    if mode == "before":  # and the Recorder's usual 64 MiB shards: `score` before issue 47
-        from transformers_offload.rescoring import corpus
+    if mode == "before":  # not cut either (every position's logits), and the Recorder's usual 64 MiB shards
+        from transformers_offload.rescoring import corpus, forward
 
+        forward._HeadOnScored._cut = lambda self, module, args: None
         corpus.shard_size = lambda batch_logits_bytes: corpus.DEFAULT_SHARD_BYTES
     settings = CASES[case]
     model, tokenizer = _model(case)
@@ -126,14 +128,14 @@ def one(case: str, mode: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", choices=sorted(CASES))
-    parser.add_argument("--mode", choices=["on", "off", "before", "plain"], default="on")
+    parser.add_argument("--mode", choices=["on", "head", "before", "plain"], default="on")
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     if args.case:
         print(json.dumps(one(args.case, args.mode)))
         return
-    cases = {f"{case} {mode}": ["--case", case, "--mode", mode] for case in CASES for mode in ("plain", "before", "off", "on")}
+    cases = {f"{case} {mode}": ["--case", case, "--mode", mode] for case in CASES for mode in ("plain", "before", "head", "on")}
     found = fresh_runs(__file__, cases, args.runs)
     rows = []
     for name, results in found.items():

@@ -203,14 +203,14 @@ def score_run(model: Any, texts: str | Sequence[str], out: str | os.PathLike | N
 
 
 def shard_size(batch_logits_bytes: int) -> int:
-    """The shards `score` writes, for a batch whose scored logits take `batch_logits_bytes` (float32): the
-    writer holds up to three shard buffers at once (one filling, one being written, one more while the writer
-    lags: `store.shard_writer.MAX_SHARD_BUFFERS`), so shards
-    of a 32nd of that keep them near 10% of what one forward of the batch holds; at least 1 MiB, at most
-    the Recorder's usual 64 MiB (reached where a batch's logits pass 2 GiB). Smaller shards cost time: a
-    64th gave a peak 1.065x the scored logits at a 152k vocabulary but 1.11-1.12x a plain forward's time
+    """The shards `score` writes, for a batch whose scored logits take `batch_logits_bytes` (float32): a
+    128th of them, at least 8 MiB, at most the Recorder's usual 64 MiB (reached where a batch's logits pass
+    8 GiB). The writer holds two or three shard buffers at once (one filling, one being written, one more
+    while the writer lags: `store.shard_writer.MAX_SHARD_BUFFERS`); at a 128th they add about 2% to what a
+    forward of the batch holds (a 152,064 vocabulary, 2 windows of 2,048: 1.08x the scored logits against
+    1.13x at a 32nd), and the floor keeps small batches from writing many small files, each synced to disk
     (bench/README.md)."""
-    return max(2**20, min(DEFAULT_SHARD_BYTES, batch_logits_bytes // 32))
+    return max(8 * 2**20, min(DEFAULT_SHARD_BYTES, batch_logits_bytes // 128))
 
 
 def _counts(batches: list[range], mine: list[int], scored: list[int], steps: int, rank: int,
