@@ -11,7 +11,8 @@ computes its scored positions' logits only, `logits_to_keep`); `head` the path o
 without that argument (the head's input cut to the scored positions), by making
 `_compat.logits_to_keep_argument` answer None; `before` neither (every position's logits) and the
 Recorder's usual 64 MiB shards (`score` before issue 47, which now sizes its shards to its batches:
-`corpus.shard_size`); `plain` the floor, one forward of the same windows with `logits_to_keep` and nothing recorded. The chunk
+`corpus.shard_size`); `plain` the floor, one forward of the same windows with `logits_to_keep`, no KV cache (`score` builds none
+for a window scored in one forward) and nothing recorded. The chunk
 is the whole window (`chunk_size` = context). Each case runs in a fresh process (a peak never goes down);
 the peak is the kernel's high-water mark (`VmHWM`) started over once the model is loaded and has run (a
 model loaded by mmap pages its weights in at its first forward), so `peak_over_model_mib` is what scoring
@@ -113,7 +114,7 @@ def one(case: str, mode: str) -> dict:
             ids = torch.as_tensor(tokenizer("\n".join(topics.values()), add_special_tokens=False)["input_ids"])
             with torch.no_grad():
                 model(input_ids=ids[: count * context].reshape(count, context)[:, :-1],
-                      logits_to_keep=context - 1 - context // 2)
+                      logits_to_keep=context - 1 - context // 2, use_cache=False)
         else:
             score(model, text, Path(scratch) / "run", tokenizer=tokenizer, context=context, batch_size=count,
                   chunk_size=context, max_windows=count)

@@ -207,9 +207,9 @@ def shard_size(batch_logits_bytes: int) -> int:
     128th of them, at least 8 MiB, at most the Recorder's usual 64 MiB (reached where a batch's logits pass
     8 GiB). The writer holds two or three shard buffers at once (one filling, one being written, one more
     while the writer lags: `store.shard_writer.MAX_SHARD_BUFFERS`); at a 128th they add about 2% to what a
-    forward of the batch holds (a 152,064 vocabulary, 2 windows of 2,048: 1.08x the scored logits against
-    1.13x at a 32nd), and the floor keeps small batches from writing many small files, each synced to disk
-    (bench/README.md)."""
+    forward of the batch holds (a 152,064 vocabulary, 2 windows of 2,048: 1.04x to 1.07x the scored logits
+    over the model; a 32nd gave 1.13x to 1.17x), and the floor keeps small batches from writing many small
+    files, each synced to disk (bench/README.md)."""
     return max(8 * 2**20, min(DEFAULT_SHARD_BYTES, batch_logits_bytes // 128))
 
 

@@ -100,8 +100,12 @@ def score_sequences(model: Any, rec: Any, sequences: torch.Tensor, prompt_length
                 keep = {} if keep_argument is None else {keep_argument: kept}
                 if head is not None:
                     head.width, head.kept = end - start, kept
+                # A sequence scored in one forward builds no KV cache: no later chunk would read it (SmolLM2,
+                # 4 x 511 positions: 94 MiB, half its scored logits).
+                use_cache = cache is not None or end < end_of_scored
                 out = model(input_ids=sequences[:, start:end], attention_mask=mask[:, :end],
-                            position_ids=positions[:, start:end], use_cache=True, **{cache_argument: cache}, **keep)
+                            position_ids=positions[:, start:end], use_cache=use_cache, **{cache_argument: cache},
+                            **keep)
                 cache = _compat.cache_of(out)
                 computed = out.logits.shape[1]  # the chunk's last `computed` positions
                 if computed not in (kept, end - start):
