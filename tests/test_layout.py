@@ -33,7 +33,7 @@ ALLOWED = {
     "trainers": {"errors", "recorder", "rl", "_compat"},
     "recorder": {"errors", "codecs", "store", "capture", "read", "_compat", "_version"},
     "jobs": {"errors", "store", "read", "recorder"},
-    "rescoring": {"errors", "store", "read", "recorder", "jobs", "_compat"},
+    "rescoring": {"errors", "store", "capture", "read", "recorder", "jobs", "_compat"},  # capture: PEFT's unwrap
     "cli": {"errors", "store", "read", "answers", "jobs", "rescoring", "demo_model"},
     "__main__": {"cli"},
 }
