@@ -914,3 +914,15 @@ def cuda_strict(function):
             torch.cuda.set_sync_debug_mode(previous)
 
     return strict
+
+
+# -- shared by the tests that run a benchmark ----------------------------------------------------------------
+def bench_module(name: str):
+    """A module of bench/ (its scripts import each other by name)."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))

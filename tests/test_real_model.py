@@ -12,7 +12,7 @@ import torch
 
 from transformers_offload import Recorder, open_recording
 
-from .helpers import ROOT, assert_steps_equal, finished_from_sequences, hf_reference
+from .helpers import ROOT, assert_steps_equal, bench_module, finished_from_sequences, hf_reference
 
 pytestmark = pytest.mark.slow
 
@@ -107,15 +107,6 @@ STEPS, CHECKPOINT, BATCH, SHARD_MIB = 256, 64, 4, 8
 STEP_MIB = BATCH * 49152 * 4 * 2 / 2**20  # raw logits and processed scores, float32
 
 
-def _bench(name: str):
-    """A module of bench/ (its scripts import each other by name)."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        return __import__(name)
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-
-
 def _peak_rss(store: str, *, steps: int = STEPS, checkpoint: int = CHECKPOINT, streams: str = "logits,scores",
               shard_mib: int = SHARD_MIB) -> dict:
     # A process as users run it: the C library's default allocator settings (no MALLOC_* variables,
@@ -124,7 +115,7 @@ def _peak_rss(store: str, *, steps: int = STEPS, checkpoint: int = CHECKPOINT, s
         [sys.executable, str(ROOT / "bench" / "peak_rss.py"), "--store", store, "--steps", str(steps),
          "--checkpoint", str(checkpoint), "--batch", str(BATCH), "--shard-mib", str(shard_mib), "--streams", streams],
         capture_output=True, text=True, timeout=900,
-        env=_bench("_common").default_env(HF_HUB_OFFLINE="1"),
+        env=bench_module("_common").default_env(HF_HUB_OFFLINE="1"),
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -184,7 +175,7 @@ def _layer_peak(case: dict, prompt_tokens: int = 1000) -> float:
     (bench/layer_peak.py). The least, not one run: stock generate() itself spreads by more than the
     hidden state's bound below between runs (glibc's reuse of the blocks the eager attention frees
     layer by layer; bench/README.md has the figures); the least is what the call needs."""
-    return min(run["growth_mib"] for run in _bench("layer_peak").measure(case, prompt_tokens, 4, LAYER_PEAK_RUNS))
+    return min(run["growth_mib"] for run in bench_module("layer_peak").measure(case, prompt_tokens, 4, LAYER_PEAK_RUNS))
 
 
 @pytest.fixture(scope="module")

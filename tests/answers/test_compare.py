@@ -16,7 +16,7 @@ import torch
 from transformers_offload import CompareError, Comparison, Generation, Recorder, compare, open_recording, rescore, write_html
 from transformers_offload.cli import main
 
-from ..helpers import EOS, PAD, ROOT, left_padded_batch, make_tiny
+from ..helpers import EOS, PAD, bench_module, left_padded_batch, make_tiny
 
 MODES = {
     "greedy": {"do_sample": False},
@@ -538,14 +538,8 @@ def _memory_peak(case: str, tokens: int, vocab: int, work) -> float:
     buffer lower: at 512 tokens and 131,072 entries a row, 692 MiB in most runs on a busy machine, 755.5 in
     each of three on a quiet one, where 1,024 tokens gave 755.8)."""
     import argparse
-    import sys
 
-    bench = ROOT / "bench"
-    sys.path.insert(0, str(bench))
-    try:
-        memory_part = __import__("rescore_cost").memory_part
-    finally:
-        sys.path.remove(str(bench))
+    memory_part = bench_module("rescore_cost").memory_part
     out = work / f"out-{tokens}"
     memory_part(argparse.Namespace(tokens=tokens, vocab=vocab, runs=3, cases=[case], work_dir=str(work), out=out))
     runs = json.loads((out / "rescore_memory.json").read_text())["runs"][case]

@@ -12,7 +12,7 @@ from packaging.version import Version
 from transformers_offload import compare, open_recording, score
 from transformers_offload.rescoring.corpus import windows
 
-from ..helpers import ROOT, VOCAB, make_tiny
+from ..helpers import ROOT, VOCAB, bench_module, make_tiny
 
 TEXT = "The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. " * 3
 
@@ -154,15 +154,8 @@ def test_scoring_a_152k_vocabulary_holds_one_chunks_scored_logits_and_less_than_
     batch and one forward (1,187 MiB of scored logits), three fresh processes with the C library's default
     allocator settings. Issue 47's target: the peak over the model at most 1.10x the scored logits (measured
     1.042x to 1.068x; 1.13x to 1.17x with shards of a 32nd, 2.17x computing every position's logits)."""
-    import sys
-
-    bench = ROOT / "bench"
-    sys.path.insert(0, str(bench))
-    try:
-        fresh_runs = __import__("_common").fresh_runs
-    finally:
-        sys.path.remove(str(bench))
-    runs = fresh_runs(bench / "score_memory.py", {"wide": ["--case", "wide", "--mode", "on"]}, 3, show=False)["wide"]
+    fresh_runs = bench_module("_common").fresh_runs
+    runs = fresh_runs(ROOT / "bench" / "score_memory.py", {"wide": ["--case", "wide", "--mode", "on"]}, 3, show=False)["wide"]
     assert len(runs) == 3 and all(run["scored_logits_mib"] > 1000 for run in runs)
     assert max(run["over_scored_logits"] for run in runs) <= 1.10, runs
 

@@ -135,10 +135,10 @@ def score_sequences(model: Any, rec: Any, sequences: torch.Tensor, prompt_length
 
 
 class _HeadOnScored:
-    """For a forward without `logits_to_keep` (releases before 4.45, models whose forward does not name it):
-    a pre-hook on the model's head (`get_output_embeddings()`) that hands it the
-    last `kept` positions of a `(rows, width, hidden)` input only, the slice `logits_to_keep` takes where the
-    forward has it. A head the forward does not call on that input leaves the logits of every position."""
+    """For a forward without `logits_to_keep` (releases before 4.45, models whose forward does not name it): a
+    pre-hook on the model's head (`get_output_embeddings()`) that hands it the last `kept` positions of a
+    `(rows, width, hidden)` input only, the slice `logits_to_keep` takes where the forward has it. A head the
+    forward does not call on that input leaves the logits of every position."""
 
     def __init__(self, model: Any) -> None:
         self.width = self.kept = 0
