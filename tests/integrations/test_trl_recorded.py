@@ -13,9 +13,11 @@ import torch
 
 from ..helpers import TEST_CB_MEMORY_PERCENT, TRANSFORMERS, keep_trl_batches, record_model, record_tokenizer
 
-try:  # TRL is made for the newest transformers
+try:  # TRL is made for the newest transformers. Its package loads its trainers lazily: the guard imports the trainer
+    # itself, which is where an older transformers (or a PEFT that warns about it) fails.
     import datasets
     import trl
+    from trl import GRPOConfig, GRPOTrainer  # noqa: F401
 except Exception as error:  # noqa: BLE001 - any failure to import: skipped, saying why
     pytest.skip(f"TRL does not import with transformers {TRANSFORMERS}: {type(error).__name__}: {error}",
                 allow_module_level=True)
