@@ -17,19 +17,36 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+on_demand=0
 if [ "$#" -gt 0 ]; then
     entries=("$@")
+    on_demand=1
 else
     mapfile -t entries < <(grep -v '^\s*#' scripts/matrix-releases.txt | grep -v '^\s*$')
 fi
 mkdir -p .matrix/results
 # Installs RELEASE [EXTRA...] (one entry) into .matrix/transformers-RELEASE unless it is there already;
 # non-zero when the release did not install.
+# At the versions of scripts/lock/transformers-RELEASE.txt (pip constraints, written by scripts/lock.sh), unless
+# TRANSFORMERS_OFFLOAD_UNLOCKED=1 (the newest releases that transformers RELEASE allows). A release of
+# matrix-releases.txt without a lock fails; one named on the command line runs unlocked, saying so.
 install() {
-    local entry="$1" release extra target
+    local entry="$1" release extra target lock=() stamp
     read -r release extra <<<"$entry"
     target=".matrix/transformers-$release"
-    if [ "$(cat "$target/.installed" 2>/dev/null)" = "$entry (hub-kernels)" ]; then
+    if [ "${TRANSFORMERS_OFFLOAD_UNLOCKED:-0}" = 1 ]; then
+        :
+    elif [ -f "scripts/lock/transformers-$release.txt" ]; then
+        lock=(-c "scripts/lock/transformers-$release.txt")
+    elif [ "$on_demand" = 1 ]; then
+        echo "matrix: no scripts/lock/transformers-$release.txt: the newest releases that transformers $release allows"
+    else
+        echo "matrix: scripts/lock/transformers-$release.txt is missing: a release of matrix-releases.txt is locked" \
+            "(run it with TRANSFORMERS_OFFLOAD_UNLOCKED=1, then scripts/lock.sh)" >&2
+        return 1
+    fi
+    stamp="$entry (hub-kernels)${lock[*]:+ $(sha256sum "${lock[1]}" | cut -c1-16)}"
+    if [ "$(cat "$target/.installed" 2>/dev/null)" = "$stamp" ]; then
         return 0
     fi
     rm -rf "$target"
@@ -39,10 +56,10 @@ install() {
     # its own directory, over the .venv's; a release without the extra gets a warning from pip.
     # shellcheck disable=SC2086  # $extra: further requirements, one word each
     .venv/bin/python -m pip install --quiet --no-compile --disable-pip-version-check --target "$target" \
-        "transformers[hub-kernels]==$release" $extra 2>&1 | grep -v "^WARNING: Location" || true
+        "${lock[@]}" "transformers[hub-kernels]==$release" $extra 2>&1 | grep -v "^WARNING: Location" || true
     .venv/bin/python -c "import sys; sys.path.insert(0, '$target'); import transformers; assert transformers.__version__ == '$release'" \
         || return 1
-    echo "$entry (hub-kernels)" >"$target/.installed"
+    echo "$stamp" >"$target/.installed"
 }
 # Every release is installed first, all at once (pip's time is the network's and the disk's more than
 # the CPU's: one after the other they took 45 s a release on CI's machines, 8 of its minutes), each

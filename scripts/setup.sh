@@ -31,12 +31,20 @@ fi
 if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
     "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "torch==${TORCH_VERSION:-2.13.0}"
 fi
-# The package (editable) and its extras, skipped when this pyproject.toml was installed already: the
-# stamp names its hash, so a changed dependency list installs again.
-stamp="$venv/.transformers-offload-installed-$(sha256sum pyproject.toml | cut -c1-16)"
+# The package (editable) and its extras, at the versions of scripts/lock/venv.txt (pip constraints, written by
+# scripts/lock.sh: a new release of a dependency changes nothing here until the lock is written again);
+# TRANSFORMERS_OFFLOAD_UNLOCKED=1 takes the newest releases pyproject.toml allows instead. Skipped when this
+# pyproject.toml and lock were installed already: the stamp names their hash, so a changed list installs again.
+if [ "${TRANSFORMERS_OFFLOAD_UNLOCKED:-0}" = 1 ]; then
+    lock=()
+    echo "setup: TRANSFORMERS_OFFLOAD_UNLOCKED=1: the newest releases pyproject.toml allows, not scripts/lock/venv.txt" >&2
+else
+    lock=(-c scripts/lock/venv.txt)
+fi
+stamp="$venv/.transformers-offload-installed-$(cat pyproject.toml "${lock[@]:1}" | sha256sum | cut -c1-16)"
 needed="import transformers_offload, gguf$([ "$extras" = demo ] || echo ', pytest')"
 if [ ! -f "$stamp" ] || ! "$venv/bin/python" -c "$needed" 2>/dev/null; then
-    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[$extras]"
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "${lock[@]}" -e ".[$extras]"
     rm -f "$venv"/.transformers-offload-installed-*
     touch "$stamp"
 fi
