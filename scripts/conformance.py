@@ -18,8 +18,8 @@ tiny models of 38 families in the modes Hugging Face's `GenerationTesterMixin` e
 
 Writes .matrix/conformance/results-<release>-<corpus>.json (every call) and .md (the table); with
 `--update-docs`, the table between the corpus's markers in docs/support.md (`conformance-hf-table`,
-`conformance-table` for the stand-in). `--baseline` also runs the tests without the plugin and lists the
-tests that fail only with it.
+`conformance-table` for the stand-in). `--baseline` also runs the tests that failed with the plugin without it
+(those that passed need no second run) and lists the tests that fail only with it.
 
 Exits 2 when the run checked less than it was given: a checkout lacking what the tests need, pytest ending
 abnormally, a test file that failed to collect, no test run, or a file (a family) that recorded no call.
@@ -268,7 +268,8 @@ def main() -> int:
                         help="Hugging Face's model families to run (default: every family the checkout holds)")
     parser.add_argument("-n", "--workers", type=int, default=2, help="pytest-xdist workers (default 2)")
     parser.add_argument("-k", dest="selection", help="run only the tests pytest's -k selects")
-    parser.add_argument("--baseline", action="store_true", help="also run without the plugin, to compare test outcomes")
+    parser.add_argument("--baseline", action="store_true",
+                        help="also run the tests that failed with the plugin without it, to tell which fail only with it")
     parser.add_argument("--update-docs", action="store_true", help="write the table into docs/support.md")
     args = parser.parse_args()
 
@@ -285,10 +286,19 @@ def main() -> int:
     problems = _refusals(out, status, files, calls)
     baseline = None
     if args.baseline:
-        base = out.with_name(out.name + "-baseline")
-        _, base_status = _pytest(cwd, files, base, workers=args.workers, selection=selection, baseline=True)
-        problems += [f"baseline run: {problem}" for problem in _refusals(base, base_status, files, None)]
-        baseline = _read(base, "tests")
+        # Only the tests that failed with the Recorder run again without it: a test that passed with it needs no
+        # baseline to be told apart (the whole corpus again took as long as the first run).
+        failed = sorted({t["test"] for t in tests if t["outcome"] == "failed"})
+        baseline = []
+        if failed:
+            base = out.with_name(out.name + "-baseline")
+            _, base_status = _pytest(cwd, failed, base, workers=min(args.workers, len(failed)), selection=selection,
+                                     baseline=True)
+            problems += [f"baseline run: {problem}" for problem in _refusals(base, base_status, failed, None)]
+            baseline = _read(base, "tests")
+            missing = set(failed) - {t["test"] for t in baseline}
+            problems += [f"baseline run: {test} did not run" for test in sorted(missing)]
+        print(f"conformance: baseline run without the Recorder: the {len(failed)} test(s) that failed with it")
     markdown, summary = table(calls, tests, baseline)
     summary.update(release=release, corpus=args.corpus, seconds=round(seconds, 1), workers=args.workers,
                    shims=sorted({row["shim"] for row in _read(out, "shims")}), problems=problems)
