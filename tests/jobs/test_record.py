@@ -308,6 +308,45 @@ def test_record_and_score_check_their_inputs_before_the_model_loads(tmp_path, mo
     assert not (tmp_path / "out").exists()
 
 
+BAD_GENERATE_OPTIONS = [
+    (["--do-sample", "--temperature", "-1"], {"do_sample": True, "temperature": -1.0}, "temperature` -1.0 is refused"),
+    (["--max-new-tokens", "0"], {"max_new_tokens": 0}, "max-new-tokens` must be a positive int, got 0"),
+    (["--num-beams", "0"], {"num_beams": 0}, "num-beams` must be a positive int, got 0"),
+    (["--do-sample", "--top-p", "1.5"], {"do_sample": True, "top_p": 1.5}, "top-p` 1.5 is refused"),
+    (["--top-k", "-2"], {"top_k": -2}, "top-k` -2 is refused"),
+    (["--repetition-penalty", "-1"], {"repetition_penalty": -1.0}, "repetition-penalty` -1.0 is refused"),
+    (["--num-return-sequences", "3", "--num-beams", "2"], {"num_return_sequences": 3, "num_beams": 2},
+     "num-return-sequences` 3 is more than `--num-beams` 2"),
+]
+
+
+@pytest.mark.parametrize(("argv", "kwargs", "said"), BAD_GENERATE_OPTIONS, ids=lambda value: None)
+def test_bad_generate_options_are_refused_before_anything_is_written(tmp_path, monkeypatch, capsys, argv, kwargs, said):
+    import transformers
+
+    model_dir = tmp_path / "model"
+    record_model().save_pretrained(model_dir)
+    record_tokenizer().save_pretrained(model_dir)
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 3)
+    with monkeypatch.context() as patch:
+        patch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                      lambda *args, **kwargs: pytest.fail("the model was loaded before the options were checked"))
+        status = main(["record", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(tmp_path / "out"),
+                       *argv])
+    assert status == 2 and said in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match=said.replace("-", "_").split("` ")[0]):  # the API names the Python argument
+        record(record_model(), record_tokenizer(), prompts, tmp_path / "api", progress=False, **kwargs)
+    assert not (tmp_path / "api").exists()
+
+
+def test_options_transformers_takes_as_off_are_not_refused():
+    from transformers_offload.jobs.record import check_generate_options
+
+    check_generate_options({"top_k": 0, "top_p": 1.0, "temperature": 1.0, "repetition_penalty": 1.0, "num_beams": 1,
+                            "num_return_sequences": 2, "do_sample": True, "max_new_tokens": 1})
+
+
 def test_the_resume_command_of_the_console_script_is_short(tmp_path, monkeypatch):
     from transformers_offload.cli import options
 

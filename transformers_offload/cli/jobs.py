@@ -154,15 +154,21 @@ def interrupted(arguments: argparse.Namespace, command_line: str) -> str:
 def _record(arguments: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
-    from ..jobs.record import read_prompts, record
+    from ..jobs.record import check_generate_options, read_prompts, record
 
     encodings = options.encodings(arguments.encodings)
-    # The prompts and the tokenizer are checked before the model loads (which takes the longest).
+    # The prompts, the decoding options and the tokenizer are checked before the model loads (which takes the
+    # longest) and before `--out` is written to.
     read_prompts(arguments.prompts, text_column=arguments.text_column, messages_column=arguments.messages_column,
                  id_column=arguments.id_column)
     settings = {name: getattr(arguments, name) for name in ("temperature", "top_p", "repetition_penalty", "top_k",
                                                               "num_beams", "num_return_sequences")
                 if getattr(arguments, name) is not None}
+    generate_options = {"max_new_tokens": arguments.max_new_tokens, "do_sample": arguments.do_sample, **settings}
+    try:
+        check_generate_options(generate_options, spelled=lambda name: f"`--{name.replace('_', '-')}`")
+    except ValueError as error:
+        raise options.UsageError(str(error)) from None
     arguments.model = options.model_directory(arguments.model)
     tokenizer = options.job_tokenizer(arguments.tokenizer, arguments.model)
     from ..jobs import settings as job_settings
@@ -180,7 +186,7 @@ def _record(arguments: argparse.Namespace) -> dict[str, Any]:
             "streams": tuple(arguments.streams.split(",")), **({"encodings": encodings} if encodings else {}),
             **({} if arguments.prompt_logprobs is None else {"prompt_logprobs": arguments.prompt_logprobs or True}),
         },
-        max_new_tokens=arguments.max_new_tokens, do_sample=arguments.do_sample, **settings,
+        **generate_options,
     )
 
 

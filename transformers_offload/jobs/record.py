@@ -149,6 +149,38 @@ def recorded_samples(out: str | os.PathLike) -> set[str]:
                 for sample in (generation.sample_ids or ())}
 
 
+def check_generate_options(options: dict[str, Any], *, spelled: Callable[[str], str] = "`{}`".format) -> None:
+    """Refuse the `generate()` options that transformers itself refuses only once a call runs, so that `record`
+    refuses them before it writes anything: the decoding processors' own checks (their constructors:
+    `TemperatureLogitsWarper`, `TopPLogitsWarper`, `TopKLogitsWarper`, `RepetitionPenaltyLogitsProcessor`), and
+    counts that must be positive ints. Options it does not know are left to `generate()`. `spelled` writes an
+    option's name in the message (the command line gives its flag).
+
+    Raises:
+        ValueError: naming the option, its value and what it must be.
+    """
+    from transformers import RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    for name in ("max_new_tokens", "num_beams", "num_return_sequences"):
+        value = options.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{spelled(name)} must be a positive int, got {value!r}.")
+    processors = {"temperature": TemperatureLogitsWarper, "top_p": TopPLogitsWarper, "top_k": TopKLogitsWarper,
+                  "repetition_penalty": RepetitionPenaltyLogitsProcessor}
+    for name, processor in processors.items():
+        if options.get(name) is not None and not (name == "top_k" and options[name] == 0):  # top_k=0: no top-k
+            try:
+                processor(options[name])
+            except ValueError as error:
+                raise ValueError(f"{spelled(name)} {options[name]!r} is refused by transformers' {processor.__name__}: "
+                                 f"{error}") from None
+    returned, beams = options.get("num_return_sequences") or 1, options.get("num_beams") or 1
+    if returned > beams and not options.get("do_sample"):
+        raise ValueError(f"{spelled('num_return_sequences')} {returned} is more than {spelled('num_beams')} {beams} "
+                         f"without sampling: search returns at most one sequence per beam (raise {spelled('num_beams')}, "
+                         "or sample).")
+
+
 def record(model: Any, tokenizer: Any, prompts: str | os.PathLike | Sequence[Any], out: str | os.PathLike, *,
            batch_size: int = 8, text_column: str | None = None, messages_column: str | None = None,
            id_column: str | None = None, chat: bool = False, progress: bool = True, seed: int | None = 0,
@@ -181,7 +213,8 @@ def record(model: Any, tokenizer: Any, prompts: str | os.PathLike | Sequence[Any
         `rank` and `world_size`.
 
     Raises:
-        ValueError: bad prompts (see `read_prompts`) or `batch_size`; `recorder_options` naming
+        ValueError: bad prompts (see `read_prompts`), `batch_size` or generate options (`check_generate_options`,
+            before anything is written); `recorder_options` naming
             `spill_dir` or `append` (record sets them); a bad rank (see `parallel.process_rank`); several
             ranks over an `out` that one process recorded into directly.
         FileExistsError: `out` is a file.
@@ -198,6 +231,7 @@ def record(model: Any, tokenizer: Any, prompts: str | os.PathLike | Sequence[Any
     options = dict(recorder_options or {})
     if {"spill_dir", "append"} & set(options):
         raise ValueError("`recorder_options` must not name `spill_dir` or `append`: `record` writes to `out`.")
+    check_generate_options(generate_options)
     rank, world_size = process_rank(rank, world_size)
     found = read_prompts(prompts, text_column=text_column, messages_column=messages_column, id_column=id_column)
     if Path(out).exists() and not Path(out).is_dir():
