@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -308,20 +309,27 @@ def test_record_and_score_check_their_inputs_before_the_model_loads(tmp_path, mo
     assert not (tmp_path / "out").exists()
 
 
+# (the command line's flags, what it says; the API's options, what it says): counts are refused as the command line
+# is read (argparse), values by transformers' own checks (`check_generate_options`), both before anything is written.
 BAD_GENERATE_OPTIONS = [
-    (["--do-sample", "--temperature", "-1"], {"do_sample": True, "temperature": -1.0}, "temperature` -1.0 is refused"),
-    (["--max-new-tokens", "0"], {"max_new_tokens": 0}, "max-new-tokens` must be a positive int, got 0"),
-    (["--num-beams", "0"], {"num_beams": 0}, "num-beams` must be a positive int, got 0"),
-    (["--do-sample", "--top-p", "1.5"], {"do_sample": True, "top_p": 1.5}, "top-p` 1.5 is refused"),
-    (["--top-k", "-2"], {"top_k": -2}, "top-k` -2 is refused"),
-    (["--repetition-penalty", "-1"], {"repetition_penalty": -1.0}, "repetition-penalty` -1.0 is refused"),
-    (["--num-return-sequences", "3", "--num-beams", "2"], {"num_return_sequences": 3, "num_beams": 2},
-     "num-return-sequences` 3 is more than `--num-beams` 2"),
+    (["--do-sample", "--temperature", "-1"], "`--temperature` -1.0 is refused by transformers' TemperatureLogitsWarper",
+     {"do_sample": True, "temperature": -1.0}, "`temperature` -1.0 is refused"),
+    (["--max-new-tokens", "0"], "--max-new-tokens: must be at least 1, got 0",
+     {"max_new_tokens": 0}, "`max_new_tokens` must be a positive int, got 0"),
+    (["--num-beams", "0"], "--num-beams: must be at least 1, got 0", {"num_beams": 0}, "`num_beams` must be a positive int"),
+    (["--batch-size", "0"], "--batch-size: must be at least 1, got 0", {"batch_size": 0}, "`batch_size` must be a positive int"),
+    (["--do-sample", "--top-p", "1.5"], "`--top-p` 1.5 is refused", {"do_sample": True, "top_p": 1.5}, "`top_p` 1.5 is refused"),
+    (["--top-k", "-2"], "--top-k: must be at least 0, got -2", {"top_k": -2}, "`top_k` -2 is refused"),
+    (["--repetition-penalty", "-1"], "`--repetition-penalty` -1.0 is refused", {"repetition_penalty": -1.0},
+     "`repetition_penalty` -1.0 is refused"),
+    (["--num-return-sequences", "3", "--num-beams", "2"], "`--num-return-sequences` 3 is more than `--num-beams` 2",
+     {"num_return_sequences": 3, "num_beams": 2}, "`num_return_sequences` 3 is more than `num_beams` 2"),
 ]
 
 
-@pytest.mark.parametrize(("argv", "kwargs", "said"), BAD_GENERATE_OPTIONS, ids=lambda value: None)
-def test_bad_generate_options_are_refused_before_anything_is_written(tmp_path, monkeypatch, capsys, argv, kwargs, said):
+@pytest.mark.parametrize(("argv", "said", "kwargs", "api_said"), BAD_GENERATE_OPTIONS, ids=lambda value: None)
+def test_bad_generate_options_are_refused_before_anything_is_written(tmp_path, monkeypatch, capsys, argv, said, kwargs,
+                                                                     api_said):
     import transformers
 
     model_dir = tmp_path / "model"
@@ -331,13 +339,50 @@ def test_bad_generate_options_are_refused_before_anything_is_written(tmp_path, m
     with monkeypatch.context() as patch:
         patch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
                       lambda *args, **kwargs: pytest.fail("the model was loaded before the options were checked"))
-        status = main(["record", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(tmp_path / "out"),
-                       *argv])
+        try:
+            status = main(["record", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(tmp_path / "out"),
+                           *argv])
+        except SystemExit as exit_:  # argparse's refusal, as the command line is read
+            status = exit_.code
     assert status == 2 and said in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
-    with pytest.raises(ValueError, match=said.replace("-", "_").split("` ")[0]):  # the API names the Python argument
+    with pytest.raises(ValueError, match=re.escape(api_said)):
         record(record_model(), record_tokenizer(), prompts, tmp_path / "api", progress=False, **kwargs)
     assert not (tmp_path / "api").exists()
+
+
+def test_score_refuses_bad_counts_and_unreadable_texts_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    import transformers
+
+    from transformers_offload.cli.jobs import SMALLEST_CONTEXT
+    from transformers_offload.rescoring.corpus import score_run
+
+    model_dir = tmp_path / "model"
+    record_model().save_pretrained(model_dir)
+    record_tokenizer().save_pretrained(model_dir)
+    text = tmp_path / "short.txt"
+    text.write_text("w3 w4 w5 w6 w7 w8 w9 w10")
+    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00 not text")
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *args, **kwargs: pytest.fail("the model was loaded before the inputs were checked"))
+    cases = [
+        (["--text", str(text), "--context", str(SMALLEST_CONTEXT - 1)], f"must be at least {SMALLEST_CONTEXT}, got 3"),
+        (["--text", str(text), "--batch-size", "0"], "--batch-size: must be at least 1, got 0"),
+        (["--text", str(text), "--chunk-size", "-1"], "--chunk-size: must be at least 1, got -1"),
+        (["--text", str(text), "--max-windows", "two"], "--max-windows: expected a whole number, got 'two'"),
+        (["--text", str(tmp_path / "missing.txt")], f"`--text` '{tmp_path / 'missing.txt'}' cannot be read (No such file"),
+        (["--text", str(tmp_path)], "cannot be read (Is a directory)"),
+        (["--text", str(tmp_path / "binary.txt")], "is not UTF-8 text (byte 0"),
+    ]
+    for argv, said in cases:
+        try:
+            status = main(["score", "--model", str(model_dir), "--out", str(tmp_path / "out"), *argv])
+        except SystemExit as exit_:  # argparse's refusal, as the command line is read
+            status = exit_.code
+        assert status == 2 and said in capsys.readouterr().err, argv
+        assert not (tmp_path / "out").exists(), argv
+    with pytest.raises(ValueError, match=f"`context` must be an int of at least {SMALLEST_CONTEXT}, got 3"):
+        score_run(record_model(), ["w3 w4 w5 w6 w7 w8"], tmp_path / "api", tokenizer=record_tokenizer(), context=3)
 
 
 def test_options_transformers_takes_as_off_are_not_refused():

@@ -12,6 +12,7 @@ from ..errors import RecordingError
 from . import options
 
 JSON_INDENT = None
+SMALLEST_CONTEXT = 4  # `rescoring.corpus.score_run`'s least `context` (tests/cli check that the two agree)
 _FAILED = (ValueError, TypeError, LookupError, ImportError, OSError, RecordingError)
 ERRORS = {"record": ((_FAILED, 1),), "rescore": (((*_FAILED, RuntimeError), 1),),  # exception types -> exit status
           "score": (((*_FAILED, RuntimeError), 1),)}
@@ -29,16 +30,17 @@ def add(commands: Any) -> None:
     record.add_argument("--tokenizer", help="a local tokenizer directory or the demo model's name (smollm2) (default: --model)")
     record.add_argument("--prompts", required=True, help="a .jsonl/.parquet file or a saved dataset's directory")
     record.add_argument("--out", required=True, help="the recording directory (created, or resumed)")
-    record.add_argument("--batch-size", type=int, default=8, help="prompts per generate() call (8)")
+    record.add_argument("--batch-size", type=options.at_least(1), default=8, help="prompts per generate() call (8)")
     record.add_argument("--text-column", help="the column of prompt texts (default: text)")
     record.add_argument("--messages-column", help="the column of chats (lists of role/content messages), used where "
                         "there is no text column (default: messages)")
     record.add_argument("--id-column", help="the column of sample ids (default: `id` where there is one, else line numbers)")
     record.add_argument("--chat", action="store_true", help="wrap text prompts in the chat template")
-    record.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt at most (64)")
+    record.add_argument("--max-new-tokens", type=options.at_least(1), default=64, help="tokens generated per prompt at most (64)")
     record.add_argument("--do-sample", action="store_true", help="sample (default: greedy, or beam search with --num-beams)")
+    counts = {"--top-k": options.at_least(0), "--num-beams": options.at_least(1), "--num-return-sequences": options.at_least(1)}
     for name in ("--temperature", "--top-p", "--repetition-penalty", "--top-k", "--num-beams", "--num-return-sequences"):
-        record.add_argument(name, type=float if name in ("--temperature", "--top-p", "--repetition-penalty") else int,
+        record.add_argument(name, type=counts.get(name, float),
                             help=f"generate()'s `{name[2:].replace('-', '_')}` (default: the model's generation config)")
     record.add_argument("--seed", type=int, default=0, help="seed + the batch's first prompt position, per call (0)")
     record.add_argument("--streams", default="logits,scores", help="what to record, e.g. scores,stats (logits,scores)")
@@ -63,7 +65,7 @@ def add(commands: Any) -> None:
     _loading_options(rescore)
     rescore.add_argument("--mode", choices=("decode", "forward"), default="decode",
                          help="decode: step by step as generate() ran; forward: chunked forwards (decode)")
-    rescore.add_argument("--chunk-size", type=int, default=512, help="forward mode: positions per forward (512)")
+    rescore.add_argument("--chunk-size", type=options.at_least(1), default=512, help="forward mode: positions per forward (512)")
     rescore.add_argument("--streams", default="logits", help="what to record, e.g. logits,stats (logits)")
     rescore.add_argument("--encodings", default="", help="e.g. logits=topk:20")
 
@@ -71,7 +73,8 @@ def add(commands: Any) -> None:
     score = commands.add_parser(
         "score", parents=[shared],
         help="score a text corpus as llama.cpp's perplexity tool does; record each scored position's logits",
-        description="Cuts the texts into llama.cpp's windows of --context tokens (each window's first id made BOS), "
+        description="Cuts the texts into llama.cpp's windows of --context tokens (BOS first and as each window's first "
+        "id where the tokenizer adds one, as llama.cpp does; --bos/--no-bos choose), "
         "scores the second half of each window with chunked forwards and records each position's raw logits "
         "(see transformers_offload.score; docs/compare.md, 'a quantization on a corpus'). Score the base and "
         "each candidate into their own --out, then `compare BASE CANDIDATE...`. Run it again on the same --out "
@@ -87,10 +90,11 @@ def add(commands: Any) -> None:
     score.add_argument("--dataset", help="a directory saved by datasets.Dataset.save_to_disk, or a .jsonl/.parquet file")
     score.add_argument("--text-column", default="text", help="--dataset's column of texts (text)")
     score.add_argument("--out", required=True, help="the recording directory (created, or resumed)")
-    score.add_argument("--context", type=int, default=512, help="tokens per window (512, llama.cpp's -c)")
-    score.add_argument("--batch-size", type=int, default=4, help="windows per forward (4)")
-    score.add_argument("--chunk-size", type=int, default=512, help="positions per forward (512)")
-    score.add_argument("--max-windows", type=int, help="score the first N windows only (llama.cpp's --chunks)")
+    score.add_argument("--context", type=options.at_least(SMALLEST_CONTEXT), default=512,
+                       help="tokens per window (512, llama.cpp's -c)")
+    score.add_argument("--batch-size", type=options.at_least(1), default=4, help="windows per forward (4)")
+    score.add_argument("--chunk-size", type=options.at_least(1), default=512, help="positions per forward (512)")
+    score.add_argument("--max-windows", type=options.at_least(1), help="score the first N windows only (llama.cpp's --chunks)")
     bos = score.add_mutually_exclusive_group()
     bos.add_argument("--bos", dest="bos", action="store_true", default=None,
                      help="BOS first and as each window's first id (default: as llama.cpp, where the tokenizer adds BOS)")
@@ -245,8 +249,15 @@ def _score(arguments: argparse.Namespace) -> dict[str, Any]:
     if arguments.text is not None:
         texts = []
         for path in arguments.text:
-            with open(path, encoding="utf-8") as file:
-                texts.append(file.read())
+            try:
+                with open(path, encoding="utf-8") as file:
+                    texts.append(file.read())
+            except OSError as error:
+                raise options.UsageError(f"`--text` {path!r} cannot be read ({error.strerror or error}): pass a plain "
+                                         "text file that exists and this user may read") from None
+            except UnicodeDecodeError as error:
+                raise options.UsageError(f"`--text` {path!r} is not UTF-8 text (byte {error.start}: {error.reason}): "
+                                         "pass a plain text file, or convert it (iconv -t UTF-8)") from None
     else:
         texts = [text for _, text in read_prompts(arguments.dataset, text_column=arguments.text_column)]
         if not all(isinstance(text, str) for text in texts):

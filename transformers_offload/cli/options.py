@@ -44,6 +44,23 @@ def parent(*options: str) -> argparse.ArgumentParser:
     return shared
 
 
+def at_least(least: int) -> Any:
+    """An argparse `type` reading an int of at least `least`: a smaller one or another word is refused as the
+    command line is read (exit 2), before anything runs or is written."""
+
+    def read(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
+        return value
+
+    read.__name__ = f"int of at least {least}"  # argparse names the type in its messages
+    return read
+
+
 def indices(text: str) -> list[int]:
     """`--generations 0,2` as `[0, 2]`."""
     try:
