@@ -11,7 +11,7 @@
 # .matrix/results/.
 # Extra pytest arguments: MATRIX_PYTEST_ARGS="-k greedy". Every release runs even after one fails (to
 # install or its tests); exits non-zero if any failed.
-# Tests marked release_independent (tests/conftest.py) run only on entries that pin other packages.
+# Tests marked release_independent (tests/conftest.py) run only on the first entry of each set of other pins.
 # The fast suite runs on every core (pytest-xdist), one torch thread per worker: on CI's 2 cores that
 # takes 2 min a release instead of 3.2 (two workers of 2 threads each fight and take 5.3).
 set -euo pipefail
@@ -73,6 +73,7 @@ for entry in "${entries[@]}"; do
 done
 failed=()
 releases=()
+declare -A pins_run=()
 for entry in "${entries[@]}"; do
     read -r release extra <<<"$entry"
     releases+=("$release")
@@ -88,11 +89,14 @@ for entry in "${entries[@]}"; do
     PYTHONPATH="$PWD/$target" .venv/bin/python -W ignore -c "import numpy, safetensors, torch, transformers; print(
         f'== transformers {transformers.__version__}, torch {torch.__version__}, numpy {numpy.__version__}, '
         f'safetensors {safetensors.__version__}')" || true  # a broken install: its tests fail below, saying why
-    # Tests of the store, reader and command line (marked release_independent in tests/conftest.py)
-    # run only where the entry pins other packages too (numpy, safetensors, pyarrow: what they depend on).
+    # Tests of the store, reader, answers and command line (marked release_independent in tests/conftest.py)
+    # run once per set of other packages an entry pins (numpy, safetensors, pyarrow: what they depend on), on
+    # its first entry; the newest release (scripts/test.sh) runs them with the .venv's.
     selection="not slow and not cuda"
-    if [ -z "$extra" ]; then
+    if [ -z "$extra" ] || [ -n "${pins_run[$extra]+set}" ]; then
         selection="$selection and not release_independent"
+    else
+        pins_run[$extra]=$release
     fi
     if PYTHONPATH="$PWD/$target" HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 \
         .venv/bin/python -m pytest -q -m "$selection" -p no:cacheprovider -n "${MATRIX_WORKERS:-auto}" \

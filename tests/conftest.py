@@ -22,7 +22,15 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("ci", database=None, derandomize=True, deadline=None, print_blob=True)
 settings.register_profile("large", database=None, deadline=None, print_blob=True)
 
-from .helpers import FUZZ_SCALE, TEST_CB_MEMORY_PERCENT, TINY_MODELS, Store, make_tiny, record_with_reference  # noqa: E402
+from .helpers import (  # noqa: E402
+    FUZZ_SCALE,
+    RELEASE_INDEPENDENT,
+    TEST_CB_MEMORY_PERCENT,
+    TINY_MODELS,
+    Store,
+    make_tiny,
+    record_with_reference,
+)
 
 settings.load_profile("large" if FUZZ_SCALE > 1 else "ci")
 
@@ -92,27 +100,6 @@ def real_model():
             pytest.fail(reason)
         pytest.skip(reason)
     return demo_model.load()
-
-
-# Test modules whose subject does not depend on the transformers release: the store, the reader, the
-# checksums, the command line's imports, the viewer. They make their recordings with a tiny model, but
-# what they check is how the files are written and read, the same under every release. The version
-# matrix (scripts/matrix.sh) runs them only on the releases whose entry also pins other packages (numpy,
-# safetensors, pyarrow: what they do depend on), which saves about a third of its time.
-RELEASE_INDEPENDENT = frozenset({
-    "test_check_script",
-    "test_checksums",
-    "test_cli_start",
-    "test_damaged",
-    "test_file_modes",
-    "test_fuzz",
-    "test_layout",
-    "test_memory_store",
-    "test_plots",
-    "test_reader",
-    "test_transfer",
-    "test_viewer",
-})
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
