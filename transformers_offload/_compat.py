@@ -371,9 +371,12 @@ def logits_to_keep_argument(model: Any) -> str | None:
 
 
 def cache_of(output: Any) -> Any:
-    """The KV cache a forward returned (`output.cache` from 5.24, `output.past_key_values` before)."""
-    cache = getattr(output, "cache", None)
-    return cache if cache is not None else getattr(output, "past_key_values", None)
+    """The KV cache a forward returned (`output.cache` from 5.24, `output.past_key_values` before). Where the
+    output has a `cache` field, `past_key_values` is not read even when the cache is None: from 5.24 it is a
+    deprecated alias that logs a warning."""
+    if "cache" in getattr(output, "__dataclass_fields__", ()):
+        return output.cache
+    return getattr(output, "past_key_values", None)
 
 
 def _chunked_padded_forward() -> bool:

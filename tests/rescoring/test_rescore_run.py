@@ -110,3 +110,30 @@ def test_a_source_without_sample_ids_goes_to_a_new_out_with_one_process(tmp_path
         rescore_recording(tmp_path / "run", model, tmp_path / "out", progress=False)
     with pytest.raises(ValueError, match="no sample ids"):
         rescore_recording(tmp_path / "run", model, tmp_path / "other", rank=1, world_size=2, progress=False)
+
+
+def test_the_jobs_print_no_deprecation_of_transformers(source):
+    """`record`, `score` and `rescore` (both modes), each in a fresh process (transformers logs a deprecation once
+    per process), print none of transformers' deprecation warnings: what they call is each release's current API
+    (5.24 renamed `past_key_values` to `cache`, and logs when the old name is passed or read)."""
+    from ..helpers import record_tokenizer, write_prompts
+
+    tmp_path, _ = source
+    record_tokenizer().save_pretrained(tmp_path / "model")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(" ".join(f"w{3 + (i * 37) % 120}" for i in range(40)), encoding="utf-8")
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "default"}
+    commands = {
+        "record": ["record", "--model", tmp_path / "model", "--prompts", write_prompts(tmp_path / "p.jsonl", 3),
+                   "--max-new-tokens", "3", "--out", tmp_path / "recorded"],
+        "score": ["score", "--model", tmp_path / "model", "--text", corpus, "--context", "16", "--out", tmp_path / "scored"],
+        "rescore decode": ["rescore", tmp_path / "run", "--model", tmp_path / "model", "--out", tmp_path / "decode"],
+        "rescore forward": ["rescore", tmp_path / "recorded", "--model", tmp_path / "model", "--mode", "forward", "--out",
+                            tmp_path / "forward"],  # of `record`'s greedy recording (forward mode refuses beam search)
+    }
+    for name, command in commands.items():
+        done = subprocess.run([sys.executable, "-m", "transformers_offload", *map(str, command), "--no-progress"],
+                              capture_output=True, text=True, env=environment, timeout=600)
+        assert done.returncode == 0, (name, done.stderr)
+        said = [line for line in done.stderr.splitlines() if "deprecat" in line.lower() and "transformers" in line.lower()]
+        assert not said, (name, said)
