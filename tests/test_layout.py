@@ -168,9 +168,3 @@ def test_the_tests_mirror_the_package_and_import_no_test_module():
                     wrong.append(f"{path.relative_to(TESTS)}:{node.lineno}")
     assert not wrong, f"test modules importing test modules or conftest: {wrong}"
 
-
-def test_no_module_is_over_400_lines():
-    # STYLE: one module per concern; a module past 400 lines has grown a second one (split it in the same change).
-    sizes = {path.relative_to(PACKAGE).as_posix(): len(path.read_text().splitlines()) for path in PACKAGE.rglob("*.py")}
-    assert len(sizes) > 50
-    assert not {name: lines for name, lines in sizes.items() if lines > 400}
