@@ -63,6 +63,25 @@ def test_the_windows_and_positions_are_llama_cpps(tmp_path):
     assert windows(ids, context, None)[:, 0].tolist() == ids[::context][:count]
 
 
+def test_inspect_names_scores_windows_not_a_greedy_search(tmp_path, capsys):
+    from transformers_offload.cli import main
+    from transformers_offload.rescoring.corpus_windows import scored_windows
+
+    model = make_tiny("llama").eval()
+    run = score(model, TEXT, tmp_path / "run", tokenizer=CharTokenizer(), context=32, batch_size=2, max_windows=3)
+    assert [scored_windows(g.sample_metadata) for g in run.generations] == [
+        {"context": 32, "bos": 2, "windows": [0, 1]}, {"context": 32, "bos": 2, "windows": [2]}]
+    assert main(["inspect", str(tmp_path / "run")]) == 0
+    shown = capsys.readouterr().out
+    assert "generation 0: score, windows [0, 1] of 32 tokens, BOS 2 first, complete" in shown
+    assert "generation 1: score, windows [2] of 32 tokens, BOS 2 first, complete" in shown
+    assert "greedy_search" not in shown and "settings:" not in shown
+    # Another call's metadata is not taken for windows: other keys, or windows of two corpora.
+    window = {"context": 32, "bos": None, "ids_sha256": "a", "window": 0, "first_token": 0}
+    assert scored_windows([{**window, "extra": 1}]) is None and scored_windows(None) is None
+    assert scored_windows([window, {**window, "ids_sha256": "b", "window": 1}]) is None
+
+
 @pytest.mark.parametrize("adds", [True, False], ids=["adds_bos", "adds_none"])
 def test_bos_is_llama_cpps_rule_unless_overridden(adds):
     """llama.cpp (tools/perplexity): the file tokenised with special tokens (BOS first where `add_bos`), and each

@@ -87,7 +87,13 @@ def run(arguments: argparse.Namespace, command_line: str) -> tuple[Any, str]:
                   else "no ledger to check for two writers (a recording made before it, or one without generations)")
         return result, f"ok: {result['files']} file(s), {options.size(result['bytes'])}, intact; {ledger}; in {result['path']}"
     if arguments.command == "inspect":
+        from ..rescoring.corpus_windows import scored_windows
+
         result = recording.describe()
+        for described, generation in zip(result["generations"], recording.generations):
+            windows = scored_windows(generation.sample_metadata)
+            if windows is not None:  # one of `score`'s batches: its mode and settings are what it was handed as
+                described["scored_windows"] = windows
         return result, format_summary(result, verbose=arguments.verbose)
     result = _write(arguments, recording)
     return result, options.human(result)

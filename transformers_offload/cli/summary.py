@@ -27,9 +27,14 @@ def format_summary(summary: dict[str, Any], *, verbose: bool = False) -> str:
     for generation in summary["generations"]:
         state = "complete" if generation["complete"] else f"INCOMPLETE ({generation['status']}): {generation['error']}"
         beams = f", {generation['num_beams']} beams" if generation["num_beams"] > 1 else ""
+        windows = generation.get("scored_windows")
+        # A batch of `score`'s windows reaches the recorder as a greedy loop of the corpus's tokens would: say what it is.
+        mode = generation["mode"] if windows is None else (
+            f"score, windows {_short_list(windows['windows'])} of {_count(windows['context'], 'token')}"
+            f"{'' if windows['bos'] is None else ', BOS ' + str(windows['bos']) + ' first'}")
         lines += [
             "",
-            f"generation {generation['index']}{_rank_of(generation)}: {generation['mode']}, {state}",
+            f"generation {generation['index']}{_rank_of(generation)}: {mode}, {state}",
             f"  {_steps_and_rows(generation['num_steps'], generation['num_rows'])}{beams}, prompt "
             f"{_count(generation['prompt_length'], 'token')}, {_count(generation['num_shards'], 'shard')}, "
             f"{size(generation['file_bytes'])} on disk",
@@ -43,7 +48,7 @@ def format_summary(summary: dict[str, Any], *, verbose: bool = False) -> str:
             lines.append(f"  samples: {_short_list(generation['sample_ids'])}")
         if generation.get("adapters"):
             lines.append(f"  adapters: {_adapters(generation['adapters'])}")
-        chosen = settings(generation.get("generation_config") or {}, verbose=verbose)
+        chosen = settings(generation.get("generation_config") or {}, verbose=verbose) if windows is None else None
         if chosen:
             lines.append(f"  settings: {chosen}")
         width = max([14, *(len(stream) + 2 for stream in generation["streams"])])

@@ -32,6 +32,7 @@ from ..jobs.record import recorded_samples, run_share
 from ..read.reader import open_recording
 from ..recorder import Recorder
 from ..store.spill import DEFAULT_SHARD_BYTES
+from .corpus_windows import window_metadata
 from .forward import score_sequences
 
 # The encodings that keep every logit bit for bit (docs/format.md): compare reads each chosen token's logprob from them.
@@ -180,7 +181,7 @@ def score_run(model: Any, texts: str | Sequence[str], out: str | os.PathLike | N
             for index in todo:
                 rows = [w for w in batches[index] if str(w) not in done]
                 if rows:
-                    rec.set_samples(rows, metadata=[{**corpus, "window": w, "first_token": w * context} for w in rows])
+                    rec.set_samples(rows, metadata=[window_metadata(corpus, w) for w in rows])
                     score_sequences(model, rec, cut[rows], first + 1, prompt_mask=None, eos_token_id=[],
                                     pad_token_id=getattr(tokenizer, "pad_token_id", None), chunk_size=chunk_size)
                     windows_scored.extend(rows)
