@@ -385,6 +385,25 @@ def test_score_refuses_bad_counts_and_unreadable_texts_before_anything_is_writte
         score_run(record_model(), ["w3 w4 w5 w6 w7 w8"], tmp_path / "api", tokenizer=record_tokenizer(), context=3)
 
 
+def test_record_refuses_an_out_holding_generations_without_sample_ids(tmp_path, capsys):
+    # Their default ids are the prompts' running count (0, 1, ...), which record's own (line numbers) would repeat.
+    model, tokenizer = record_model(), record_tokenizer()
+    with Recorder(model, spill_dir=tmp_path / "out") as rec:
+        model.generate(torch.tensor([[3, 4, 5]]), logits_processor=[rec], max_new_tokens=2, do_sample=False,
+                       pad_token_id=tokenizer.pad_token_id)
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 3, ids=False)
+    files = sorted(path.name for path in (tmp_path / "out").iterdir())
+    with pytest.raises(ValueError, match="holds 1 generation.s. recorded without sample ids .generation 0"):
+        record(model, tokenizer, prompts, tmp_path / "out", progress=False, max_new_tokens=2)
+    model_dir = tmp_path / "model"
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    assert main(["record", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(tmp_path / "out")]) == 1
+    assert "recorded without sample ids" in capsys.readouterr().err
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == files  # nothing written, .job.json neither
+    assert [s["sample"] for s in open_recording(tmp_path / "out").samples()] == [0]
+
+
 def test_options_transformers_takes_as_off_are_not_refused():
     from transformers_offload.jobs.record import check_generate_options
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 from typing import Any
 
 from ..errors import RecordingError
@@ -113,8 +114,6 @@ def _resume_option(parser: Any) -> None:
 
 def _settings(arguments: argparse.Namespace, names: tuple[str, ...], **more: Any) -> dict[str, Any]:
     """The settings a resume of this job must share with the run that began `--out` (`jobs.settings`)."""
-    from pathlib import Path
-
     from .. import demo_model
 
     model = str(Path(arguments.model).resolve())
@@ -158,7 +157,7 @@ def interrupted(arguments: argparse.Namespace, command_line: str) -> str:
 def _record(arguments: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
-    from ..jobs.record import check_generate_options, read_prompts, record
+    from ..jobs.record import check_generate_options, read_prompts, record, refuse_generations_without_ids
 
     encodings = options.encodings(arguments.encodings)
     # The prompts, the decoding options and the tokenizer are checked before the model loads (which takes the
@@ -177,6 +176,7 @@ def _record(arguments: argparse.Namespace) -> dict[str, Any]:
     tokenizer = options.job_tokenizer(arguments.tokenizer, arguments.model)
     from ..jobs import settings as job_settings
 
+    refuse_generations_without_ids(Path(arguments.out))
     job_settings.check(arguments.out, "record", _settings(arguments, _RECORD_SETTINGS),
                        allow_other=arguments.allow_other_settings)
     if arguments.no_progress:
@@ -296,8 +296,6 @@ def _rescore(arguments: argparse.Namespace) -> dict[str, Any]:
 
     encodings = options.encodings(arguments.encodings)
     _dtype(arguments.dtype)  # a bad name refused before the model loads
-    from pathlib import Path
-
     if Path(arguments.out).resolve() == Path(arguments.path).resolve():
         raise options.UsageError(f"`--out` {arguments.out!r} is the recording to rescore: write the rescore to "
                                  "another directory")

@@ -216,7 +216,8 @@ def record(model: Any, tokenizer: Any, prompts: str | os.PathLike | Sequence[Any
         ValueError: bad prompts (see `read_prompts`), `batch_size` or generate options (`check_generate_options`,
             before anything is written); `recorder_options` naming
             `spill_dir` or `append` (record sets them); a bad rank (see `parallel.process_rank`); several
-            ranks over an `out` that one process recorded into directly.
+            ranks over an `out` that one process recorded into directly; an `out` holding generations recorded
+            without sample ids.
         FileExistsError: `out` is a file.
         RecordingError: `out` holds a recording with a missing or resized file (`recorded_samples`).
         BlockingIOError: another process is recording samples this one would record into `out`,
@@ -237,6 +238,7 @@ def record(model: Any, tokenizer: Any, prompts: str | os.PathLike | Sequence[Any
     if Path(out).exists() and not Path(out).is_dir():
         raise FileExistsError(f"`out` {str(out)!r} is not a directory: `record` writes a recording directory. "
                               "Pick another path.")
+    refuse_generations_without_ids(Path(out))
     target = target_directory(Path(out), rank, world_size)
     positions = {str(sample): number for number, (sample, _) in enumerate(found)}
     mine = [found[position] for position in share(len(found), rank, world_size)]
@@ -280,6 +282,21 @@ def record(model: Any, tokenizer: Any, prompts: str | os.PathLike | Sequence[Any
     wait_for_every_rank()
     return {"recorded": len(pending), "skipped": len(mine) - len(pending), "generations": calls,
             "new_tokens": new_tokens, "seconds": seconds, "rank": rank, "world_size": world_size}
+
+
+def refuse_generations_without_ids(out: Path) -> None:
+    """`record` keys every prompt by its sample id; a generation recorded without ids (the Python API without
+    `Recorder.set_samples`) reads back with default ids, its prompts' running count, which `record`'s own ids
+    (line numbers, where the prompts have none) would repeat, and `record` cannot tell which prompts it holds."""
+    if not (out / MANIFEST).is_file() and not rank_directories(out):
+        return
+    with open_recording(out) as run:
+        unnamed = [generation.index for generation in run.generations if generation.sample_ids is None]
+    if unnamed:
+        raise ValueError(f"`out` {str(out)!r} holds {len(unnamed)} generation(s) recorded without sample ids (generation "
+                         f"{', '.join(map(str, unnamed[:5]))}{'...' if len(unnamed) > 5 else ''}; the Python API without "
+                         "`Recorder.set_samples`): `record` cannot tell which prompts they hold, and its ids would repeat "
+                         "their default ones. Record into another `out`.")
 
 
 def _new_tokens(generated: Any, eos: tuple[int, ...]) -> int:
