@@ -168,6 +168,32 @@ def test_what_cannot_be_recorded_or_replayed_is_refused(tmp_path):
     assert not trl_tested("1.15.2") and not trl_tested("1.17.0") and not trl_tested("2.16.0")
 
 
+def test_refusals_come_before_grpo_trainers_own_set_up(tmp_path, monkeypatch):
+    """Each refusal, and a `recording_dir` that cannot be created, raise before `GRPOTrainer.__init__` runs (it loads
+    models and prepares datasets); a TRL argument that does not exist is TRL's TypeError."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    cases = [({"replay": True}, {"repetition_penalty": 1.3}, "repetition_penalty=1.3"),
+             ({"importance_sampling": True}, {"use_vllm": True}, "with `use_vllm=True` TRL takes vLLM's"),
+             ({"importance_sampling": True}, {"vllm_importance_sampling_correction": False}, "drop one of the two"),
+             ({"recording_dir": blocker / "rollouts"}, {}, "`recording_dir` .* cannot be created")]
+    for extra, config, said in cases:
+        with monkeypatch.context() as patch:
+            patch.setattr(trl.GRPOTrainer, "__init__", lambda *args, **kwargs: pytest.fail("GRPOTrainer.__init__ ran"))
+            args = trl.GRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False, temperature=0.7,
+                                  **config)
+            with pytest.raises(ValueError, match=said):
+                RecordedGRPOTrainer(model=record_model(), reward_funcs=lambda completions, **_: [0.0] * len(completions),
+                                    args=args, **extra)
+    with pytest.raises(TypeError):
+        RecordedGRPOTrainer(model=record_model(), replay=True, no_such_argument=1)
+    made = tmp_path / "made" / "rollouts"
+    with monkeypatch.context() as patch:  # a recording_dir that can be created is, at construction
+        patch.setattr(trl.GRPOTrainer, "__init__", lambda *args, **kwargs: None)
+        RecordedGRPOTrainer(model=record_model(), recording_dir=made)
+    assert made.is_dir()
+
+
 def test_a_peft_adapter_is_replayed_through_its_base_models_head(tmp_path):
     """TRL wraps the model with PEFT (`peft_config`); the recorder records the PeftModel's rollouts and the replay
     reads the base model's backbone and head: `old_per_token_logps` is the sampler's own logprob within 1e-5."""

@@ -29,7 +29,9 @@ column (`(batch, 2)`: rollout batch, row) that TRL's shuffle and split carry wit
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -58,7 +60,17 @@ if not trl_tested(trl.__version__):
 # replay from hidden states would not): refused with replay.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
                      "logits_scaling")
+_GRPO_ARGUMENTS = inspect.signature(GRPOTrainer.__init__)  # what the refusals read, before it runs
 _KEPT_BATCHES = 4  # rollout batches whose kept sets are held (the training buffer's, and an evaluation's)
+
+
+def _make_recording_dir(recording_dir: Any) -> None:
+    """`recording_dir` made (each rank spills into `rank-R` inside it) at construction, not at the first rollout."""
+    try:
+        os.makedirs(recording_dir, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"`recording_dir` {str(recording_dir)!r} cannot be created ({error.strerror or error}): pass a "
+                         "directory this process may write.") from None
 
 
 class _Rows:
@@ -83,8 +95,10 @@ class RecordedGRPOTrainer(GRPOTrainer):
 
     Raises:
         ImportError: TRL other than 1.16 (from the import).
-        ValueError: asked for with vLLM (which hands TRL its own logprobs), tools, environments or a custom
-            `rollout_func` (not one recorded generate call), a `repetition_penalty` with replay (it changes the
+        TypeError: arguments `GRPOTrainer.__init__` does not take.
+        ValueError: each before `GRPOTrainer.__init__` runs: a `recording_dir` that cannot be created; asked for
+            with vLLM (which hands TRL its own logprobs), tools, environments or a custom `rollout_func` (not one
+            recorded generate call), a `repetition_penalty` with replay (it changes the
             scores' values, not only the set), a model whose head rescales its logits with replay, or a VESPO
             loss with a `sequence_*` mode (as TRL refuses it with vLLM).
         RuntimeError: during training, a rollout whose recorded tokens are not TRL's completions.
@@ -97,49 +111,65 @@ class RecordedGRPOTrainer(GRPOTrainer):
 
     def __init__(self, *args: Any, importance_sampling: bool = False, replay: bool = False,
                  recording_dir: Any = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
         self._importance_sampling, self._replay, self._recording_dir = bool(importance_sampling), bool(replay), recording_dir
         self._records = self._importance_sampling or self._replay or recording_dir is not None
+        if self._records:  # before GRPOTrainer's own set-up (models, reference model, datasets) has run
+            self._refuse_what_is_not_recorded(_GRPO_ARGUMENTS.bind(self, *args, **kwargs).arguments)
+            if recording_dir is not None:
+                _make_recording_dir(recording_dir)
+        super().__init__(*args, **kwargs)
         self._kept_batches: dict[int, KeptSets] = {}
         self._batch_numbers = itertools.count()
         self._replay_rows: Any = None  # (batch, rows or None) while a replayed forward may run
-        if self._records:
-            self._refuse_what_is_not_recorded()
 
-    def _refuse_what_is_not_recorded(self) -> None:
+    def _refuse_what_is_not_recorded(self, given: dict[str, Any]) -> None:
+        """The refusals, from the arguments `GRPOTrainer.__init__` is given (`given`, by name): its config's fields
+        as TRL 1.16 copies them onto the trainer, the default `GRPOConfig`'s where no `args` is given."""
+        args = given.get("args")
+
+        def setting(name: str) -> Any:
+            return getattr(args, name) if args is not None else trl.GRPOConfig.__dataclass_fields__[name].default
+
         what = "importance_sampling" if self._importance_sampling else "replay" if self._replay else "recording_dir"
-        if self.use_vllm:
+        if setting("use_vllm"):
             raise ValueError(f"`{what}` records transformers generation; with `use_vllm=True` TRL takes vLLM's "
                              "logprobs itself: use trl.GRPOTrainer, or set `use_vllm=False`.")
-        if self.tools or self.rollout_func is not None or self.environment_factories is not None:
+        if given.get("tools") or given.get("rollout_func") is not None or given.get("environment_factory") is not None:
             raise ValueError(f"`{what}` needs each rollout to be one recorded generate call; tools, environments and "
                              "a custom `rollout_func` add tokens no call sampled: use trl.GRPOTrainer.")
-        if self._importance_sampling and not self.vllm_importance_sampling_correction:
+        if self._importance_sampling and not setting("vllm_importance_sampling_correction"):
             raise ValueError("`importance_sampling=True` runs TRL's correction, which `GRPOConfig("
                              "vllm_importance_sampling_correction=False)` turns off: drop one of the two.")
-        extra = dict(self.args.generation_kwargs or {})
+        extra = dict(setting("generation_kwargs") or {})
         changing = sorted(name for name, neutral in VALUE_CHANGING.items() if extra.get(name, neutral) != neutral)
         if self._replay and changing:
             raise ValueError(f"`replay=True` with `generation_kwargs` {changing}: these change the scores' values, not "
                              "only which ids are kept, so a replay over the kept sets is not the distribution sampled. "
                              "Remove them, or set `replay=False`.")
-        if self._replay and extra.get("temperature", self.temperature) != self.temperature:
+        temperature = setting("temperature")
+        if self._replay and extra.get("temperature", temperature) != temperature:
             raise ValueError(f"`replay=True`: `generation_kwargs` sample at temperature {extra['temperature']}, TRL "
-                             f"scores at `temperature={self.temperature}`: set one temperature.")
-        if self._replay and (self.repetition_penalty or 1.0) != 1.0:
-            raise ValueError(f"`replay=True` with `repetition_penalty={self.repetition_penalty}`: the penalty changes "
-                             "the scores' values, not only which ids are kept, so a replay over the kept sets is not "
-                             "the distribution sampled. Set `repetition_penalty=1.0`, or `replay=False`.")
+                             f"scores at `temperature={temperature}`: set one temperature.")
+        if self._replay and (setting("repetition_penalty") or 1.0) != 1.0:
+            raise ValueError(f"`replay=True` with `repetition_penalty={setting('repetition_penalty')}`: the penalty "
+                             "changes the scores' values, not only which ids are kept, so a replay over the kept sets "
+                             "is not the distribution sampled. Set `repetition_penalty=1.0`, or `replay=False`.")
         if self._replay:
-            config = text_config(self._policy(self.model).config)
-            scaled = [name for name in _LOGIT_TRANSFORMS if getattr(config, name, None) not in (None, 1, 1.0)]
+            model = given["model"]
+            if isinstance(model, str):  # TRL loads it by name: its config tells the same
+                from transformers import AutoConfig
+
+                config = AutoConfig.from_pretrained(model)
+            else:
+                config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
+            scaled = [name for name in _LOGIT_TRANSFORMS if getattr(text_config(config), name, None) not in (None, 1, 1.0)]
             if scaled:
                 raise ValueError(f"`replay=True`: this model's head transforms its logits ({', '.join(scaled)}), "
                                  "which a replay from hidden states does not: set `replay=False`.")
-        if (self._importance_sampling and self.loss_type == "vespo"
-                and self.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")):
+        if (self._importance_sampling and setting("loss_type") == "vespo"
+                and setting("vllm_importance_sampling_mode") not in ("token_truncate", "token_mask")):
             raise ValueError("the VESPO loss needs `vllm_importance_sampling_mode` 'token_truncate' or 'token_mask', "
-                             f"got {self.vllm_importance_sampling_mode!r} (as TRL requires with vLLM).")
+                             f"got {setting('vllm_importance_sampling_mode')!r} (as TRL requires with vLLM).")
 
     # -- the rollout: recorded ---------------------------------------------------------------------------------
 
