@@ -4,7 +4,7 @@
 #   package      the sdist and the wheel built, their files and metadata checked, the wheel installed into a
 #                fresh environment outside the checkout and every command run from it (scripts/package.sh)
 #   suite        the whole test suite on the newest transformers (scripts/test.sh, which sets up first)
-#   matrix       the version matrix on the older releases (scripts/matrix.sh)
+#   matrix       the version matrix: the release-dependent fast tests on each older release (scripts/matrix.sh)
 #   support      the support table (docs/support.md) against their results (scripts/support_table.py --check)
 #   conformance  Hugging Face's own generation tests with a Recorder on every call (scripts/conformance.sh;
 #                the tree: $TRANSFORMERS_OFFLOAD_HF_TESTS, which .ci/run sets; skipped without one, but

@@ -12,8 +12,7 @@
 # Extra pytest arguments: MATRIX_PYTEST_ARGS="-k greedy". Every release runs even after one fails (to
 # install or its tests); exits non-zero if any failed.
 # Tests marked release_independent (tests/conftest.py) run only on the first entry of each set of other pins.
-# The fast suite runs on every core (pytest-xdist), one torch thread per worker: on CI's 2 cores that
-# takes 2 min a release instead of 3.2 (two workers of 2 threads each fight and take 5.3).
+# One torch thread per test process, as many releases at once as there are cores (MATRIX_LANES; below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -24,7 +23,7 @@ if [ "$#" -gt 0 ]; then
 else
     mapfile -t entries < <(grep -v '^\s*#' scripts/matrix-releases.txt | grep -v '^\s*$')
 fi
-mkdir -p .matrix/results
+mkdir -p .matrix/results .matrix/status
 # Installs RELEASE [EXTRA...] (one entry) into .matrix/transformers-RELEASE unless it is there already;
 # non-zero when the release did not install.
 # At the versions of scripts/lock/transformers-RELEASE.txt (pip constraints, written by scripts/lock.sh), unless
@@ -63,32 +62,47 @@ install() {
 }
 # Every release is installed first, all at once (pip's time is the network's and the disk's more than
 # the CPU's: one after the other they took 45 s a release on CI's machines, 8 of its minutes), each
-# saying what it did in .matrix/install-RELEASE.log; then their tests run one after the other.
+# saying what it did in .matrix/install-RELEASE.log; then their tests run, `lanes` releases at a time.
 declare -A installs=()
 for entry in "${entries[@]}"; do
     read -r release extra <<<"$entry"
     rm -f ".matrix/results/$release.xml"  # no earlier run's results for the support table if this one fails
-    install "$entry" >".matrix/install-$release.log" 2>&1 &
+    rm -f ".matrix/status/install-$release" ".matrix/status/tests-$release"
+    { install "$entry" >".matrix/install-$release.log" 2>&1; echo $? >".matrix/status/install-$release"; } &
     installs[$release]=$!
 done
 failed=()
 releases=()
-declare -A pins_run=()
+declare -A pins_run=() tests=()
+# Two releases' tests at once (MATRIX_LANES, default: the cores), each one pytest process: on CI's 2 cores
+# that took 99 s for two releases where one after the other on two xdist workers took 123 s (each worker
+# collects the whole suite, and one idles while the other ends a release). Job control on: otherwise bash
+# starts them ignoring SIGINT, which the Ctrl-C tests send themselves. Each release's output is printed, in
+# order, once its tests end.
+set -m
+trap 'kill -- $(jobs -p | sed "s/^/-/") 2>/dev/null' EXIT
+lanes="${MATRIX_LANES:-$(nproc)}"
+run_tests() {  # release selection: one release's tests, output into .matrix/tests-RELEASE.log, status beside
+    local release="$1" selection="$2" status=0
+    PYTHONPATH="$PWD/.matrix/transformers-$release" HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 \
+        .venv/bin/python -m pytest -q -m "$selection" -p no:cacheprovider -n "${MATRIX_WORKERS:-0}" \
+        --junitxml ".matrix/results/$release.xml" ${MATRIX_PYTEST_ARGS:-} tests >".matrix/tests-$release.log" 2>&1 \
+        || status=$?
+    echo "$status" >".matrix/status/tests-$release"
+}
+launched=0
 for entry in "${entries[@]}"; do
     read -r release extra <<<"$entry"
     releases+=("$release")
     target=".matrix/transformers-$release"
-    installed=0
-    wait "${installs[$release]}" || installed=$?
-    cat ".matrix/install-$release.log"
+    wait "${installs[$release]}" 2>/dev/null || true  # its status: in its file (a `wait -n` below may have reaped it)
+    installed="$(cat ".matrix/status/install-$release" 2>/dev/null || echo 1)"
     if [ "$installed" -ne 0 ]; then
+        cat ".matrix/install-$release.log"
         echo "matrix: transformers $release did not install into $target; going on with the other releases" >&2
         failed+=("$release")
         continue
     fi
-    PYTHONPATH="$PWD/$target" .venv/bin/python -W ignore -c "import numpy, safetensors, torch, transformers; print(
-        f'== transformers {transformers.__version__}, torch {torch.__version__}, numpy {numpy.__version__}, '
-        f'safetensors {safetensors.__version__}')" || true  # a broken install: its tests fail below, saying why
     # Tests of the store, reader, answers and command line (marked release_independent in tests/conftest.py)
     # run once per set of other packages an entry pins (numpy, safetensors, pyarrow: what they depend on), on
     # its first entry; the newest release (scripts/test.sh) runs them with the .venv's.
@@ -98,11 +112,23 @@ for entry in "${entries[@]}"; do
     else
         pins_run[$extra]=$release
     fi
-    if PYTHONPATH="$PWD/$target" HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 \
-        .venv/bin/python -m pytest -q -m "$selection" -p no:cacheprovider -n "${MATRIX_WORKERS:-auto}" \
-        --junitxml ".matrix/results/$release.xml" ${MATRIX_PYTEST_ARGS:-} tests; then
-        :
-    else
+    while [ "$((launched - $(find .matrix/status -name 'tests-*' | wc -l)))" -ge "$lanes" ]; do
+        wait -n 2>/dev/null || sleep 1  # until a job ends (a release's tests, or an install)
+    done
+    run_tests "$release" "$selection" &
+    tests[$release]=$!
+    launched=$((launched + 1))
+done
+for release in "${releases[@]}"; do
+    [ -n "${tests[$release]+set}" ] || continue
+    wait "${tests[$release]}" 2>/dev/null || true
+    status="$(cat ".matrix/status/tests-$release" 2>/dev/null || echo 1)"
+    cat ".matrix/install-$release.log"
+    PYTHONPATH="$PWD/.matrix/transformers-$release" .venv/bin/python -W ignore -c "import numpy, safetensors, torch, transformers; print(
+        f'== transformers {transformers.__version__}, torch {torch.__version__}, numpy {numpy.__version__}, '
+        f'safetensors {safetensors.__version__}')" || true  # a broken install: its tests failed, saying why
+    cat ".matrix/tests-$release.log"
+    if [ "$status" -ne 0 ]; then
         failed+=("$release")
     fi
 done
