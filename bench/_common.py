@@ -428,3 +428,20 @@ def plot_bars(path: Path, panels: dict[str, dict[str, float]], *, title: str) ->
         axis.tick_params(axis="x", labelsize=8)
         axis.grid(axis="y", alpha=0.3)
     _save(plt, figure, path, title)
+
+
+def smollm2_or_wide(case: str) -> tuple[Any, Any]:
+    """`smollm2`: SmolLM2-135M-Instruct and its tokenizer (float32, vocabulary 49,152); `wide`: a 2-layer Qwen2
+    with Qwen2's vocabulary of 152,064 made from a config (hidden size 256, random weights, float32), no tokenizer."""
+    if case == "smollm2":
+        from transformers_offload.demo_model import load
+
+        model, tokenizer = load()
+        return model.float().eval(), tokenizer
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=152_064, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         tie_word_embeddings=False)
+    return Qwen2ForCausalLM(config).eval(), None

@@ -42,27 +42,11 @@ from _common import (  # noqa: E402
     print_table,
     reset_high_water,
     rss_bytes,
+    smollm2_or_wide,
     write_json,
 )
 
 CASES = {"smollm2": {"context": 512, "windows": 4}, "wide": {"context": 2048, "windows": 2}}
-
-
-def _model(case: str):
-    import torch
-
-    if case == "smollm2":
-        from transformers_offload.demo_model import load
-
-        model, tokenizer = load()
-        return model.float().eval(), tokenizer
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=152_064, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                         tie_word_embeddings=False)
-    return Qwen2ForCausalLM(config).eval(), None
 
 
 class _FoldedTokenizer:
@@ -91,7 +75,7 @@ def one(case: str, mode: str) -> dict:
         forward._HeadOnScored._cut = lambda self, module, args: None
         corpus.shard_size = lambda batch_logits_bytes: corpus.DEFAULT_SHARD_BYTES
     settings = CASES[case]
-    model, tokenizer = _model(case)
+    model, tokenizer = smollm2_or_wide(case)
     if tokenizer is None:
         from transformers import AutoTokenizer
 

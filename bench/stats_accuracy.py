@@ -21,22 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, machine, print_table, write_json  # noqa: E402
-
-
-def _model(case: str):
-    if case == "smollm2":
-        from transformers_offload.demo_model import load
-
-        model, tokenizer = load()
-        return model.float().eval(), tokenizer
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=152_064, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                         tie_word_embeddings=False)
-    return Qwen2ForCausalLM(config).eval(), None
+from _common import RESULTS, machine, print_table, smollm2_or_wide, write_json  # noqa: E402
 
 
 def measure(case: str, rows: int, new_tokens: int) -> dict:
@@ -45,7 +30,7 @@ def measure(case: str, rows: int, new_tokens: int) -> dict:
     from transformers_offload import Recorder
     from transformers_offload.demo_model import load
 
-    model, _ = _model(case)
+    model, _ = smollm2_or_wide(case)
     _, tokenizer = load()  # the demo tokenizer's ids, folded into the wide model's vocabulary
     vocab = model.get_output_embeddings().weight.shape[0]
     texts = [topics[name] for name in sorted(topics)[:rows]]
