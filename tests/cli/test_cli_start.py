@@ -216,6 +216,25 @@ def test_the_short_settings(config, expected):
     assert "use_cache" in cli.summary.settings({**config, "use_cache": True}, verbose=True)
 
 
+def test_a_result_line_is_one_write_with_its_newline(monkeypatch):
+    # Ranks under torchrun share one stdout pipe; with PYTHONUNBUFFERED, `print` wrote the text and the newline
+    # apart and two ranks' JSON lines ran together (seen in CI). One write below PIPE_BUF is not interleaved.
+    from transformers_offload.cli import options
+
+    writes = []
+
+    class Stdout:
+        def write(self, text):
+            writes.append(text)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stdout", Stdout())
+    options.emit('{"rank": 1}')
+    assert writes == ['{"rank": 1}\n']
+
+
 def test_results_are_rounded_for_people():
     assert (cli.options.human({"wrote": "a.parquet", "rows": 16, "bytes": 3 * 2**20 + 5})
             == "wrote a.parquet, rows 16, bytes 3.0 MiB")

@@ -158,9 +158,11 @@ def program() -> str:
 
 
 def emit(text: str) -> None:
-    """Print `text` to stdout; a reader that left (`inspect ... | head`) is fine."""
+    """Print `text` and its newline to stdout in one write (ranks under torchrun share one pipe: with
+    PYTHONUNBUFFERED `print` writes the text and the newline apart, and two ranks' lines ran together); a reader
+    that left (`inspect ... | head`) is fine."""
     try:
-        print(text)
+        sys.stdout.write(text + "\n")
         sys.stdout.flush()
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
