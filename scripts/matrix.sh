@@ -80,7 +80,7 @@ declare -A pins_run=() tests=()
 # starts them ignoring SIGINT, which the Ctrl-C tests send themselves. Each release's output is printed, in
 # order, once its tests end.
 set -m
-trap 'kill -- $(jobs -p | sed "s/^/-/") 2>/dev/null' EXIT
+trap 'status=$?; kill -- $(jobs -p | sed "s/^/-/") 2>/dev/null || true; exit $status' EXIT  # keeps the status
 lanes="${MATRIX_LANES:-$(nproc)}"
 run_tests() {  # release selection: one release's tests, output into .matrix/tests-RELEASE.log, status beside
     local release="$1" selection="$2" status=0
@@ -90,10 +90,41 @@ run_tests() {  # release selection: one release's tests, output into .matrix/tes
         || status=$?
     echo "$status" >".matrix/status/tests-$release"
 }
-launched=0
+printed=0
+running() {  # this run's releases whose tests have not ended
+    local release count=0
+    for release in "${releases[@]}"; do
+        if [ -n "${tests[$release]+set}" ] && [ ! -f ".matrix/status/tests-$release" ]; then
+            count=$((count + 1))
+        fi
+    done
+    echo "$count"
+}
+print_finished() {  # the releases whose tests ended, in order, up to the first still running (all: wait for them)
+    local release status
+    while [ "$printed" -lt "${#releases[@]}" ]; do
+        release="${releases[$printed]}"
+        if [ -n "${tests[$release]+set}" ]; then
+            if [ "${1:-}" = all ]; then
+                wait "${tests[$release]}" 2>/dev/null || true
+            elif [ ! -f ".matrix/status/tests-$release" ]; then
+                return 0
+            fi
+            status="$(cat ".matrix/status/tests-$release" 2>/dev/null || echo 1)"
+            cat ".matrix/install-$release.log"
+            PYTHONPATH="$PWD/.matrix/transformers-$release" .venv/bin/python -W ignore -c "import numpy, safetensors, torch, transformers; print(
+                f'== transformers {transformers.__version__}, torch {torch.__version__}, numpy {numpy.__version__}, '
+                f'safetensors {safetensors.__version__}')" || true  # a broken install: its tests failed, saying why
+            cat ".matrix/tests-$release.log"
+            if [ "$status" -ne 0 ]; then
+                failed+=("$release")
+            fi
+        fi
+        printed=$((printed + 1))
+    done
+}
 for entry in "${entries[@]}"; do
     read -r release extra <<<"$entry"
-    releases+=("$release")
     target=".matrix/transformers-$release"
     wait "${installs[$release]}" 2>/dev/null || true  # its status: in its file (a `wait -n` below may have reaped it)
     installed="$(cat ".matrix/status/install-$release" 2>/dev/null || echo 1)"
@@ -101,6 +132,7 @@ for entry in "${entries[@]}"; do
         cat ".matrix/install-$release.log"
         echo "matrix: transformers $release did not install into $target; going on with the other releases" >&2
         failed+=("$release")
+        releases+=("$release")  # (print_finished passes over it: no tests)
         continue
     fi
     # Tests of the store, reader, answers and command line (marked release_independent in tests/conftest.py)
@@ -112,26 +144,15 @@ for entry in "${entries[@]}"; do
     else
         pins_run[$extra]=$release
     fi
-    while [ "$((launched - $(find .matrix/status -name 'tests-*' | wc -l)))" -ge "$lanes" ]; do
+    while [ "$(running)" -ge "$lanes" ]; do
         wait -n 2>/dev/null || sleep 1  # until a job ends (a release's tests, or an install)
+        print_finished
     done
     run_tests "$release" "$selection" &
     tests[$release]=$!
-    launched=$((launched + 1))
+    releases+=("$release")
 done
-for release in "${releases[@]}"; do
-    [ -n "${tests[$release]+set}" ] || continue
-    wait "${tests[$release]}" 2>/dev/null || true
-    status="$(cat ".matrix/status/tests-$release" 2>/dev/null || echo 1)"
-    cat ".matrix/install-$release.log"
-    PYTHONPATH="$PWD/.matrix/transformers-$release" .venv/bin/python -W ignore -c "import numpy, safetensors, torch, transformers; print(
-        f'== transformers {transformers.__version__}, torch {torch.__version__}, numpy {numpy.__version__}, '
-        f'safetensors {safetensors.__version__}')" || true  # a broken install: its tests failed, saying why
-    cat ".matrix/tests-$release.log"
-    if [ "$status" -ne 0 ]; then
-        failed+=("$release")
-    fi
-done
+print_finished all
 if [ "${#failed[@]}" -gt 0 ]; then
     echo "matrix: failed on transformers ${failed[*]}" >&2
     exit 1

@@ -61,6 +61,7 @@ RELEASE_INDEPENDENT = frozenset({
     "test_file_modes",
     "test_fuzz",
     "test_head",
+    "test_kd",
     "test_layout",
     "test_ledger",
     "test_memory_store",
