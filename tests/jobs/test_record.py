@@ -354,8 +354,8 @@ def test_bad_generate_options_are_refused_before_anything_is_written(tmp_path, m
 def test_score_refuses_bad_counts_and_unreadable_texts_before_anything_is_written(tmp_path, monkeypatch, capsys):
     import transformers
 
-    from transformers_offload.cli.jobs import SMALLEST_CONTEXT
     from transformers_offload.rescoring.corpus import score_run
+    from transformers_offload.rescoring.corpus_windows import SMALLEST_CONTEXT
 
     model_dir = tmp_path / "model"
     record_model().save_pretrained(model_dir)

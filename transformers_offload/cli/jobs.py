@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import RecordingError
+from ..rescoring.corpus_windows import SMALLEST_CONTEXT
 from . import options
 
 JSON_INDENT = None
-SMALLEST_CONTEXT = 4  # `rescoring.corpus.score_run`'s least `context` (tests/cli check that the two agree)
 _FAILED = (ValueError, TypeError, LookupError, ImportError, OSError, RecordingError)
 ERRORS = {"record": ((_FAILED, 1),), "rescore": (((*_FAILED, RuntimeError), 1),),  # exception types -> exit status
           "score": (((*_FAILED, RuntimeError), 1),)}

@@ -32,7 +32,7 @@ from ..jobs.record import recorded_samples, run_share
 from ..read.reader import open_recording
 from ..recorder import Recorder
 from ..store.spill import DEFAULT_SHARD_BYTES
-from .corpus_windows import window_metadata
+from .corpus_windows import SMALLEST_CONTEXT, window_metadata
 from .forward import score_sequences
 
 # The encodings that keep every logit bit for bit (docs/format.md): compare reads each chosen token's logprob from them.
@@ -129,7 +129,8 @@ def score_run(model: Any, texts: str | Sequence[str], out: str | os.PathLike | N
         texts = [texts]
     if not isinstance(texts, Sequence) or not all(isinstance(text, str) for text in texts):
         raise TypeError(f"`texts` must be a string or a sequence of strings, got {type(texts).__name__}.")
-    for name, value, least in (("context", context, 4), ("batch_size", batch_size, 1), ("chunk_size", chunk_size, 1)):
+    for name, value, least in (("context", context, SMALLEST_CONTEXT), ("batch_size", batch_size, 1),
+                                ("chunk_size", chunk_size, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"`{name}` must be an int of at least {least}, got {value!r}.")
     if max_windows is not None and (isinstance(max_windows, bool) or not isinstance(max_windows, int) or max_windows < 1):

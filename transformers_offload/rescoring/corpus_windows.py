@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 WINDOW_KEYS = ("context", "bos", "ids_sha256", "window", "first_token")
+SMALLEST_CONTEXT = 4  # tokens per window at least: `score_run` refuses fewer, the command line reads no fewer
 
 
 def window_metadata(corpus: dict[str, Any], window: int) -> dict[str, Any]:
