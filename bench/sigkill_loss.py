@@ -66,7 +66,7 @@ def one_run(path: Path, rows: int, vocab: int, kill_after: float) -> dict:
     process.wait()
     completed = int(rest[-1]) if rest else int(first)
     generation = open_recording(path).generation()
-    shards = generation._source._shards  # noqa: SLF001 - the bench reads the layout it measures
+    shards = generation.source._shards  # noqa: SLF001 - the bench reads the layout it measures
     steps_per_shard = shards[0]["num_steps"] if shards else None
     return {"kill_after_s": round(kill_after, 3), "completed": completed, "readable": generation.num_steps,
             "lost": completed - generation.num_steps, "steps_per_shard": steps_per_shard}

@@ -168,3 +168,78 @@ def test_the_tests_mirror_the_package_and_import_no_test_module():
                     wrong.append(f"{path.relative_to(TESTS)}:{node.lineno}")
     assert not wrong, f"test modules importing test modules or conftest: {wrong}"
 
+
+
+# -- state by owner: a class's attributes are set, and its private names read, in its own module only ------
+def _owned_names(tree: ast.AST) -> tuple[set[str], set[str]]:
+    """The attribute names a module's classes set on `self` (or declare in their body), and their private
+    names (attributes and methods starting with one `_`)."""
+    attributes: set[str] = set()
+    for cls in (node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)):
+        for node in ast.walk(cls):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and \
+                    isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                attributes.add(node.attr)
+        for node in cls.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                attributes.add(node.name)
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                attributes.add(node.target.id)
+            elif isinstance(node, ast.Assign):
+                attributes.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    private = {name for name in attributes if name.startswith("_") and not name.startswith("__")}
+    return attributes, private
+
+
+# Names that hold other libraries' objects where the package sets their attributes (checked by name, so an
+# attribute name one of the package's classes also owns would look like theirs).
+FOREIGN = {
+    "arguments": "argparse's Namespace (cli/jobs.py)",
+    "ctx": "a torch.autograd.Function's context (distill.py, rl/head.py)",
+    "plain": "a transformers model (demo_model.py)",
+}
+
+
+def _reached_into(path: Path, others_attributes: set[str], others_private: set[str], own: set[str],
+                  package: Path = PACKAGE) -> list[str]:
+    """Where `path` sets an attribute that only another module's classes own, or reads a private name only
+    another module's classes define, on an object other than `self`, `cls` or `super()`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if not isinstance(node, ast.Attribute) or node.attr in own:
+            continue
+        base = node.value
+        if isinstance(base, ast.Name) and base.id in ("self", "cls", *FOREIGN):
+            continue
+        if isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super":
+            continue
+        setting = isinstance(node.ctx, ast.Store) and node.attr in others_attributes
+        reading = isinstance(node.ctx, ast.Load) and node.attr in others_private
+        if setting or reading:
+            found.append(f"{path.relative_to(package)}:{node.lineno}: {ast.unparse(node)}"
+                         + (" set" if setting else " read"))
+    return found
+
+
+def test_no_module_sets_another_modules_attributes_or_reads_its_private_names() -> None:
+    # One call's state is held by its owners (issue 54): a class's attributes change through its own methods,
+    # and its private names stay in its module. Checked by name: an attribute name that some class of the
+    # module itself owns is the module's own.
+    owned = {path: _owned_names(ast.parse(path.read_text(), filename=str(path))) for path in _modules()}
+    wrong = []
+    for path, (own, own_private) in owned.items():
+        others = set().union(*(names for other, (names, _) in owned.items() if other != path))
+        others_private = set().union(*(private for other, (_, private) in owned.items() if other != path))
+        wrong += _reached_into(path, others, others_private, own | own_private)
+    assert not wrong, "modules reaching into another module's objects:\n" + "\n".join(wrong)
+
+
+def test_the_ownership_check_sees_a_set_and_a_private_read(tmp_path: Path) -> None:
+    owner = tmp_path / "owner.py"
+    owner.write_text("class Call:\n    def __init__(self):\n        self.step = 0\n        self._until = 0\n")
+    other = tmp_path / "other.py"
+    other.write_text("def f(c, tokenizer):\n    c.step = 1\n    tokenizer.padding_side = 'left'\n    return c._until\n")
+    names, private = _owned_names(ast.parse(owner.read_text()))
+    assert names == {"__init__", "step", "_until"} and private == {"_until"}
+    assert _reached_into(other, names, private, set(), package=tmp_path) == [
+        "other.py:2: c.step set", "other.py:4: c._until read"]

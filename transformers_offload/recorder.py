@@ -307,9 +307,10 @@ class Recorder(Readable, LogitsProcessor):
         """End a call's recording: `output` is what it returned (None when `error` ended it)."""
         try:
             if capture.started:
-                if capture.kept_on_device and not self._warned_accumulation:
+                kept_on_device = list(capture.facts.kept_on_device)
+                if kept_on_device and not self._warned_accumulation:
                     self._warned_accumulation = True
-                    warnings.warn(DeviceAccumulationWarning.about(capture.kept_on_device), stacklevel=3)
+                    warnings.warn(DeviceAccumulationWarning.about(kept_on_device), stacklevel=3)
                 generation = generation_of(capture.finish(output, error))
                 with self._lock:
                     self._generations.append(generation)

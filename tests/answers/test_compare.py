@@ -352,7 +352,7 @@ def test_a_recording_on_disk_keeps_one_shard_open_while_compared(tmp_path, monke
 
     model = make_tiny("gpt2")
     run = _record(model, MODES["greedy"], spill_dir=tmp_path / "run", steps=12, shard_bytes=1)  # a shard a step
-    shards = len(run.generation()._source._shards)
+    shards = len(run.generation().source._shards)
     assert shards >= 4
     most = []
     original = OpenFiles.get

@@ -141,7 +141,7 @@ class _SeeStepInRing(StoppingCriteria):
     def __call__(self, input_ids, scores, **kwargs):
         capture = self.rec._active
         ring = capture.ring
-        step = input_ids.shape[-1] - capture.prompt_length - 1
+        step = input_ids.shape[-1] - capture.facts.prompt_length - 1
         slot = ring._slots[ring._current]
         # In a slot, or (in host memory on CPU) already in the store, which takes each put at once.
         held = set(slot.written) if slot.step == step else set()

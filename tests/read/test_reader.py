@@ -155,7 +155,7 @@ def test_the_golden_native_recording_reads_back():
     for step in range(3):
         expected = made_up_native_logits(step, 2, 4)
         assert torch.equal(generation.logits()[step], expected) and torch.equal(generation.scores()[step], expected)
-    records = generation._source.read("logits", range(3), None)
+    records = generation.source.read("logits", range(3), None)
     assert [int(r[3]) for r in records] == [2, 0, 2]  # stored dtype codes: bf16, float32, bf16
 
 

@@ -96,7 +96,7 @@ def kd_batches(source: Any, *, generations: Sequence[int] | None = None, top: in
         raise ValueError("no selected generation is complete: the distillation table needs the sequences "
                          "`generate()` returned (record again, or `record` resumes the missing samples).")
     if prompt:
-        scored = [g for g in complete if "prompt_top_logprobs" in g._once_streams()]
+        scored = [g for g in complete if "prompt_top_logprobs" in g.once_streams]
         if not scored:
             raise ValueError("no selected generation holds top-k prompt logprobs: record them with "
                              "`Recorder(..., prompt_logprobs=k)` (or `record --prompt-logprobs K`).")

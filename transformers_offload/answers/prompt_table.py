@@ -64,13 +64,13 @@ def prompt_batches(source: Any, *, generations: Sequence[int] | None = None,
     from ..demo_model import load_tokenizer  # here: `python -m transformers_offload.demo_model` imports the package first
 
     tokenizer = load_tokenizer(tokenizer)  # a tokenizer, a directory or the demo model's name
-    scored = [g for g in picked if "prompt_logprobs" in g._once_streams()]
+    scored = [g for g in picked if "prompt_logprobs" in g.once_streams]
     if not scored:
         raise ValueError("no selected generation holds prompt logprobs: record them with "
                          "`Recorder(..., prompt_logprobs=True)` (or `record --prompt-logprobs`).")
     ids = dict(zip(map(id, every), sample_ids(every)))
     as_text = any(isinstance(i, str) for per_call in ids.values() for i in per_call)
-    has_top = any("prompt_top_tokens" in g._once_streams() for g in scored)
+    has_top = any("prompt_top_tokens" in g.once_streams for g in scored)
     has_metadata = any(g.sample_metadata for g in every)
     table_schema = prompt_schema(top=has_top, text=tokenizer is not None, metadata=has_metadata,
                                  sample_type=pa.string() if as_text else pa.int64())

@@ -231,9 +231,9 @@ class ContinuousCapture:
             processors.stats.clear()
         with self._lock:
             for row, state in enumerate(states):
-                steps = self._pending.setdefault((manager, state.request_id), RequestSteps())
-                if not steps.tokens:  # its first step
-                    steps.settings = request_settings(state)
+                steps = self._pending.get((manager, state.request_id))
+                if steps is None:  # its first step
+                    steps = self._pending[(manager, state.request_id)] = RequestSteps(settings=request_settings(state))
                 steps.logits.append(logits[row])
                 steps.scores.append(None if kept is None else kept[row])
                 steps.tokens.append(tokens[row])

@@ -129,7 +129,7 @@ class ModelHooks:
             # outer loop's generation, and the recorder passes its scores through.
             outer = _recording_loop(recorder) if _active_call(model) is None else None
             if outer is not None:
-                outer.capture.nested_calls += 1
+                outer.capture.count_nested_call()
             elif recorder is None and not _active_calls():
                 for attached in list(self.recorders):
                     attached.unrecorded_call()
@@ -216,7 +216,7 @@ class ModelHooks:
             with _interrupts.held():
                 capture.start(arguments["generation_config"], arguments.get("input_ids_seq_length") or 0,
                               no_processors=not kept)
-            on_warpers = _compat.final_tap_on_warper_list(capture.mode, capture.do_sample)
+            on_warpers = _compat.final_tap_on_warper_list(capture.facts.mode, capture.facts.do_sample)
             return TappedProcessorList(kept, capture, raw=True, processed=not on_warpers)
 
         return _get_logits_processor

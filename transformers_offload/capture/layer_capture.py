@@ -60,7 +60,7 @@ class LayerCapture:
         for name, tensor in self.tap.pick(output, first=step == 0):
             self._put(step, name, tensor)
         if step == 0:
-            self.tap.encoder_output = None  # copied: the capture keeps no reference to it
+            self.tap.drop_encoder_output()  # copied: the capture keeps no reference to it
 
     def _known(self, per_step: list[str], once: list[str]) -> None:
         self.names = per_step

@@ -150,6 +150,18 @@ class LayerTap:
         self.taps = taps
         return list(taps.names)
 
+    def on_encoder(self, output: Any) -> None:
+        """The encoder's forward returned `output` (before the decoding loop): kept until the first step."""
+        self.encoder_output = output
+
+    def take_encoder_output(self, previous: LayerTap) -> None:
+        """A new loop of the same call starts: its encoder ran while `previous`'s capture was active."""
+        self.encoder_output, previous.encoder_output = previous.encoder_output, None
+
+    def drop_encoder_output(self) -> None:
+        """The encoder's outputs were copied at the first step: no reference to them is kept."""
+        self.encoder_output = None
+
     def remove(self) -> None:
         """Remove the module hooks `install` put in place (idempotent)."""
         if self.taps is not None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import threading
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
@@ -69,6 +70,34 @@ def arguments_of(function: Callable[..., Any], args: tuple, kwargs: dict) -> dic
     return inspect.signature(function).bind(*args, **kwargs).arguments
 
 
+@dataclass
+class LoopState:
+    """Where a tapped loop of a call stands, as the model's loop taps tell (`loop_tap_wrappers`): which
+    loop it is (the manifest's `loop` entry), what transformers' loop returned, the model's verdict on
+    each of its prompts, and whether it is its segment's last attempt."""
+
+    loop: dict[str, Any] | None = None
+    output: Any = None
+    verdicts: dict[int, tuple[bool, bool]] = field(default_factory=dict)  # prompt -> (rerun, skipped)
+    last_attempt: bool = False
+
+    def kept_prompts(self) -> list[int]:
+        """The prompts whose result the call kept: not skipped, and not rerun (the last attempt of a
+        segment keeps those that still fail the thresholds)."""
+        prompts = len((self.loop or {}).get("batch_rows") or [])
+        kept = []
+        for index in range(prompts):
+            rerun, skipped = self.verdicts.get(index, (False, False))
+            if not skipped and (self.last_attempt or not rerun):
+                kept.append(index)
+        return kept
+
+    def rerun_rows(self) -> list[int]:
+        """The call's batch rows the model reruns at the next temperature."""
+        rows = (self.loop or {}).get("batch_rows") or []
+        return [row for index, row in enumerate(rows) if self.verdicts.get(index, (False, False))[0]]
+
+
 class RecordedCall:
     """One recorded `generate()` call in progress: its recorder, the capture of the decoding loop that
     runs now and, for a model with loop taps, where that loop stands (segment, attempt, prompts)."""
@@ -79,6 +108,7 @@ class RecordedCall:
         self.tapped = tapped  # the model's generate() tells each loop's output and kept prompts
         self.capture: Capture | None = None
         self.loops = 0  # decoding loops started in this call
+        self._state = LoopState()  # the current capture's loop
         self._first_index = 0
         self._samples: dict[str, Any] | None = None  # the call's sample ids, from set_samples
         self._segment = -1
@@ -101,28 +131,29 @@ class RecordedCall:
             capture = self._next_capture()
         if self.tapped and self._rows is not None:  # a loop of a segment (not a plain one: Whisper short-form up to 4.4x)
             batch_rows = list(self._rows)
-            capture.loop = {"call": self._first_index, "loop": self.loops, "segment": max(self._segment, 0),
-                                      "attempt": self._attempt, "batch_rows": batch_rows, "kept_rows": None}
+            self._state.loop = {"call": self._first_index, "loop": self.loops, "segment": max(self._segment, 0),
+                                "attempt": self._attempt, "batch_rows": batch_rows, "kept_rows": None}
+            capture.set_loop(self._state.loop)
             if self._samples is not None:  # the call's ids of the rows this loop decodes, where they are its prompts
                 ids = self._samples["sample_ids"]
                 metadata = self._samples["sample_metadata"]
                 picked = [ids[row] for row in batch_rows] if all(row < len(ids) for row in batch_rows) else None
                 if picked is not None and len(set(map(str, picked))) == len(picked):
-                    capture.samples = {"sample_ids": tuple(picked),
-                                       "sample_metadata": None if metadata is None else tuple(metadata[r] for r in batch_rows)}
+                    capture.set_samples({"sample_ids": tuple(picked),
+                                         "sample_metadata": None if metadata is None else tuple(metadata[r] for r in batch_rows)})
                 else:  # rows that repeat a prompt (num_return_sequences > 1): numbered, not named
-                    capture.samples = {}
+                    capture.set_samples({})
         elif self._samples is not None and self.loops:  # another plain loop over the same prompts
-            capture.samples = dict(self._samples)
+            capture.set_samples(self._samples)
         return capture
 
     def _next_capture(self) -> Capture:
-        previous = self.capture
-        if self.tapped and not previous.last_attempt:  # a fallback attempt of the same segment: the prompts rerun
-            self._rows = self._rerun_rows(previous)
+        previous, state = self.capture, self._state
+        if self.tapped and not state.last_attempt:  # a fallback attempt of the same segment: the prompts rerun
+            self._rows = state.rerun_rows()
             self._attempt += 1
-        if self.tapped and previous.loop_output is not None:
-            self._finish(previous, previous.loop_output, None)  # checked against its own output
+        if self.tapped and state.output is not None:
+            self._finish(previous, state.output, None)  # checked against its own output
         else:
             superseded = RecordingMismatch(
                 f"generate() ran another decoding loop after this one in the same call (loop {self.loops + 1} "
@@ -133,23 +164,20 @@ class RecordedCall:
             self._finish(previous, None, superseded)
         self.loops += 1
         capture = self._begin(attention_mask=None) if self.tapped else self._begin()
-        if previous.layer_tap is not None and capture.layer_tap is not None:
-            # The new loop's encoder ran before it started, while the previous capture was active.
-            capture.layer_tap.encoder_output, previous.layer_tap.encoder_output = previous.layer_tap.encoder_output, None
-        self.capture = capture
+        capture.take_encoder_output(previous)  # the new loop's encoder ran while the previous capture was active
+        self.capture, self._state = capture, LoopState()
         return capture
 
     def end(self, output: Any, error: BaseException | None) -> None:
         """The call returned `output` (None when `error` ended it): end the last loop's generation."""
-        capture = self.capture
-        if capture.loop_output is not None and error is None:
-            output = capture.loop_output  # what transformers' loop returned, before the model's own steps
-        self._finish(capture, output, error)
+        if self._state.output is not None and error is None:
+            output = self._state.output  # what transformers' loop returned, before the model's own steps
+        self._finish(self.capture, output, error)
 
     def _finish(self, capture: Capture, output: Any, error: BaseException | None) -> None:
-        loop = capture.loop
+        loop = self._state.loop
         if loop is not None:
-            loop["kept_rows"] = [loop["batch_rows"][index] for index in kept_prompts(capture)]
+            capture.set_loop({**loop, "kept_rows": [loop["batch_rows"][index] for index in self._state.kept_prompts()]})
         self.recorder.end_call(capture, output, error)
 
     # -- the loop taps, for models whose generate() runs the loop several times ---------------------
@@ -163,37 +191,20 @@ class RecordedCall:
         """The segment's loops are over: the last one's prompts are kept (those that still fail the
         thresholds at the last temperature too)."""
         if self.capture.started:
-            self.capture.last_attempt = True
+            self._state.last_attempt = True
 
     def loop_returned(self, output: Any) -> None:
         """What transformers' loop returned (before the model reworks it): checked at the loop's end.
         No forward after it belongs to the loop."""
         if self.capture.started:
-            self.capture.loop_output = output
-            self.capture.wants_forward = False
+            self._state.output = output
+            self.capture.loop_returned()
 
     def prompt_verdict(self, index: int, rerun: bool, skipped: bool) -> None:
         """The model's verdict on prompt `index` of the loop that just ran: to be rerun at the next
         temperature (`rerun`), or skipped as silence (`skipped`)."""
         if self.capture.started:
-            self.capture.prompt_verdicts[int(index)] = (bool(rerun), bool(skipped))
-
-    @staticmethod
-    def _rerun_rows(previous: Capture) -> list[int]:
-        rows = (previous.loop or {}).get("batch_rows") or []
-        return [row for index, row in enumerate(rows) if previous.prompt_verdicts.get(index, (False, False))[0]]
-
-
-def kept_prompts(capture: Capture) -> list[int]:
-    """The prompts of a tapped loop whose result its call kept: not skipped, and not rerun (the last
-    attempt of a segment keeps those that still fail the thresholds)."""
-    prompts = len((capture.loop or {}).get("batch_rows") or [])
-    kept = []
-    for index in range(prompts):
-        rerun, skipped = capture.prompt_verdicts.get(index, (False, False))
-        if not skipped and (capture.last_attempt or not rerun):
-            kept.append(index)
-    return kept
+            self._state.verdicts[int(index)] = (bool(rerun), bool(skipped))
 
 
 # -- the wrappers on a model's loop taps (`_compat.LOOP_TAPS`), installed by `hooks` ----------------------

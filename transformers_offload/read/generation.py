@@ -88,6 +88,7 @@ class Generation(LayerReading, EncodedReading, BeamReading):
             `active` (their names), `merged` (those merged into the base weights), `disabled` (inside
             `disable_adapter()`), and for a mixed batch (`generate(..., adapter_names=[...])`) `per_row`, each
             row's adapter (`__base__`: none); None for a model without adapters.
+        source (`StepSource`): where its steps are read from (the store's: memory or the shard files).
     """
 
     index: int
@@ -105,7 +106,7 @@ class Generation(LayerReading, EncodedReading, BeamReading):
     generation_config: dict[str, Any] = field(repr=False)
     transfer: TransferStats | None = field(repr=False)
     layers: dict[str, Any] | None = field(repr=False)
-    _source: StepSource = field(repr=False)
+    source: StepSource = field(repr=False)
     encodings: dict[str, str] = field(default_factory=dict, repr=False)
     sample_ids: tuple[Any, ...] | None = field(default=None, repr=False)
     sample_metadata: tuple[dict[str, Any], ...] | None = field(default=None, repr=False)
@@ -173,7 +174,7 @@ class Generation(LayerReading, EncodedReading, BeamReading):
     @property
     def streams(self) -> tuple[str, ...]:
         """Names of the per-step streams this generation holds."""
-        return self._source.streams
+        return self.source.streams
 
     def logits(self, *, steps: Steps = None, rows: Rows = None, framework: str = "pt") -> tuple[Any, ...]:
         """Raw next-token logits per step, before any processor or warper.
@@ -345,12 +346,14 @@ class Generation(LayerReading, EncodedReading, BeamReading):
         """
         return _prompt_tensors(self, framework)
 
-    def _once_streams(self) -> tuple[str, ...]:
-        return getattr(self._source, "once_streams", ())
+    @property
+    def once_streams(self) -> tuple[str, ...]:
+        """The streams recorded once per generation (prompt logprobs, an encoder's outputs)."""
+        return getattr(self.source, "once_streams", ())
 
     def _read_once(self, name: str, rows: Rows, framework: str) -> Any:
         check_framework(framework)
-        value = self._source.read_once(name)
+        value = self.source.read_once(name)
         index = row_index(rows, value.shape[0])
         return as_framework(value if index is None else value[index], name, framework)
 
@@ -363,7 +366,7 @@ class Generation(LayerReading, EncodedReading, BeamReading):
                 f"this recording has no {name!r} stream (it holds {sorted(self.streams)}); create the "
                 f"Recorder with {name!r} in `streams` to record it."
             )
-        values = self._source.read(name, step_range(steps, self.num_steps), row_index(rows, self.num_rows),
+        values = self.source.read(name, step_range(steps, self.num_steps), row_index(rows, self.num_rows),
                                    numpy=framework == "np")
         return tuple(as_framework(value, name, framework) for value in values)
 
@@ -376,7 +379,7 @@ def generation_of(stored: StoredGeneration) -> Generation:
         num_rows=header.num_rows, num_beams=header.num_beams, num_steps=stored.num_steps, complete=stored.complete,
         error=stored.error, _sequences=stored.sequences,  # a tensor, None, or (from a directory) a function that reads it
         pad_token_id=header.pad_token_id, eos_token_id=header.eos_token_id, generation_config=header.generation_config,
-        transfer=stored.transfer, layers=header.layers, _source=stored.source, encodings=read_encodings(header.encodings),
+        transfer=stored.transfer, layers=header.layers, source=stored.source, encodings=read_encodings(header.encodings),
         sample_ids=header.sample_ids, sample_metadata=header.sample_metadata, loop=header.loop,
         nested_calls=header.nested_calls, adapters=header.adapters,
     )

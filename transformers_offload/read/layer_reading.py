@@ -167,7 +167,7 @@ class LayerReading:
     def layer_indices(self) -> dict[str, tuple[int, ...]]:
         """The recorded layers of each recorded output, e.g. `{"attentions": (0, 29)}`."""
         found: dict[str, list[int]] = {}
-        for name in (*self.streams, *self._once_streams()):
+        for name in (*self.streams, *self.once_streams):
             split = _layout.split_layer_stream(name)
             if split is not None:
                 found.setdefault(split[0], []).append(split[1])
@@ -217,7 +217,8 @@ class LayerReading:
     def _read_once(self, name: str, rows: Rows, framework: str) -> Any:  # pragma: no cover
         raise NotImplementedError
 
-    def _once_streams(self) -> tuple[str, ...]:  # pragma: no cover
+    @property
+    def once_streams(self) -> tuple[str, ...]:  # pragma: no cover
         raise NotImplementedError
 
 

@@ -22,13 +22,13 @@ def prompt_tensors(generation: Any, framework: str = "pt") -> dict[str, Any]:
         StreamNotRecorded (a KeyError): the generation was recorded without `prompt_logprobs`.
     """
     check_framework(framework)
-    once = generation._once_streams()
+    once = generation.once_streams
     if "prompt_logprobs" not in once:
         raise StreamNotRecorded(
             "this generation has no prompt logprobs: create the Recorder with `prompt_logprobs=True` (or an int, "
             "for the top-k too) to record them."
         )
-    return {name: as_framework(generation._source.read_once(name), name, framework) for name in PROMPT_STREAMS
+    return {name: as_framework(generation.source.read_once(name), name, framework) for name in PROMPT_STREAMS
             if name in once}
 
 

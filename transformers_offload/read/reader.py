@@ -135,7 +135,7 @@ class Recording(Readable):
                     elements = 0  # stored once, as the logits
                 elif stored_flat(stream):
                     try:  # reads each shard's step shapes
-                        elements = generation._source.ragged_elements(name, generation.num_steps)
+                        elements = generation.source.ragged_elements(name, generation.num_steps)
                     except RecordingError as error:
                         elements = None  # unknown: a shard is damaged
                         if all(d["file"] != error.path.name for d in damaged):
@@ -256,7 +256,7 @@ class Recording(Readable):
             ))
         size = 0
         for generation in self._generations:
-            source = generation._source
+            source = generation.source
             assert isinstance(source, ShardSource)  # a directory's generations read from its shards
             for name in source.files:
                 try:
@@ -279,7 +279,7 @@ class Recording(Readable):
     def close(self) -> None:
         """Drop the shard mappings this object holds (tensors already returned keep theirs)."""
         for generation in self._generations:
-            source = generation._source
+            source = generation.source
             if isinstance(source, ShardSource):
                 source.close()
 

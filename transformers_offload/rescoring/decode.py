@@ -365,9 +365,9 @@ def _generations_of(recording: Any) -> list[Generation]:
 
 
 def _prompt_top(gen: Generation) -> bool | int:
-    if "prompt_logprobs" not in gen._once_streams():
+    if "prompt_logprobs" not in gen.once_streams:
         return False
-    if "prompt_top_tokens" in gen._once_streams():
+    if "prompt_top_tokens" in gen.once_streams:
         return int(gen.prompt_tensors()["prompt_top_tokens"].shape[-1])
     return True
 

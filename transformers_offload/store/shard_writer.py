@@ -61,6 +61,8 @@ class _Counters:
 class ShardStore:
     """Packs one generation's drained steps into shards and writes them on a background thread."""
 
+    keep = None  # the ring drains whole steps into it (`drain`), not tensor by tensor
+
     def __init__(self, spill: SpillDirectory, entry: dict[str, Any], names: list[str], max_steps: int, *,
                  encodings: dict[str, str]) -> None:
         self._spill = spill
