@@ -11,13 +11,12 @@ from typing import Any, Sequence
 import torch
 from transformers.generation import LogitsProcessor
 
-from .capture import call_checks as _checks
 from .capture import continuous as _continuous
 from .capture import continuous_requests as _requests
 from .capture import hooks as _hooks
 from .capture import layers as _layers
 from .capture import peft as _peft
-from .capture import processes as _processes
+from .capture import refusals as _refusals
 from .capture.capture import Capture
 from .capture.loop_check import RecordingMismatch
 from .capture.options import DEFAULT_STREAMS, RecorderOptions, check_samples, created_by, device_type, model_info
@@ -253,20 +252,20 @@ class Recorder(Readable, LogitsProcessor):
             self._pending_samples = samples
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        raise _processes.not_pickled(f"a transformers-offload Recorder of {type(self._model).__name__}")
+        raise _refusals.not_pickled(f"a transformers-offload Recorder of {type(self._model).__name__}")
 
     # -- called by the hooks ---------------------------------------------------------------------------
     def check_call(self, *, custom_generate: Any, attention_mask: Any, inputs: Any = None,
                    past_key_values: Any = None) -> None:
         """What `begin_call` refuses, checked without starting anything (before a call whose capture
         begins later, with its loop)."""
-        _processes.check_process(self.spill_dir, self._pid)
-        problem = _checks.samples_mismatch(self._pending_samples, attention_mask, inputs)
+        _refusals.check_process(self.spill_dir, self._pid)
+        problem = _refusals.samples_mismatch(self._pending_samples, attention_mask, inputs)
         if problem is not None:
             with self._lock:
                 self._pending_samples = None  # dropped, as the message says: name them again
             raise ValueError(problem)
-        _checks.refuse(prompt_scoring=self._options.prompt_scoring, past_key_values=past_key_values,
+        _refusals.refuse(prompt_scoring=self._options.prompt_scoring, past_key_values=past_key_values,
                        custom_generate=custom_generate)
         if self._active is not None:
             raise RuntimeError(_BUSY)
@@ -342,7 +341,7 @@ class Recorder(Readable, LogitsProcessor):
             UnsupportedModeError: the manager batches asynchronously, replays CUDA graphs or compiles its
                 forward, or this recorder records attentions, hidden states or prompt logprobs.
         """
-        _processes.check_process(self.spill_dir, self._pid)
+        _refusals.check_process(self.spill_dir, self._pid)
         self._continuous.attach(manager, self._options)
         self._began += 1
 

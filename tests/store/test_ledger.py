@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from transformers_offload import Recorder, RecordingError, open_recording
-from transformers_offload.capture import processes
+from transformers_offload.capture import refusals
 from transformers_offload.cli.main import main
 from transformers_offload.store import files
 
@@ -39,7 +39,7 @@ def _run_forked(target, *args) -> None:
 def test_verify_finds_forked_children_that_shared_one_spilled_recorder(tmp_path, monkeypatch):
     model = make_tiny("llama")
     rec = Recorder(model, spill_dir=tmp_path / "run")
-    monkeypatch.setattr(processes, "check_process", lambda *_: None)  # as before the fork refusal
+    monkeypatch.setattr(refusals, "check_process", lambda *_: None)  # as before the fork refusal
 
     def work(firsts):
         torch.set_num_threads(1)  # a fork of a process whose OpenMP threads ran hangs in its first parallel region

@@ -35,7 +35,7 @@ from .loops import active_capture as _active_capture
 from .loops import arguments_of as _bind
 from .loops import calls_on as _active
 from .modes import check_mode, check_own_loop
-from .processes import not_pickled
+from .refusals import not_pickled
 from .tapped_lists import TappedCriteriaList, TappedProcessorList
 
 _ABSENT = object()
