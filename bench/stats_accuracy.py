@@ -40,7 +40,7 @@ def measure(case: str, rows: int, new_tokens: int) -> dict:
         model.generate(prompts, attention_mask=torch.ones_like(prompts), logits_processor=[rec], do_sample=False,
                        max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
     generation = rec.generation()
-    stats = generation.step_stats()  # one dict of (rows,) tensors per step
+    stats = generation.stats()  # one dict of (rows,) tensors per step
     recorded = torch.stack([step["logprob_raw"] for step in stats]).double()
     exact = torch.stack([torch.log_softmax(x.double(), -1).gather(-1, step["token"][:, None])[:, 0]
                          for x, step in zip(generation.logits(), stats)])

@@ -198,7 +198,7 @@ def test_a_failed_export_leaves_no_file(gpt2, tmp_path, monkeypatch):
     def broken(self, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(Generation, "step_stats", broken)
+    monkeypatch.setattr(Generation, "stats", broken)
     with pytest.raises(OSError, match="No space"):
         _table.write_parquet(run, tmp_path / "tokens.parquet")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]

@@ -129,7 +129,7 @@ def test_stats_are_their_expressions_on_the_recorded_logits_scores_and_tokens(op
     checked = 0
     for generation in store.reopen(rec).generations:
         assert generation.complete and generation.num_steps == len(results[generation.sample_ids[0]].generated_tokens)
-        for t, (step, x, s, y) in enumerate(zip(generation.step_stats(), generation.logits(), generation.scores(),
+        for t, (step, x, s, y) in enumerate(zip(generation.stats(), generation.logits(), generation.scores(),
                                                  generation.tokens())):
             expected = expected_stats(x, s, y, None)
             for name in STATS_KEYS:

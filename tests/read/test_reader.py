@@ -83,7 +83,7 @@ def test_the_stats_stream_is_pinned_byte_for_byte(tmp_path):
 
 def test_the_golden_stats_recording_reads_back():
     generation = open_recording(GOLDEN_STATS).generation()
-    stats = generation.step_stats()
+    stats = generation.stats()
     assert len(stats) == 3
     for step, columns in enumerate(stats):
         record = made_up_stats(step, 2, 4)
@@ -93,6 +93,29 @@ def test_the_golden_stats_recording_reads_back():
             assert columns[name].dtype == (torch.int64 if integer else torch.float32)
             assert torch.equal(columns[name], record[:, i].to(columns[name].dtype))
     assert torch.equal(stats[1]["token"], generation.tokens()[1])
+
+
+def test_step_stats_is_stats_under_its_earlier_name_and_says_so():
+    # One name for the per-token statistics (issue 54): `stats`, as the stream and the Recorder's accessor; the
+    # earlier `Generation.step_stats` still answers, with a FutureWarning naming the new one.
+    generation = open_recording(GOLDEN_STATS).generation()
+    with pytest.warns(FutureWarning, match=r"`Generation.step_stats` is now `Generation.stats`"):
+        earlier = generation.step_stats(steps=1, rows=[1])
+    now = generation.stats(steps=1, rows=[1])
+    assert len(earlier) == len(now) == 1 and list(earlier[0]) == list(now[0])
+    assert all(torch.equal(earlier[0][name], now[0][name]) for name in now[0])
+
+
+def test_a_recordings_accessor_takes_the_generation_after_the_methods_positional_parameters():
+    # The accessors of one generation are made from Generation's methods (`readable.OF_ONE_GENERATION`): the
+    # index goes after the method's own positional parameters, as it did when each was written out.
+    assert list(inspect.signature(Readable.topk).parameters)[:3] == ["self", "stream", "generation"]
+    assert list(inspect.signature(Readable.layer_array).parameters)[:4] == ["self", "kind", "layer", "generation"]
+    assert list(inspect.signature(Readable.logits).parameters) == ["self", "generation", "steps", "rows", "framework"]
+    run = open_recording(GOLDEN_STATS)
+    assert torch.equal(run.stats(0, steps=2)[0]["token"], run.generation(0).stats(steps=2)[0]["token"])
+    with pytest.raises(TypeError, match="got an unexpected keyword argument 'step'"):
+        run.tokens(step=1)
 
 
 @pytest.mark.parametrize("options, golden", [({"topk": True}, "tiny-packed-topk-recording"),

@@ -94,7 +94,7 @@ def read_everything(path: Path) -> None:
         if generation.is_beam and generation.sequences is not None:
             generation.beam_indices()
         if "stats" in generation.streams:
-            generation.step_stats()
+            generation.stats()
         for stream, encoding in generation.encodings.items():
             if encoding == "sparse":
                 generation.sparse(stream)

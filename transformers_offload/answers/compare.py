@@ -244,7 +244,7 @@ def _read(generation: Any, stream: str, steps: range, rows: Any = None) -> list[
         if stream != "logits" or STATS_STREAM not in generation.streams:
             return [Side(topk=record) for record in records]
         # The raw logits' statistics (`score` records them beside a compact encoding): every chosen token's logprob.
-        stats = generation.step_stats(steps=steps, rows=rows)
+        stats = generation.stats(steps=steps, rows=rows)
         return [Side(topk=record, chosen={name: step[name] for name in ("token", "logprob_raw", "rank_raw")})
                 for record, step in zip(records, stats)]
     read = generation.logits if stream == "logits" else generation.scores

@@ -7,6 +7,7 @@ recorder and the reader the same accessors.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -233,8 +234,7 @@ class Generation(LayerReading, EncodedReading, BeamReading):
         """
         return self._get("tokens", steps, rows, framework)
 
-    def step_stats(self, *, steps: Steps = None, rows: Rows = None,
-                   framework: str = "pt") -> tuple[dict[str, Any], ...]:
+    def stats(self, *, steps: Steps = None, rows: Rows = None, framework: str = "pt") -> tuple[dict[str, Any], ...]:
         """Per-token statistics of each step (recorded with `"stats"` in the Recorder's `streams`).
 
         A tuple with one dict per selected step, of `(num_rows,)` tensors (fewer rows with `rows=`), on
@@ -256,6 +256,18 @@ class Generation(LayerReading, EncodedReading, BeamReading):
             {name: as_framework(value, name, framework) for name, value in stats_columns(record).items()}
             for record in records
         )
+
+    def step_stats(self, *, steps: Steps = None, rows: Rows = None,
+                   framework: str = "pt") -> tuple[dict[str, Any], ...]:
+        """`stats` under its earlier name, kept for code written against it.
+
+        Raises:
+            FutureWarning (a warning): always; call `stats` (the stream's name, as `Recorder.stats` and
+                `Recording.stats` have it).
+        """
+        warnings.warn("`Generation.step_stats` is now `Generation.stats` (the stream's name, as on a Recorder or "
+                      "a recording); `step_stats` will be removed in a later release.", FutureWarning, stacklevel=2)
+        return self.stats(steps=steps, rows=rows, framework=framework)
 
     def finished(self, *, steps: Steps = None, rows: Rows = None, framework: str = "pt") -> tuple[Any, ...]:
         """Rows that had already finished before each step: a tuple of bool tensors `(num_rows,)`.

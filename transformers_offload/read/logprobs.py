@@ -137,7 +137,7 @@ class _Chunk:
                  rows: list[int]) -> None:
         self.generation = generation
         wanted = any(c == "stats" for c, _ in plan.values())
-        self._stats = generation.step_stats(steps=steps, rows=rows, framework="np") if wanted else None
+        self._stats = generation.stats(steps=steps, rows=rows, framework="np") if wanted else None
         self._full: dict[str, tuple[torch.Tensor, ...]] = {}
         self._topk: dict[str, tuple[dict[str, numpy.ndarray], ...]] = {}
         for kind, (chosen, alternatives) in plan.items():

@@ -7,13 +7,11 @@ when it holds none.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+import inspect
+from typing import Any, Callable, Iterator, Sequence
 
-from .._lazy import torch  # imported when first used: reading a manifest needs no torch (`inspect`, `verify`)
 from . import display
 from .generation import Generation, pick
-from .indexing import Rows, Steps
-from .layer_reading import LayerArray
 from .samples import samples as _samples
 
 
@@ -51,50 +49,6 @@ class Readable:
         """The viewer's page of every generation, for notebooks (`answers.viewer`); None while empty."""
         return display.html(self) if getattr(self, "generations", ()) else None
 
-    def logits(self, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
-               framework: str = "pt") -> tuple[Any, ...]:
-        """Raw logits per step of one generation; see `Generation.logits` (mirrors `out.logits`)."""
-        return self.generation(generation).logits(steps=steps, rows=rows, framework=framework)
-
-    def scores(self, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
-               framework: str = "pt") -> tuple[Any, ...]:
-        """Processed scores per step of one generation; see `Generation.scores` (mirrors `out.scores`)."""
-        return self.generation(generation).scores(steps=steps, rows=rows, framework=framework)
-
-    def tokens(self, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
-               framework: str = "pt") -> tuple[Any, ...]:
-        """Chosen token per row and step; see `Generation.tokens`."""
-        return self.generation(generation).tokens(steps=steps, rows=rows, framework=framework)
-
-    def stats(self, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
-              framework: str = "pt") -> tuple[dict[str, Any], ...]:
-        """Per-token statistics per step of one generation: a dict of `(rows,)` tensors per step; see
-        `Generation.step_stats`."""
-        return self.generation(generation).step_stats(steps=steps, rows=rows, framework=framework)
-
-    def finished(self, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
-                 framework: str = "pt") -> tuple[Any, ...]:
-        """Rows already finished before each step; see `Generation.finished`."""
-        return self.generation(generation).finished(steps=steps, rows=rows, framework=framework)
-
-    def beam_parents(self, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
-                     framework: str = "pt") -> tuple[Any, ...]:
-        """Parent row of each running beam, per step; see `Generation.beam_parents`."""
-        return self.generation(generation).beam_parents(steps=steps, rows=rows, framework=framework)
-
-    def beam_indices(self, generation: int = -1, *, framework: str = "pt") -> Any:
-        """Rows behind each returned beam-search sequence; see `Generation.beam_indices`."""
-        return self.generation(generation).beam_indices(framework=framework)
-
-    def logprobs(self, generation: int = -1, *, kind: str = "raw", top: int = 0, tokenizer: Any = None,
-                 chunk_steps: int = 16) -> list[list[dict[str, Any]]]:
-        """Per returned sequence and token: logprob, rank and top alternatives; see `Generation.logprobs`."""
-        return self.generation(generation).logprobs(kind=kind, top=top, tokenizer=tokenizer, chunk_steps=chunk_steps)
-
-    def prompt_logprobs(self, generation: int = -1, *, tokenizer: Any = None) -> list[list[dict[str, Any]]]:
-        """Per prompt and prompt token: logprob, rank and top alternatives; see `Generation.prompt_logprobs`."""
-        return self.generation(generation).prompt_logprobs(tokenizer=tokenizer)
-
     def samples(self) -> list[dict[str, Any]]:
         """Every prompt of every generation, in order, mapped to its rows and returned sequences.
 
@@ -113,66 +67,44 @@ class Readable:
         """
         return _samples(self.generations)
 
-    def transition_scores(self, generation: int = -1, *, normalize_logits: bool = False) -> torch.Tensor:
-        """Each returned sequence's token score per step; see `Generation.transition_scores` (equals
-        `model.compute_transition_scores(out.sequences, out.scores, out.beam_indices, normalize_logits)`)."""
-        return self.generation(generation).transition_scores(normalize_logits=normalize_logits)
 
-    def topk(self, stream: str = "scores", generation: int = -1, *, steps: Steps = None, rows: Rows = None,
-             framework: str = "pt") -> tuple[dict[str, Any], ...]:
-        """The top-k record of `stream` per step of one generation; see `Generation.topk`."""
-        return self.generation(generation).topk(stream, steps=steps, rows=rows, framework=framework)
+# The accessors of one generation: each is `Generation`'s method of the same name, with the generation's index
+# (`generation`, default -1: the latest) after the method's positional parameters.
+OF_ONE_GENERATION = (
+    "logits", "scores", "tokens", "stats", "finished", "beam_parents", "beam_indices", "logprobs", "prompt_logprobs",
+    "transition_scores", "topk", "sampled_targets", "sparse", "attentions", "hidden_states", "decoder_attentions",
+    "cross_attentions", "decoder_hidden_states", "encoder_attentions", "encoder_hidden_states", "layer_array",
+)
 
-    def sampled_targets(self, stream: str = "scores", generation: int = -1, *, steps: Steps = None,
-                        rows: Rows = None, framework: str = "pt") -> tuple[dict[str, Any], ...]:
-        """The tokens sampled from `stream` per step of one generation; see `Generation.sampled_targets`."""
-        return self.generation(generation).sampled_targets(stream, steps=steps, rows=rows, framework=framework)
 
-    def sparse(self, stream: str = "scores", generation: int = -1, *, steps: Steps = None, rows: Rows = None,
-               framework: str = "pt") -> tuple[dict[str, Any], ...]:
-        """The entries of `stream` that are not -inf, per step of one generation; see `Generation.sparse`."""
-        return self.generation(generation).sparse(stream, steps=steps, rows=rows, framework=framework)
+def _of_one_generation(name: str) -> Callable[..., Any]:
+    """`Readable`'s accessor `name`: `Generation.<name>` of the generation `generation` picks (`Readable.generation`),
+    with that method's parameters, its docstring's first paragraph and a pointer to the rest."""
+    method = getattr(Generation, name)
+    signature = inspect.signature(method)
+    parameters = list(signature.parameters.values())
+    positional = [p for p in parameters if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    keyword = [p for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    index = inspect.Parameter("generation", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=-1, annotation="int")
+    accessor_signature = signature.replace(parameters=[*positional, index, *keyword])
 
-    def attentions(self, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
-                   layers: Sequence[int] | None = None, framework: str = "pt") -> tuple[tuple[Any, ...], ...]:
-        """Attention weights per step and layer; see `Generation.attentions` (mirrors `out.attentions`)."""
-        return self.generation(generation).attentions(steps=steps, rows=rows, layers=layers, framework=framework)
+    def accessor(self: Readable, *args: Any, **kwargs: Any) -> Any:
+        arguments = accessor_signature.bind(self, *args, **kwargs).arguments
+        del arguments["self"]
+        generation = self.generation(arguments.pop("generation", -1))
+        return getattr(generation, name)(**arguments)
 
-    def hidden_states(self, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
-                      layers: Sequence[int] | None = None, framework: str = "pt") -> tuple[tuple[Any, ...], ...]:
-        """Hidden states per step and layer; see `Generation.hidden_states` (mirrors `out.hidden_states`)."""
-        return self.generation(generation).hidden_states(steps=steps, rows=rows, layers=layers, framework=framework)
+    summary = (inspect.getdoc(method) or "").split("\n\n")[0]
+    accessor.__name__ = name
+    accessor.__qualname__ = f"Readable.{name}"
+    accessor.__module__ = __name__
+    accessor.__doc__ = f"{summary}\n\nOf one generation (`generation`: its index, default the latest); see `Generation.{name}`."
+    accessor.__signature__ = accessor_signature  # type: ignore[attr-defined]
+    return accessor
 
-    def decoder_attentions(self, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
-                           layers: Sequence[int] | None = None, framework: str = "pt") -> tuple[tuple[Any, ...], ...]:
-        """See `Generation.decoder_attentions` (mirrors `out.decoder_attentions`)."""
-        return self.generation(generation).decoder_attentions(steps=steps, rows=rows, layers=layers, framework=framework)
 
-    def cross_attentions(self, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
-                         layers: Sequence[int] | None = None, framework: str = "pt") -> tuple[tuple[Any, ...], ...]:
-        """See `Generation.cross_attentions` (mirrors `out.cross_attentions`)."""
-        return self.generation(generation).cross_attentions(steps=steps, rows=rows, layers=layers, framework=framework)
-
-    def decoder_hidden_states(self, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
-                              layers: Sequence[int] | None = None, framework: str = "pt") -> tuple[tuple[Any, ...], ...]:
-        """See `Generation.decoder_hidden_states` (mirrors `out.decoder_hidden_states`)."""
-        return self.generation(generation).decoder_hidden_states(steps=steps, rows=rows, layers=layers, framework=framework)
-
-    def encoder_attentions(self, generation: int = -1, *, rows: Rows = None, layers: Sequence[int] | None = None,
-                           framework: str = "pt") -> tuple[Any, ...]:
-        """See `Generation.encoder_attentions` (mirrors `out.encoder_attentions`)."""
-        return self.generation(generation).encoder_attentions(rows=rows, layers=layers, framework=framework)
-
-    def encoder_hidden_states(self, generation: int = -1, *, rows: Rows = None, layers: Sequence[int] | None = None,
-                              framework: str = "pt") -> tuple[Any, ...]:
-        """See `Generation.encoder_hidden_states` (mirrors `out.encoder_hidden_states`)."""
-        return self.generation(generation).encoder_hidden_states(rows=rows, layers=layers, framework=framework)
-
-    def layer_array(self, kind: str, layer: int, generation: int = -1, *, steps: Steps = None, rows: Rows = None,
-                    framework: str = "pt") -> LayerArray:
-        """One recorded layer as one zero-padded array with lengths; see `Generation.layer_array`."""
-        return self.generation(generation).layer_array(kind, layer, steps=steps, rows=rows, framework=framework)
-
+for _name in OF_ONE_GENERATION:
+    setattr(Readable, _name, _of_one_generation(_name))
 
 # Readable's accessors: every public method, each written once here and shared as is by its subclasses.
 ACCESSORS = tuple(name for name, value in vars(Readable).items()
