@@ -58,6 +58,7 @@ RELEASE_INDEPENDENT = frozenset({
     "test_compare",
     "test_damaged",
     "test_demo_model_names",
+    "test_docs",
     "test_file_modes",
     "test_fuzz",
     "test_head",
