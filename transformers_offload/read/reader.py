@@ -15,6 +15,7 @@ from ..store import files as _files
 from ..store import layout as _layout
 from ..store import ledger as _ledger
 from ..store import manifest as _manifest
+from ..store.header import ManifestEntry
 from ..store.open_files import OpenFiles
 from ..store.shard_reader import ShardSource, stored_generation
 from .generation import generation_of
@@ -165,7 +166,7 @@ class Recording(Readable):
                 {
                     "index": generation.index,
                     "mode": generation.mode,
-                    "status": entry["status"],
+                    "status": ManifestEntry(entry).status,
                     "complete": generation.complete,
                     "error": generation.error,
                     "num_steps": generation.num_steps,
@@ -176,7 +177,7 @@ class Recording(Readable):
                     "sample_ids": None if generation.sample_ids is None else list(generation.sample_ids),
                     "generation_config": generation.generation_config,
                     **({"adapters": generation.adapters} if generation.adapters is not None else {}),
-                    "num_shards": len(entry["shards"]),
+                    "num_shards": len(ManifestEntry(entry).shards),
                     "file_bytes": sum(_size_of(self.path / name) for name in files),
                     "damaged_files": damaged,
                     "streams": streams,

@@ -74,6 +74,185 @@ class GenerationHeader:
         )
 
 
+    def to_manifest(self) -> dict[str, Any]:
+        """The header as its manifest entry spells it, in the entry's order (what `from_manifest` reads back;
+        the entry's streams carry `encodings`): the optional fields (`adapters`, `sample_ids` with
+        `sample_metadata`, `layers`, `loop`, `nested_calls`) only where set, so that a recording without
+        them reads as before them."""
+        entry: dict[str, Any] = {
+            "index": self.index,
+            "mode": self.mode,
+            "num_rows": self.num_rows,
+            "num_beams": self.num_beams,
+            "prompt_length": self.prompt_length,
+            "prompt_lengths": None if self.prompt_lengths is None else list(self.prompt_lengths),
+            "pad_token_id": self.pad_token_id,
+            "eos_token_id": list(self.eos_token_id),
+            "generation_config": self.generation_config,
+        }
+        if self.adapters is not None:  # a PEFT model's
+            entry["adapters"] = self.adapters
+        if self.sample_ids is not None:
+            entry["sample_ids"] = list(self.sample_ids)
+            entry["sample_metadata"] = None if self.sample_metadata is None else list(self.sample_metadata)
+        if self.layers is not None:
+            entry["layers"] = self.layers
+        if self.loop is not None:  # a call that ran the loop several times
+            entry["loop"] = self.loop
+        if self.nested_calls:  # a loop that made generate() calls of its own
+            entry["nested_calls"] = self.nested_calls
+        return entry
+
+
+# A generation's status in its manifest entry: still being written, ended normally, or not.
+RECORDING, COMPLETE, FAILED = "recording", "complete", "failed"
+STATUSES = (RECORDING, COMPLETE, FAILED)
+# What a reader relies on in a generation's entry, with its JSON type: the fields every entry has, those that may
+# be null (or absent), and the counts that must not be negative (`store.manifest` checks them).
+ENTRY_FIELDS = {"index": int, "status": str, "mode": str, "num_steps": int, "num_rows": int, "num_beams": int,
+                "prompt_length": int, "streams": dict, "shards": list, "eos_token_id": list, "generation_config": dict}
+NULLABLE_FIELDS = {"error": str, "pad_token_id": int, "sequences": str, "prompt_lengths": list}
+COUNT_FIELDS = ("num_steps", "num_rows", "prompt_length")
+POSITIVE_FIELDS = ("num_beams",)
+ID_LIST_FIELDS = ("eos_token_id", "prompt_lengths")  # lists of non-negative integers
+
+
+@dataclass(frozen=True)
+class ShardEntry:
+    """One committed shard in a generation's entry: its `file` holds steps `[first_step, first_step + num_steps)`."""
+
+    file: str
+    first_step: int
+    num_steps: int
+
+    FIELDS = (("file", str), ("first_step", int), ("num_steps", int))  # as the manifest spells them, with their types
+
+    @classmethod
+    def from_manifest(cls, shard: dict[str, Any]) -> ShardEntry:
+        """The shard of a manifest entry already checked by `manifest`."""
+        return cls(**{key: shard[key] for key, _ in cls.FIELDS})
+
+    def to_manifest(self) -> dict[str, Any]:
+        return {key: getattr(self, key) for key, _ in self.FIELDS}
+
+
+def stream_entry(dtype: str, shape: list[Any], encoding: str, *, dense: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A stream's entry in a manifest: its stored `dtype` and per-step `shape`, its encoding, and for records
+    that read back as dense tensors (`"sparse"`, `"native"`) those tensors' `dense` dtype and shape."""
+    entry: dict[str, Any] = {"dtype": dtype, "shape": shape, "encoding": encoding}
+    if dense is not None:
+        entry["dense"] = dense
+    return entry
+
+
+class ManifestEntry:
+    """A generation's entry in a recording's manifest, as the spill writes it: opened with the header when the
+    call's loop starts (status `"recording"`), given its streams, shards and files as they are committed, and
+    closed with a status. `data` is the entry itself, the dict the manifest holds (written as JSON)."""
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        self.data = data
+
+    @classmethod
+    def opened(cls, header: GenerationHeader, *, writer: str) -> ManifestEntry:
+        """A new entry for `header`'s generation, written by `writer` (the process's ledger token)."""
+        fields = header.to_manifest()
+        data = {"index": fields.pop("index"), "status": RECORDING, "error": None, "mode": fields.pop("mode"),
+                "num_steps": 0}
+        data.update((key, fields.pop(key)) for key in ("num_rows", "num_beams", "prompt_length", "prompt_lengths",
+                                                        "pad_token_id", "eos_token_id", "generation_config"))
+        data.update(streams={}, shards=[], sequences=None, writer=writer)
+        # The optional fields known now; `layers` comes at the first forward, `loop` and `nested_calls` at `close`.
+        data.update((key, value) for key, value in fields.items() if key in ("adapters", "sample_ids", "sample_metadata"))
+        return cls(data)
+
+    @property
+    def index(self) -> int:
+        return self.data["index"]
+
+    @property
+    def status(self) -> str:
+        return self.data["status"]
+
+    @property
+    def error(self) -> str | None:
+        return self.data.get("error")
+
+    @property
+    def num_steps(self) -> int:
+        """The steps committed (in shards)."""
+        return self.data["num_steps"]
+
+    @property
+    def writer(self) -> str | None:
+        return self.data.get("writer")
+
+    @property
+    def streams(self) -> dict[str, Any]:
+        return self.data["streams"]
+
+    @property
+    def shards(self) -> list[ShardEntry]:
+        """The committed shards, in step order."""
+        return [ShardEntry.from_manifest(shard) for shard in self.data["shards"]]
+
+    @property
+    def unchecked_shards(self) -> list[Any]:
+        """The shards as the manifest holds them (JSON objects, or damage), for `manifest` to check."""
+        return self.data["shards"]
+
+    @property
+    def sequences(self) -> str | None:
+        """The sequences file's name, or None."""
+        return self.data.get("sequences")
+
+    def set_layers(self, layers: dict[str, Any]) -> None:
+        """The layer selection (`GenerationHeader.layers`), known at the call's first forward."""
+        self.data["layers"] = layers
+
+    def set_streams(self, streams: dict[str, dict[str, Any]], *, num_rows: int) -> None:
+        """The per-step streams (`stream_entry` each), in order, and the rows of a step: at the first shard."""
+        self.data["num_rows"] = num_rows
+        self.data["streams"] = streams
+
+    def commit_shard(self, file: str, first_step: int, num_steps: int) -> None:
+        """A shard holding steps `[first_step, first_step + num_steps)` is durable as `file`."""
+        self.data["shards"].append(ShardEntry(file, first_step, num_steps).to_manifest())
+        self.data["num_steps"] = first_step + num_steps
+
+    def commit_once(self, file: str, streams: dict[str, dict[str, Any]], *, prompt_only: bool) -> None:
+        """The streams recorded once per generation (`stream_entry` each) are durable as `file`: the prompt
+        logprobs alone (`prompt_only`), or an encoder's outputs with them."""
+        self.data["prompt" if prompt_only else "encoder"] = {"file": file, "streams": streams}
+
+    def commit_sequences(self, file: str) -> None:
+        """What generate() returned is durable as `file`."""
+        self.data["sequences"] = file
+
+    def close(self, header: GenerationHeader, num_steps: int, problem: BaseException | None) -> None:
+        """The call ended, having run `num_steps` steps (only those committed count), with `header` complete
+        (its rows, loop and nested calls), ended by `problem` (None: it completed)."""
+        self.data["num_steps"] = min(self.data["num_steps"], num_steps)
+        if not self.data["num_rows"]:
+            self.data["num_rows"] = header.num_rows
+        fields = header.to_manifest()
+        for key in ("loop", "nested_calls"):  # only where set: others read the same without them
+            if key in fields:
+                self.data[key] = fields[key]
+        self.data["status"] = COMPLETE if problem is None else FAILED
+        self.data["error"] = None if problem is None else repr(problem)
+
+    def stopped(self, when: str) -> str:
+        """Why a generation still `"recording"` has no end: its process stopped `when` (killed, or still
+        running), after its committed steps."""
+        return f"the recording process stopped before this generation ended ({when}): {self.num_steps} step(s) were committed"
+
+    def fail_stopped(self) -> None:
+        """Mark a generation its process left `"recording"` (killed) as failed, saying so."""
+        self.data["status"] = FAILED
+        self.data["error"] = self.stopped("killed")
+
+
 def check_sample_ids(ids: Any, metadata: Any) -> str | None:
     """What is wrong with a call's sample ids and metadata (None: nothing): the ids a list of distinct
     str or int, the metadata None or a list of JSON objects, one per id."""

@@ -14,6 +14,8 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
+from .header import ManifestEntry
+
 FORMAT = "transformers-offload"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -25,7 +27,6 @@ JOB_SETTINGS = ".job.json"
 # One line per generation a writer added (`ledger`), kept beside the manifest: how `verify` finds two
 # processes that wrote one recording at once. Part of the recording; recordings made before it lack it.
 LEDGER = "ledger.jsonl"
-STATUSES = ("recording", "complete", "failed")
 BEAM_MODES = ("beam_search", "beam_sample", "group_beam_search")  # whose generations carry `beam_parents`
 
 # Per-layer streams, one per recorded layer, named `KIND.LAYER` (`attentions.3`): KIND is the name of
@@ -177,9 +178,10 @@ def resolve(chosen: Sequence[int] | None, count: int, what: str) -> tuple[int, .
 
 def files_of(entry: dict[str, Any]) -> list[str]:
     """Every file one (checked) generation entry names: its shards, sequences and encoder outputs."""
-    files = [shard["file"] for shard in entry["shards"]]
-    if entry.get("sequences"):
-        files.append(entry["sequences"])
+    written = ManifestEntry(entry)
+    files = [shard.file for shard in written.shards]
+    if written.sequences:
+        files.append(written.sequences)
     if once_entry(entry):
         files.append(once_entry(entry)["file"])
     return files

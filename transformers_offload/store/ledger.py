@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import RecordingError
+from .header import ManifestEntry
 from .layout import LEDGER
 
 
@@ -84,7 +85,7 @@ def check(root: Path, entries: list[dict[str, Any]]) -> tuple[int, list[Recordin
     found = []
     for index, records in sorted(added.items()):
         writers = {record["writer"]: record for record in records}
-        listed = entries[index].get("writer") if index < len(entries) else None
+        listed = ManifestEntry(entries[index]).writer if index < len(entries) else None
         listed = listed if isinstance(listed, str) else None  # a manifest made before the ledger names none
         if len(writers) > 1:
             who = ", ".join(f"pid {record.get('pid')} on {record.get('host')}" for record in writers.values())

@@ -26,7 +26,19 @@ from ..codecs.spec import (
 )
 from ..codecs.stats import STATS_COLUMNS, STATS_STREAM
 from ..errors import RecordingError
-from .header import check_sample_ids
+from .header import (
+    COMPLETE,
+    COUNT_FIELDS,
+    ENTRY_FIELDS,
+    ID_LIST_FIELDS,
+    NULLABLE_FIELDS,
+    POSITIVE_FIELDS,
+    STATUSES,
+    GenerationHeader,
+    ManifestEntry,
+    ShardEntry,
+    check_sample_ids,
+)
 from .layout import (
     ATTENTION_KINDS,
     BEAM_MODES,
@@ -37,7 +49,6 @@ from .layout import (
     MANIFEST,
     ONCE_KEYS,
     PROMPT_STREAMS,
-    STATUSES,
     STEP_LAYER_KINDS,
     split_layer_stream,
 )
@@ -129,64 +140,54 @@ def check_generation(entry: Any, index: int, root: Path, path: Path, files: set[
     where = f"generation {index}"
     if not isinstance(entry, dict):
         raise RecordingError(path, f"{where} must be a JSON object, got {type(entry).__name__}.")
-    for key, kind in (
-        ("index", int),
-        ("status", str),
-        ("mode", str),
-        ("num_steps", int),
-        ("num_rows", int),
-        ("num_beams", int),
-        ("prompt_length", int),
-        ("streams", dict),
-        ("shards", list),
-        ("eos_token_id", list),
-        ("generation_config", dict),
-    ):
+    for key, kind in ENTRY_FIELDS.items():
         _field(entry, key, kind, path, where)
-    if entry["index"] != index:
-        raise RecordingError(path, f"{where} says `index` {entry['index']}; generations are listed in order.")
-    if entry["status"] not in STATUSES:
-        raise RecordingError(path, f"{where}: unknown `status` {entry['status']!r}; expected {STATUSES}.")
-    for key in ("num_steps", "num_rows", "prompt_length"):
+    written = ManifestEntry(entry)
+    if written.index != index:
+        raise RecordingError(path, f"{where} says `index` {written.index}; generations are listed in order.")
+    if written.status not in STATUSES:
+        raise RecordingError(path, f"{where}: unknown `status` {written.status!r}; expected {STATUSES}.")
+    for key in COUNT_FIELDS:
         if entry[key] < 0:
             raise RecordingError(path, f"{where}: `{key}` must not be negative, got {entry[key]}.")
-    if entry["num_beams"] < 1:
-        raise RecordingError(path, f"{where}: `num_beams` must be at least 1, got {entry['num_beams']}.")
-    for key, kinds in (("error", (str,)), ("pad_token_id", (int,)), ("sequences", (str,)), ("prompt_lengths", (list,))):
+    for key, kind in NULLABLE_FIELDS.items():
         value = entry.get(key)
-        if value is not None and (not isinstance(value, kinds) or isinstance(value, bool)):
-            raise RecordingError(path, f"{where}: `{key}` must be {kinds[0].__name__} or null, got {value!r}.")
-    for key in ("eos_token_id", "prompt_lengths"):
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+            raise RecordingError(path, f"{where}: `{key}` must be {kind.__name__} or null, got {value!r}.")
+    for key in ID_LIST_FIELDS:
         values = entry.get(key) or []
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
             raise RecordingError(path, f"{where}: `{key}` must list non-negative integers, got {values!r}.")
+    for key in POSITIVE_FIELDS:
+        if entry[key] < 1:
+            raise RecordingError(path, f"{where}: `{key}` must be at least 1, got {entry[key]}.")
     _check_samples(entry, path, where)
     streams = entry["streams"]
     for name, stream in streams.items():
         _check_stream(name, stream, path, where)
     _check_stream_set(entry, path, where)
     expected_first = 0
-    for shard in entry["shards"]:
+    for shard in written.unchecked_shards:
         if not isinstance(shard, dict):
             raise RecordingError(path, f"{where}: a shard entry must be a JSON object.")
-        _field(shard, "file", str, path, where)
-        _field(shard, "first_step", int, path, where)
-        _field(shard, "num_steps", int, path, where)
-        _claim(root, shard["file"], path, files)
-        if shard["first_step"] != expected_first or shard["num_steps"] < 1:
+        for key, kind in ShardEntry.FIELDS:
+            _field(shard, key, kind, path, where)
+        shard = ShardEntry.from_manifest(shard)
+        _claim(root, shard.file, path, files)
+        if shard.first_step != expected_first or shard.num_steps < 1:
             raise RecordingError(
                 path,
-                f"{where}: shard {shard['file']!r} covers steps from {shard['first_step']} "
-                f"({shard['num_steps']} steps), expected a non-empty shard from step {expected_first}.",
+                f"{where}: shard {shard.file!r} covers steps from {shard.first_step} "
+                f"({shard.num_steps} steps), expected a non-empty shard from step {expected_first}.",
             )
-        expected_first += shard["num_steps"]
-    if expected_first < entry["num_steps"]:
+        expected_first += shard.num_steps
+    if expected_first < written.num_steps:
         raise RecordingError(
-            path, f"{where}: its shards hold {expected_first} steps, the manifest says {entry['num_steps']}."
+            path, f"{where}: its shards hold {expected_first} steps, the manifest says {written.num_steps}."
         )
-    if entry.get("sequences") is not None:
-        _claim(root, entry["sequences"], path, files)
-    elif entry["status"] == "complete":
+    if written.sequences is not None:
+        _claim(root, written.sequences, path, files)
+    elif written.status == COMPLETE:
         raise RecordingError(path, f"{where} is complete but names no `sequences` file; the manifest is damaged.")
     _check_layers(entry, root, path, where, files)
 
@@ -255,19 +256,21 @@ def _count(value: Any) -> bool:
 
 def _check_stream_set(entry: dict[str, Any], path: Path, where: str) -> None:
     """Streams agree with each other, with `num_rows`, and with the mode (beam search has parents)."""
-    streams = entry["streams"]
-    if not entry["shards"]:
+    written = ManifestEntry(entry)
+    streams = written.streams
+    if not written.unchecked_shards:
         return  # nothing written yet: the streams are not known
+    header = GenerationHeader.from_manifest(entry)  # its fields checked, and its streams' encodings
     missing = [name for name in REQUIRED_STREAMS if name not in streams]
-    if entry["mode"] in BEAM_MODES and "beam_parents" not in streams:
+    if header.mode in BEAM_MODES and "beam_parents" not in streams:
         missing.append("beam_parents")
     if missing:
-        raise RecordingError(path, f"{where}: the streams lack {missing}, which every {entry['mode']!r} recording has.")
-    if "beam_parents" in streams and entry["mode"] not in BEAM_MODES:
-        raise RecordingError(path, f"{where}: holds `beam_parents` but its mode is {entry['mode']!r}.")
-    rows = entry["num_rows"]
-    if entry["mode"] in BEAM_MODES and (rows == 0 or rows % entry["num_beams"]):
-        raise RecordingError(path, f"{where}: {rows} rows are not a whole number of prompts of {entry['num_beams']} beams.")
+        raise RecordingError(path, f"{where}: the streams lack {missing}, which every {header.mode!r} recording has.")
+    if "beam_parents" in streams and header.mode not in BEAM_MODES:
+        raise RecordingError(path, f"{where}: holds `beam_parents` but its mode is {header.mode!r}.")
+    rows = header.num_rows
+    if header.mode in BEAM_MODES and (rows == 0 or rows % header.num_beams):
+        raise RecordingError(path, f"{where}: {rows} rows are not a whole number of prompts of {header.num_beams} beams.")
     for name, stream in streams.items():
         shape = stream["shape"]
         if stream["encoding"] == SAME_AS_LOGITS:

@@ -20,6 +20,7 @@ from ..codecs.dtypes import SAFETENSORS_DTYPES
 from ..codecs.spec import SAME_AS_LOGITS, stored_flat
 from ..errors import RecordingError
 from . import layout as _layout
+from .header import ShardEntry
 
 # Files a recording keeps open for reading (`OpenFiles`), the least recently used dropped first: at most
 # this many, and at most this many bytes of them besides the newest. An open file keeps the pages read from
@@ -150,11 +151,11 @@ class Shard:
         return found
 
 
-def open_shard(path: Path, generation: int, shard: dict[str, Any], streams: dict[str, Any]) -> Shard:
+def open_shard(path: Path, generation: int, shard: ShardEntry, streams: dict[str, Any]) -> Shard:
     """Open one shard (nothing read but its header) and check it against the manifest."""
     handle, metadata, header = open_file(path, "shard")
     fields = _layout.read_shard_metadata(metadata)
-    expected = {"format": _layout.FORMAT, "generation": generation, "first_step": shard["first_step"]}
+    expected = {"format": _layout.FORMAT, "generation": generation, "first_step": shard.first_step}
     for key in expected:
         if fields.get(key) != expected[key]:
             raise RecordingError(
@@ -170,10 +171,10 @@ def open_shard(path: Path, generation: int, shard: dict[str, Any], streams: dict
             raise RecordingError(path, f"holds no {name!r} tensor, which the manifest lists.")
         if stored_flat(stream):
             _expect(path, header, name, None, stream["dtype"], flat=True)
-            _expect(path, header, _layout.shapes_key(name), [shard["num_steps"], len(stream["shape"])], "int64")
+            _expect(path, header, _layout.shapes_key(name), [shard.num_steps, len(stream["shape"])], "int64")
             ragged[name] = stream
         else:
-            _expect(path, header, name, [shard["num_steps"], *stream["shape"]], stream["dtype"])
+            _expect(path, header, name, [shard.num_steps, *stream["shape"]], stream["dtype"])
     return Shard(path, handle, ragged)
 
 

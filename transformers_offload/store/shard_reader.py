@@ -20,7 +20,7 @@ from ..codecs.spec import SAME_AS_LOGITS, stored_as_records, stored_flat
 from ..errors import RecordingError, verify_command
 from . import layout as _layout
 from . import manifest as _manifest
-from .header import GenerationHeader
+from .header import COMPLETE, RECORDING, GenerationHeader, ManifestEntry
 from .open_files import NUMPY_DTYPES, OpenFiles, Shard, open_encoder, open_file, open_shard, read_guarded
 from .stored import StoredGeneration, TransferStats
 
@@ -37,15 +37,16 @@ class ShardSource:
     def __init__(self, root: Path, entry: dict[str, Any], files: OpenFiles | None = None) -> None:
         self._root = root
         self._entry = entry
-        self._index = entry["index"]
-        self._stream_info = entry["streams"]
-        self.streams = tuple(entry["streams"])
-        self._shards = entry["shards"]
+        written = ManifestEntry(entry)
+        self._index = written.index
+        self._stream_info = written.streams
+        self.streams = tuple(written.streams)
+        self._shards = written.shards
         encoder = _layout.once_entry(entry)
         self._encoder_file = encoder.get("file")
         self._encoder_info = encoder.get("streams", {})
         self.once_streams = tuple(self._encoder_info)
-        self._sequences_file = entry.get("sequences") or None
+        self._sequences_file = written.sequences or None
         self._open = OpenFiles() if files is None else files  # shared by a recording's generations
         self._damaged: dict[str, RecordingError] = {}  # file name -> what `verify` found wrong with it
 
@@ -70,8 +71,8 @@ class ShardSource:
         numpy = numpy and self._stream_info[name]["dtype"] in NUMPY_DTYPES.values()
         values: list[Any] = []
         for shard in self._shards:
-            first = shard["first_step"]
-            wanted = steps[_overlap(steps, range(first, first + shard["num_steps"]))]
+            first = shard.first_step
+            wanted = steps[_overlap(steps, range(first, first + shard.num_steps))]
             if not len(wanted):
                 continue
             local = range(wanted.start - first, wanted[-1] - first + 1, wanted.step)
@@ -95,7 +96,7 @@ class ShardSource:
         total = 0
         with self._naming_verify():
             for shard in self._shards:
-                count = min(shard["num_steps"], num_steps - shard["first_step"])
+                count = min(shard.num_steps, num_steps - shard.first_step)
                 if count > 0:
                     total += self._shard(shard).ends(name)[count - 1]
         return total
@@ -121,7 +122,7 @@ class ShardSource:
         elif name == self._encoder_file:
             open_encoder(path, self._index, self._encoder_info)
         else:
-            shard = next(shard for shard in self._shards if shard["file"] == name)
+            shard = next(shard for shard in self._shards if shard.file == name)
             opened = open_shard(path, self._index, shard, self._stream_info)
             for stream in opened.ragged_streams:
                 opened.ends(stream)
@@ -160,7 +161,7 @@ class ShardSource:
         return self._get(self._encoder_file, lambda path: open_encoder(path, self._index, self._encoder_info))
 
     def _shard(self, shard: dict[str, Any]) -> Shard:
-        return self._get(shard["file"], lambda path: open_shard(path, self._index, shard, self._stream_info))
+        return self._get(shard.file, lambda path: open_shard(path, self._index, shard, self._stream_info))
 
     def _get(self, name: str, opener: Any) -> Shard:
         return self._open.get(name, lambda: opener(self._path(name)))
@@ -190,19 +191,15 @@ def stored_generation(root: Path, entry: dict[str, Any], *, transfer: TransferSt
     asked for; `sequences` is then a function that reads them), kept open in `files` (the recording's
     generations share one; default: its own)."""
     source = ShardSource(root, entry, files)
-    status = entry["status"]
-    error = entry.get("error")
-    if status == "recording":
-        error = (
-            "the recording process stopped before this generation ended (killed, or still running): "
-            f"{entry['num_steps']} step(s) were committed"
-        )
+    written = ManifestEntry(entry)
+    complete = written.status == COMPLETE
+    error = written.stopped("killed, or still running") if written.status == RECORDING else written.error
     return StoredGeneration(
         header=GenerationHeader.from_manifest(entry),
-        num_steps=entry["num_steps"],
-        complete=status == "complete",
-        error=None if status == "complete" else str(error),
-        sequences=source.sequences if entry.get("sequences") else None,  # read when first asked for
+        num_steps=written.num_steps,
+        complete=complete,
+        error=None if complete else str(error),
+        sequences=source.sequences if written.sequences else None,  # read when first asked for
         transfer=transfer,
         source=source,
     )
@@ -218,12 +215,13 @@ def _read_sequences(path: Path, entry: dict[str, Any], *, read: bool = True) -> 
     if len(shape) != 2 or dtype != "int64":
         raise RecordingError(path, f"`sequences` must be a 2-D int64 tensor, got {shape} {dtype}.")
     returned, length = shape
-    prompts = entry["num_rows"] // entry["num_beams"]
-    if length < entry["prompt_length"] or returned < 1 or (prompts and returned % prompts):
+    written = GenerationHeader.from_manifest(entry)
+    prompts = written.num_rows // written.num_beams
+    if length < written.prompt_length or returned < 1 or (prompts and returned % prompts):
         raise RecordingError(
             path,
             f"`sequences` {shape} disagree with the manifest (prompt length "
-            f"{entry['prompt_length']}, {prompts} prompt(s)).",
+            f"{written.prompt_length}, {prompts} prompt(s)).",
         )
     if not read:
         return None

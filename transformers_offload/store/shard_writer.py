@@ -34,7 +34,7 @@ from ..errors import SpillError
 from . import files as _files
 from . import heap as _heap
 from . import layout as _layout
-from .header import GenerationHeader
+from .header import GenerationHeader, ManifestEntry, stream_entry
 from .shard_buffer import ShardBuffer
 from .shard_reader import stored_generation
 from .stored import StoredGeneration, TransferStats
@@ -63,7 +63,7 @@ class ShardStore:
 
     keep = None  # the ring drains whole steps into it (`drain`), not tensor by tensor
 
-    def __init__(self, spill: SpillDirectory, entry: dict[str, Any], names: list[str], max_steps: int, *,
+    def __init__(self, spill: SpillDirectory, entry: ManifestEntry, names: list[str], max_steps: int, *,
                  encodings: dict[str, str]) -> None:
         self._spill = spill
         self._max_steps = max_steps
@@ -103,7 +103,7 @@ class ShardStore:
         self._names += names
         self._ragged.update(names)
         self._once.update(once)
-        self._entry["layers"] = layers
+        self._entry.set_layers(layers)
 
     def drain(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
         """Copy one step's host tensors into its shard buffer; hand over every shard that is complete."""
@@ -171,18 +171,10 @@ class ShardStore:
         if self._error is not None and self.failure is None:
             self.failure = self._as_spill_error(self._error)
         problem = error if error is not None else self.failure
-        entry["num_steps"] = min(entry["num_steps"], num_steps)
-        if not entry["num_rows"]:
-            entry["num_rows"] = header.num_rows
-        if header.loop is not None:  # only for a call that ran several loops: others read the same
-            entry["loop"] = header.loop
-        if header.nested_calls:  # only for a loop that made generate() calls of its own
-            entry["nested_calls"] = header.nested_calls
         while True:
             if problem is None and _interrupts.pending():
                 problem = KeyboardInterrupt()  # Ctrl-C held while the call ended: it raises next
-            entry["status"] = "complete" if problem is None else "failed"
-            entry["error"] = None if problem is None else repr(problem)
+            entry.close(header, num_steps, problem)
             try:
                 _files.write_manifest(self._spill.root, self._spill.manifest)
             except OSError as write_error:
@@ -194,7 +186,7 @@ class ShardStore:
                 break  # else a Ctrl-C came during the write: the call fails, and says so
         transfer = TransferStats(waits=ring_waits + self.counters.waits, bytes_written=self.counters.bytes_written,
                                  write_seconds=self.counters.write_seconds)
-        return stored_generation(self._spill.root, dict(entry), transfer=transfer)
+        return stored_generation(self._spill.root, dict(entry.data), transfer=transfer)
 
     def _steps_per_shard(self, tensors: dict[str, torch.Tensor]) -> int:
         """Steps per shard, from the first drained step (step 0): about `shard_bytes` a shard.
@@ -263,7 +255,7 @@ class ShardStore:
     def _as_spill_error(self, error: BaseException) -> SpillError:
         if isinstance(error, SpillError):
             return error
-        steps = self._entry["num_steps"]
+        steps = self._entry.num_steps
         code = getattr(error, "errno", None) or _compat.errno_in_message(str(error)) or errno.EIO
         return SpillError(
             code,
@@ -294,7 +286,7 @@ class ShardStore:
 
     def _write_shard(self, buffer: ShardBuffer, count: int) -> None:
         entry = self._entry
-        name = _layout.shard_name(entry["index"], buffer.index)
+        name = _layout.shard_name(entry.index, buffer.index)
         tensors = {stream: buffer.tensors[stream][:count] for stream in self._names
                    if stream not in self._ragged and stream not in self._record_streams}
         shapes = {}
@@ -304,31 +296,27 @@ class ShardStore:
         for stream in self._record_streams:
             tensors[stream], tensors[_layout.shapes_key(stream)] = buffer.records_of(stream, count)
         started = time.perf_counter()
-        size = self._commit(name, tensors, _layout.shard_metadata(entry["index"], buffer.first_step))
-        if not entry["streams"]:
-            entry["num_rows"] = int(tensors["tokens"].shape[1])
-            entry["streams"] = {
-                stream: {
-                    "dtype": dtype_name(tensors[stream].dtype),
-                    "shape": list(tensors[stream].shape[1:]),
-                    "encoding": self._encodings.get(stream, "dense"),
-                }
-                for stream in self._names
-                if stream not in self._ragged
-            }
-            for stream in self._record_streams:  # one flat int32 record per step, and what it decodes to
-                header = buffer.records[stream][buffer.first_step][: SPARSE_HEADER].tolist()
-                entry["streams"][stream].update(shape=[None], dense=sparse_dense(header))
+        size = self._commit(name, tensors, _layout.shard_metadata(entry.index, buffer.first_step))
+        if not entry.streams:
+            streams = {}
+            for stream in self._names:
+                if stream in self._ragged:
+                    continue
+                encoding = self._encodings.get(stream, "dense")
+                if stream in self._record_streams:  # one flat int32 record per step, and what it decodes to
+                    header = buffer.records[stream][buffer.first_step][: SPARSE_HEADER].tolist()
+                    streams[stream] = stream_entry(dtype_name(tensors[stream].dtype), [None], encoding,
+                                                   dense=sparse_dense(header))
+                else:
+                    streams[stream] = stream_entry(dtype_name(tensors[stream].dtype), list(tensors[stream].shape[1:]),
+                                                   encoding)
             if self._encodings.get("scores") == SAME_AS_LOGITS:  # no data of its own: the logits'
-                entry["streams"] = _with_scores_as_logits(entry["streams"])
+                streams = _with_scores_as_logits(streams)
             for stream in sorted(self._ragged, key=self._names.index):
-                entry["streams"][stream] = {
-                    "dtype": dtype_name(tensors[stream].dtype),
-                    "shape": _layout.ragged_shape(stream, tuple(shapes[stream][0].tolist())),
-                    "encoding": "ragged",
-                }
-        entry["shards"].append({"file": name, "first_step": buffer.first_step, "num_steps": count})
-        entry["num_steps"] = buffer.first_step + count
+                streams[stream] = stream_entry(dtype_name(tensors[stream].dtype),
+                                               _layout.ragged_shape(stream, tuple(shapes[stream][0].tolist())), "ragged")
+            entry.set_streams(streams, num_rows=int(tensors["tokens"].shape[1]))
+        entry.commit_shard(name, buffer.first_step, count)
         _files.write_manifest(self._spill.root, self._spill.manifest)
         self.counters.write_seconds += time.perf_counter() - started
         self.counters.bytes_written += size
@@ -336,23 +324,18 @@ class ShardStore:
     def _write_encoder(self, tensors: dict[str, torch.Tensor]) -> None:
         entry = self._entry
         prompt_only = all(key in _layout.PROMPT_STREAMS for key in tensors)
-        name = (_layout.prompt_name if prompt_only else _layout.encoder_name)(entry["index"])
+        name = (_layout.prompt_name if prompt_only else _layout.encoder_name)(entry.index)
         tensors = {key: tensor.contiguous() for key, tensor in tensors.items()}
-        self._commit(name, tensors, _layout.shard_metadata(entry["index"], 0))
-        entry["prompt" if prompt_only else "encoder"] = {
-            "file": name,
-            "streams": {
-                key: {"dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape), "encoding": "dense"}
-                for key, tensor in sorted(tensors.items(), key=lambda item: _once_order(item[0]))
-            },
-        }
+        self._commit(name, tensors, _layout.shard_metadata(entry.index, 0))
+        streams = {key: stream_entry(dtype_name(tensor.dtype), list(tensor.shape), "dense")
+                   for key, tensor in sorted(tensors.items(), key=lambda item: _once_order(item[0]))}
+        entry.commit_once(name, streams, prompt_only=prompt_only)
         _files.write_manifest(self._spill.root, self._spill.manifest)
 
     def _write_sequences(self, sequences: torch.Tensor) -> None:
-        entry = self._entry
-        name = _layout.sequences_name(entry["index"])
+        name = _layout.sequences_name(self._entry.index)
         self._commit(name, {"sequences": sequences.contiguous()}, None)
-        entry["sequences"] = name
+        self._entry.commit_sequences(name)
 
     def _commit(self, name: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> int:
         """Write one safetensors file of the recording durably, and note its size and checksum in the

@@ -5,6 +5,7 @@ with `append`, reopens) the directory, locks it, keeps the manifest, and opens o
 from __future__ import annotations
 
 import errno
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ from ..errors import SpillError
 from . import files as _files
 from . import layout as _layout
 from . import ledger as _ledger
-from .header import GenerationHeader
+from .header import RECORDING, GenerationHeader, ManifestEntry
 from .shard_writer import ShardStore
 
 DEFAULT_SHARD_BYTES = 64 * 2**20
@@ -103,39 +104,18 @@ class Spill:
             SpillError: the manifest cannot be written (the directory was removed, the disk is full).
         """
         index = len(self.manifest["generations"])
-        entry = {
-            "index": index,
-            "status": "recording",
-            "error": None,
-            "mode": header.mode,
-            "num_steps": 0,
-            "num_rows": 0,
-            "num_beams": header.num_beams,
-            "prompt_length": header.prompt_length,
-            "prompt_lengths": None if header.prompt_lengths is None else list(header.prompt_lengths),
-            "pad_token_id": header.pad_token_id,
-            "eos_token_id": list(header.eos_token_id),
-            "generation_config": header.generation_config,
-            "streams": {},
-            "shards": [],
-            "sequences": None,
-            "writer": self._writer.token,  # this process's (`ledger`): verify finds two writers of one index
-        }
-        if header.adapters is not None:  # a PEFT model's: others read the same without it
-            entry["adapters"] = header.adapters
-        if header.sample_ids is not None:  # only when given: a recording without them reads the same
-            entry["sample_ids"] = list(header.sample_ids)
-            entry["sample_metadata"] = None if header.sample_metadata is None else list(header.sample_metadata)
+        # this process's writer token (`ledger`): verify finds two writers of one index
+        entry = ManifestEntry.opened(replace(header, index=index), writer=self._writer.token)
         try:  # the ledger's line after the manifest lists it: a line never names a generation not added
-            _files.write_manifest(self.root, {**self.manifest, "generations": [*self.manifest["generations"], entry]})
-            _ledger.append(self.root, index, entry["writer"])
+            _files.write_manifest(self.root, {**self.manifest, "generations": [*self.manifest["generations"], entry.data]})
+            _ledger.append(self.root, index, entry.writer)
         except OSError as error:
             raise SpillError(
                 error.errno or errno.EIO,
                 f"transformers-offload cannot write to `spill_dir` {str(self.root)!r} ({error}); nothing of "
                 "this generate() call was run. Check that the directory still exists and has space.",
             ) from error
-        self.manifest["generations"].append(entry)
+        self.manifest["generations"].append(entry.data)
         return ShardStore(self, entry, names, max_steps, encodings=header.encodings)
 
 
@@ -165,13 +145,9 @@ def _reopen(root: Path, model_info: dict) -> dict[str, Any]:
                 f"`spill_dir` {str(root)!r} holds a recording of another model ({key} {theirs.get(key)!r}, this one "
                 f"{model_info.get(key)!r}); append to a recording of the same model, or pick another directory."
             )
-    stale = [entry for entry in manifest["generations"] if entry["status"] == "recording"]
+    stale = [entry for entry in map(ManifestEntry, manifest["generations"]) if entry.status == RECORDING]
     for entry in stale:
-        entry["status"] = "failed"
-        entry["error"] = (
-            "the recording process stopped before this generation ended (killed): "
-            f"{entry['num_steps']} step(s) were committed"
-        )
+        entry.fail_stopped()
     manifest.setdefault("files", {})
     if stale:
         _files.write_manifest(root, manifest)
