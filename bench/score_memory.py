@@ -73,7 +73,9 @@ def one(case: str, mode: str) -> dict:
         from transformers_offload.rescoring import corpus, forward
 
         forward._HeadOnScored._cut = lambda self, module, args: None
-        corpus.shard_size = lambda batch_logits_bytes: corpus.DEFAULT_SHARD_BYTES
+        from transformers_offload.store.shard_writer import MAX_SHARD_BYTES
+
+        corpus.shard_size = lambda batch_logits_bytes: MAX_SHARD_BYTES
     settings = CASES[case]
     model, tokenizer = smollm2_or_wide(case)
     if tokenizer is None:

@@ -85,10 +85,11 @@ def main() -> None:
         path, rows, vocab = arguments.child
         child(path, int(rows), int(vocab))
         return
-    from transformers_offload.store.spill import DEFAULT_SHARD_BYTES
+    from transformers_offload.store.shard_writer import shard_size
 
     step_bytes = arguments.rows * (arguments.vocab * 4 * 2 + 8 + 1)
-    steps_per_shard = DEFAULT_SHARD_BYTES // step_bytes
+    shard_bytes = shard_size(step_bytes * 4000)  # the Recorder's default for the child's 4,000 steps
+    steps_per_shard = shard_bytes // step_bytes
     ring_slots = 4
     rng = random.Random(0)
     runs = []
@@ -102,7 +103,7 @@ def main() -> None:
     bound = 3 * steps_per_shard + ring_slots
     summary = {
         "runs": len(runs), "rows": arguments.rows, "vocab": arguments.vocab, "step_bytes": step_bytes,
-        "shard_bytes": DEFAULT_SHARD_BYTES, "steps_per_shard": steps_per_shard, "ring_slots": ring_slots,
+        "shard_bytes": shard_bytes, "steps_per_shard": steps_per_shard, "ring_slots": ring_slots,
         "bound_steps": bound, "lost_max": max(r["lost"] for r in runs),
         "lost_mean": round(sum(r["lost"] for r in runs) / len(runs), 1),
     }

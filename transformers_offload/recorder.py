@@ -25,7 +25,7 @@ from .read.generation import Generation, generation_of
 from .read.readable import Readable
 from .store.header import GenerationHeader
 from .store.memory import MemoryStore
-from .store.spill import DEFAULT_SHARD_BYTES, Spill
+from .store.spill import Spill
 
 
 class Recorder(Readable, LogitsProcessor):
@@ -66,9 +66,10 @@ class Recorder(Readable, LogitsProcessor):
             pinned host memory and as much device memory (docs/how-it-works.md).
         spill_dir (`str | os.PathLike`, *optional*): a new or empty directory to write the recording to
             (a manifest and safetensors shards); without it the recording stays in host memory.
-        shard_bytes (`int`, *optional*, defaults to 64 MiB): with `spill_dir`, the target size of a shard
-            in bytes. `generate()` waits when three shard buffers are being filled or written (counted in
-            `Generation.transfer.waits`).
+        shard_bytes (`int`, *optional*): with `spill_dir`, the target size of a shard in bytes; by default a
+            128th of what a call's steps can take (every stream, at the most steps it can run), at least 8 MiB and
+            at most 64 MiB. `generate()` waits when three shard buffers are being filled or written (counted in
+            `Generation.transfer.waits`), so they bound the host memory the writer holds (docs/limits.md).
         encodings (`dict[str, str]`, *optional*): how to store `"logits"` and `"scores"`: `"dense"`,
             `"sparse"`, `"native"` (lossless), `"topk:K"`, `"topk:K:qB"`, `"topk:K+tail:N"`, `"sample:N@T"`
             (lossy, by your choice), e.g. `{"scores": "sparse"}`; unnamed streams get a lossless default. docs/recording.md
@@ -141,7 +142,7 @@ class Recorder(Readable, LogitsProcessor):
         if options.spill_dir is not None:
             self._spill = Spill(
                 options.spill_dir,
-                shard_bytes=options.shard_bytes or DEFAULT_SHARD_BYTES,
+                shard_bytes=options.shard_bytes,
                 model_info=model_info(model),
                 created_by=created_by(),
                 append=options.append,

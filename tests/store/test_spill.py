@@ -17,6 +17,7 @@ import torch
 from transformers_offload import Recorder, SpillError, open_recording
 from transformers_offload.store import shard_buffer as _shard_buffer
 from transformers_offload.store import shard_writer as _shard_store
+from transformers_offload.store.shard_writer import shard_size
 
 from ..helpers import ROOT, Boom, FailAtStep, assert_steps_equal, hf_reference, left_padded_batch, make_tiny
 
@@ -353,3 +354,32 @@ def test_the_first_manifest_appears_whole_and_claims_the_directory_once(tmp_path
         _files.create_manifest(tmp_path, {"format": "y"})
     assert json.loads((tmp_path / "manifest.json").read_text())["format"] == "x"
     assert [p.name for p in tmp_path.iterdir()] == ["manifest.json"]  # no temporary file left
+
+
+def test_shards_are_sized_by_what_the_call_can_take_unless_shard_bytes_says(tmp_path):
+    # Issue 54: the writer's three shard buffers follow the call (`shard_writer.shard_size`: a 128th of its steps'
+    # bytes at its max_new_tokens, from 8 MiB to 64 MiB), not 64 MiB whatever the step; `shard_bytes=` sets them.
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    vocab = 49_152  # SmolLM2's: 3 rows of logits take 576 KiB a step
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=vocab, n_positions=128,
+                                       bos_token_id=0, eos_token_id=None, pad_token_id=0)).eval()
+    batch = left_padded_batch()
+    for name, options in (("default", {}), ("given", {"shard_bytes": 3 * 2**20})):
+        with Recorder(model, spill_dir=tmp_path / name, **options) as rec:
+            model.generate(**batch, logits_processor=[rec], max_new_tokens=40, min_new_tokens=40, do_sample=False,
+                           pad_token_id=0)
+        run = open_recording(tmp_path / name)
+        described = run.describe()["generations"][0]
+        assert run.generation().complete and described["num_steps"] == 40
+        per_step = {name: stream["bytes"] // 40 for name, stream in described["streams"].items()}
+        step_bytes = sum(per_step.values())
+        assert per_step["logits"] == 3 * vocab * 4 and step_bytes == 3 * (vocab * 4 + 8 + 1)  # scores are the logits
+        shard_bytes = options.get("shard_bytes", shard_size(step_bytes * 40))
+        capacity = shard_bytes // step_bytes
+        written = [shard["num_steps"] for shard in json.loads((tmp_path / name / "manifest.json").read_text())
+                   ["generations"][0]["shards"]]
+        assert written == [capacity] * (40 // capacity) + [40 % capacity] * bool(40 % capacity), (name, written)
+    assert shard_size(step_bytes * 40) == 8 * 2**20  # 23 MiB of steps: the floor, 14 steps a shard (64 MiB: all 40)
+    assert shard_size(0) == 8 * 2**20 and shard_size(2**31) == 16 * 2**20 and shard_size(2**40) == 64 * 2**20

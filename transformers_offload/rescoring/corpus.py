@@ -31,7 +31,7 @@ from ..jobs.parallel import process_rank
 from ..jobs.record import recorded_samples, run_share
 from ..read.reader import open_recording
 from ..recorder import Recorder
-from ..store.spill import DEFAULT_SHARD_BYTES
+from ..store.shard_writer import shard_size
 from .corpus_windows import SMALLEST_CONTEXT, window_metadata
 from .forward import score_sequences
 
@@ -164,7 +164,7 @@ def score_run(model: Any, texts: str | Sequence[str], out: str | os.PathLike | N
     batches = [range(start, min(start + batch_size, len(cut))) for start in range(0, len(cut), batch_size)]
 
     vocab_width = int(vocab) if vocab is not None else 2**17
-    shard_bytes = shard_size(min(batch_size, len(cut)) * steps * vocab_width * 4)
+    shard_bytes = shard_size(min(batch_size, len(cut)) * steps * vocab_width * 4)  # a batch's scored logits
     # A compact reference keeps some tokens' logits only: the per-token statistics beside it (36 bytes a token) give
     # every scored token's logprob and rank, so that compare's perplexity covers every token, never a subset.
     compact = (encodings or {}).get("logits", "dense") not in LOSSLESS_ENCODINGS
@@ -202,17 +202,6 @@ def score_run(model: Any, texts: str | Sequence[str], out: str | os.PathLike | N
                         work=scored)
     return open_recording(out), _counts(batches, mine, windows_scored, steps, rank, world_size)
 
-
-
-def shard_size(batch_logits_bytes: int) -> int:
-    """The shards `score` writes, for a batch whose scored logits take `batch_logits_bytes` (float32): a
-    128th of them, at least 8 MiB, at most the Recorder's usual 64 MiB (reached where a batch's logits pass
-    8 GiB). The writer holds two or three shard buffers at once (one filling, one being written, one more
-    while the writer lags: `store.shard_writer.MAX_SHARD_BUFFERS`); at a 128th they add about 2% to what a
-    forward of the batch holds (a 152,064 vocabulary, 2 windows of 2,048: 1.04x to 1.07x the scored logits
-    over the model; a 32nd gave 1.13x to 1.17x), and the floor keeps small batches from writing many small
-    files, each synced to disk (bench/README.md)."""
-    return max(8 * 2**20, min(DEFAULT_SHARD_BYTES, batch_logits_bytes // 128))
 
 
 def _counts(batches: list[range], mine: list[int], scored: list[int], steps: int, rank: int,

@@ -46,9 +46,22 @@ class SpillDirectory(Protocol):
 
     root: Path
     manifest: dict[str, Any]
-    shard_bytes: int
+    shard_bytes: int | None  # None: sized per call (`shard_size`)
+
 
 MAX_SHARD_BUFFERS = 3
+MIN_SHARD_BYTES, MAX_SHARD_BYTES = 8 * 2**20, 64 * 2**20
+
+
+def shard_size(call_bytes: int) -> int:
+    """The target size of a shard, in bytes, for a call whose steps can take `call_bytes` in all (every stream,
+    at the most steps it can run; for `score`, a batch's scored logits in float32): a 128th of them, at least
+    8 MiB, at most 64 MiB (reached where a call can take 8 GiB). The writer holds up to `MAX_SHARD_BUFFERS`
+    shard buffers at once (one filling, one being written, one more while the writer lags), so a call's host
+    buffers follow what its steps need: 24 MiB for a call of up to 1 GiB, 192 MiB from 8 GiB. A 128th adds about
+    2% to what `score`'s forward of a batch holds (bench/README.md); the floor keeps small calls from writing
+    many small files, each synced to disk."""
+    return max(MIN_SHARD_BYTES, min(MAX_SHARD_BYTES, call_bytes // 128))
 
 
 @dataclass
@@ -189,7 +202,8 @@ class ShardStore:
         return stored_generation(self._spill.root, dict(entry.data), transfer=transfer)
 
     def _steps_per_shard(self, tensors: dict[str, torch.Tensor]) -> int:
-        """Steps per shard, from the first drained step (step 0): about `shard_bytes` a shard.
+        """Steps per shard, from the first drained step (step 0): about `shard_bytes` a shard (by default
+        `shard_size` of what the call's steps can take, at the most steps it can run).
 
         A ragged stream's step 0 is the prefill; a later step holds one position, and self-attention
         one more key per step: it is counted at the size of the last step the call can run.
@@ -216,7 +230,9 @@ class ShardStore:
                 sizes[name] = max(tensor.nbytes, rows_of * vocab * SPARSE_DTYPES[code].itemsize)
             else:
                 sizes[name] = tensor.nbytes
-        capacity = int(max(1, min(self._max_steps, self._spill.shard_bytes // max(1, sum(sizes.values())))))
+        step_bytes = max(1, int(sum(sizes.values())))
+        target = self._spill.shard_bytes or shard_size(step_bytes * min(self._max_steps, 2**32))
+        capacity = int(max(1, min(self._max_steps, target // step_bytes)))
         for name in self._ragged:
             if name in tensors:
                 self._size_hints[name] = int(min(capacity * sizes[name], 2**40) // tensors[name].element_size())

@@ -16,8 +16,6 @@ from . import ledger as _ledger
 from .header import RECORDING, GenerationHeader, ManifestEntry
 from .shard_writer import ShardStore
 
-DEFAULT_SHARD_BYTES = 64 * 2**20
-
 
 class Spill:
     """One recorder's recording directory: the manifest and where each generation's shards go.
@@ -29,7 +27,8 @@ class Spill:
         root (`pathlib.Path`): the directory; created if missing, refused if it holds anything (unless
             `append` and it holds a recording) but `record`'s claims and settings (`layout.WRITERS`,
             `layout.JOB_SETTINGS`).
-        shard_bytes (`int`): target size of one shard, in bytes (a shard holds at least one step).
+        shard_bytes (`int | None`): target size of one shard, in bytes (a shard holds at least one step); None:
+            per call, `shard_writer.shard_size` of what its steps can take.
         model_info (`dict`): the manifest's `model` entry.
         created_by (`dict`): the manifest's `created_by` entry (package versions).
         append (`bool`): with a recording in `root`, add new generations after its own (never
@@ -45,7 +44,7 @@ class Spill:
         OSError: the directory or its manifest cannot be written.
     """
 
-    def __init__(self, root: Path, *, shard_bytes: int, model_info: dict, created_by: dict,
+    def __init__(self, root: Path, *, shard_bytes: int | None, model_info: dict, created_by: dict,
                  append: bool = False) -> None:
         self.root = root
         self.shard_bytes = shard_bytes
