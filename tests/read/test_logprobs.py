@@ -3,6 +3,8 @@ the documented expressions on Hugging Face's own `out.logits` / `out.scores` of 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import StoppingCriteriaList
@@ -131,7 +133,7 @@ def test_an_incomplete_beam_search_has_no_logprobs(tmp_path):
     write_made_up_recording(tmp_path / "run", steps=3, rows=2, vocab=4, shard_bytes=10**6, complete=False)
     generation = open_recording(tmp_path / "run").generation()
     assert generation.logprobs()  # sampling: its recorded tokens
-    object.__setattr__(generation, "num_beams", 2)
-    object.__setattr__(generation, "mode", "beam_search")
+    generation = dataclasses.replace(generation, header=dataclasses.replace(generation.header, num_beams=2,
+                                                                             mode="beam_search"))
     with pytest.raises(ValueError, match="beam search need the sequences.*incomplete"):
         generation.logprobs()

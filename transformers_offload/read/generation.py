@@ -7,6 +7,8 @@ recorder and the reader the same accessors.
 
 from __future__ import annotations
 
+import dataclasses
+import operator
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -17,6 +19,7 @@ from .._lazy import torch  # imported when first used: reading a manifest needs 
 from ..codecs.spec import read_encodings
 from ..codecs.stats import STATS_STREAM, stats_columns
 from ..errors import StreamNotRecorded
+from ..store.header import GenerationHeader
 from ..store.stored import StepSource, StoredGeneration, TransferStats
 from . import display
 from .beams import BeamReading
@@ -92,28 +95,20 @@ class Generation(LayerReading, EncodedReading, BeamReading):
         source (`StepSource`): where its steps are read from (the store's: memory or the shard files).
     """
 
-    index: int
-    mode: str
-    prompt_length: int
-    prompt_lengths: tuple[int, ...] | None
-    num_rows: int
-    num_beams: int
+    header: GenerationHeader = field(repr=False)  # what the call was: the attributes it holds read through it
     num_steps: int
     complete: bool
     error: str | None
     _sequences: Any = field(repr=False)  # the tensor, None, or a function that reads it (once)
-    pad_token_id: int | None
-    eos_token_id: tuple[int, ...]
-    generation_config: dict[str, Any] = field(repr=False)
     transfer: TransferStats | None = field(repr=False)
-    layers: dict[str, Any] | None = field(repr=False)
     source: StepSource = field(repr=False)
     encodings: dict[str, str] = field(default_factory=dict, repr=False)
-    sample_ids: tuple[Any, ...] | None = field(default=None, repr=False)
-    sample_metadata: tuple[dict[str, Any], ...] | None = field(default=None, repr=False)
-    loop: dict[str, Any] | None = field(default=None, repr=False)
-    nested_calls: int = field(default=0, repr=False)
-    adapters: dict[str, Any] | None = field(default=None, repr=False)
+
+    def __repr__(self) -> str:
+        shown = {"index": self.index, "mode": self.mode, "prompt_length": self.prompt_length,
+                 "prompt_lengths": self.prompt_lengths, "num_rows": self.num_rows, "num_beams": self.num_beams,
+                 "num_steps": self.num_steps, "complete": self.complete, "error": self.error}
+        return "Generation(" + ", ".join(f"{key}={value!r}" for key, value in shown.items()) + ")"
 
     @property
     def sequences(self) -> torch.Tensor | None:
@@ -385,16 +380,19 @@ class Generation(LayerReading, EncodedReading, BeamReading):
 
 def generation_of(stored: StoredGeneration) -> Generation:
     """The `Generation` over what a store handed back (in memory, or a manifest entry's shards)."""
-    header = stored.header
     return Generation(
-        index=header.index, mode=header.mode, prompt_length=header.prompt_length, prompt_lengths=header.prompt_lengths,
-        num_rows=header.num_rows, num_beams=header.num_beams, num_steps=stored.num_steps, complete=stored.complete,
-        error=stored.error, _sequences=stored.sequences,  # a tensor, None, or (from a directory) a function that reads it
-        pad_token_id=header.pad_token_id, eos_token_id=header.eos_token_id, generation_config=header.generation_config,
-        transfer=stored.transfer, layers=header.layers, source=stored.source, encodings=read_encodings(header.encodings),
-        sample_ids=header.sample_ids, sample_metadata=header.sample_metadata, loop=header.loop,
-        nested_calls=header.nested_calls, adapters=header.adapters,
+        header=stored.header, num_steps=stored.num_steps, complete=stored.complete, error=stored.error,
+        _sequences=stored.sequences,  # a tensor, None, or (from a directory) a function that reads it
+        transfer=stored.transfer, source=stored.source, encodings=read_encodings(stored.header.encodings),
     )
+
+
+# The attributes a `Generation` reads from its header (`GenerationHeader`'s fields but `encodings`, which it
+# gives as a reader reads them), each a read-only property documented in the class's docstring.
+FROM_HEADER = tuple(f.name for f in dataclasses.fields(GenerationHeader) if f.name != "encodings")
+for _name in FROM_HEADER:
+    setattr(Generation, _name, property(operator.attrgetter(f"header.{_name}"),
+                                        doc=f"The call's `{_name}` (see the class's attributes)."))
 
 
 def pick(generations: Sequence[Generation], index: int, empty: str) -> Generation:

@@ -94,7 +94,7 @@ class RankedRecording(Readable):
         )
         self._order = tuple((rank, generation.index) for rank, generation in order)
         self.generation_ranks = tuple(rank for rank, _ in order)
-        self._generations = tuple(dataclasses.replace(generation, index=index)
+        self._generations = tuple(dataclasses.replace(generation, header=dataclasses.replace(generation.header, index=index))
                                   for index, (_, generation) in enumerate(order))
 
     def _none_recorded(self) -> str:
