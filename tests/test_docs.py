@@ -46,3 +46,12 @@ def test_the_check_finds_a_name_that_is_gone():
         except (ImportError, AttributeError):
             continue
         raise AssertionError(f"{gone} resolved")
+
+
+def test_every_module_contributing_maps_exists():
+    # CONTRIBUTING.md's "Where the code is" names modules by path inside the package (`capture/steps.py`).
+    text = (ROOT / "CONTRIBUTING.md").read_text()
+    paths = re.findall(r"`((?:capture|store|read|codecs|answers|rescoring|jobs|cli|rl|trainers|_compat)/[\w/]*?\w+\.py)`", text)
+    assert len(paths) >= 25, f"CONTRIBUTING.md names {len(paths)} modules"
+    missing = [path for path in paths if not (ROOT / "transformers_offload" / path).is_file()]
+    assert not missing, f"CONTRIBUTING.md names modules the package does not have: {missing}"
