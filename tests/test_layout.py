@@ -243,3 +243,14 @@ def test_the_ownership_check_sees_a_set_and_a_private_read(tmp_path: Path) -> No
     assert names == {"__init__", "step", "_until"} and private == {"_until"}
     assert _reached_into(other, names, private, set(), package=tmp_path) == [
         "other.py:2: c.step set", "other.py:4: c._until read"]
+
+
+def test_no_module_names_another_modules_class_as_any() -> None:
+    # steps.py once typed the capture it belonged to as `Capture = Any` (issue 54): an alias of `Any` at module
+    # level hides what a module uses of another's objects; a Protocol says it.
+    aliases = []
+    for path in _modules():
+        for node in ast.parse(path.read_text(), filename=str(path)).body:
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Name) and node.value.id == "Any":
+                aliases.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(node)}")
+    assert not aliases, "module-level aliases of Any:\n" + "\n".join(aliases)
