@@ -23,7 +23,7 @@ from .capture.options import DEFAULT_STREAMS, RecorderOptions, check_samples, cr
 from .errors import DeviceAccumulationWarning, RecordingMismatchWarning, UnrecordedCallWarning
 from .read.generation import Generation, generation_of
 from .read.readable import Readable
-from .store.header import GenerationHeader
+from .store.header import GenerationHeader, Samples
 from .store.memory import MemoryStore
 from .store.spill import Spill
 
@@ -157,7 +157,7 @@ class Recorder(Readable, LogitsProcessor):
         self._lock = threading.Lock()
         self._active: Capture | None = None
         self._warned_accumulation = False
-        self._pending_samples: dict[str, Any] | None = None  # from set_samples, for the next call
+        self._pending_samples: Samples | None = None  # from set_samples, for the next call
         self._closed = False
         self._began = 0  # generate() calls that carried this recorder
         self._ran_without = 0  # the model's generate() calls that did not
@@ -247,7 +247,7 @@ class Recorder(Readable, LogitsProcessor):
         with self._lock:
             if self._pending_samples is not None:
                 raise ValueError(
-                    f"`set_samples` was already called with {self._pending_samples['sample_ids']!r}, and no "
+                    f"`set_samples` was already called with {list(self._pending_samples.ids)!r}, and no "
                     "generate() call has taken them yet: call generate() between two `set_samples`."
                 )
             self._pending_samples = samples

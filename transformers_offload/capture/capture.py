@@ -22,7 +22,7 @@ from .. import _compat, _interrupts
 from ..codecs.encoders import encoders
 from ..codecs.spec import SAME_AS_LOGITS
 from ..codecs.stats import STATS_STREAM
-from ..store.header import GenerationHeader, jsonable
+from ..store.header import GenerationHeader, Samples, jsonable
 from ..store.stored import StoredGeneration
 from . import layers as _layers
 from .facts import CallFacts, call_facts
@@ -67,7 +67,7 @@ class Capture:
 
     def __init__(self, options: RecorderOptions, *, index: int, open_store: OpenStore, assistant_model: Any,
                  attention_mask: Any = None, layer_tap: _layers.LayerTap | None = None,
-                 samples: dict[str, Any] | None = None, threaded: bool = False, on_cpu: bool = False,
+                 samples: Samples | None = None, threaded: bool = False, on_cpu: bool = False,
                  vocab_size: int | None = None,
                  model_dtype: torch.dtype = torch.float32,
                  encoding_generators: dict[torch.device, torch.Generator] | None = None,
@@ -93,7 +93,7 @@ class Capture:
         # What the header takes from the call's set-up: `samples`, its `sample_ids` and `sample_metadata`
         # (Recorder.set_samples), kept as given; `loop`, which loop of its call this is (`loops`, for a
         # model whose generate() runs several). Both set by `loops` through `set_samples` and `set_loop`.
-        self.samples: dict[str, Any] = dict(samples or {})
+        self.samples = samples
         self.loop: dict[str, Any] | None = None
         # Prompt logprobs: the first forward's final hidden states, kept until the first step's processors.
         self.prompt = None if options.prompt_scoring is None else PromptCapture(options.prompt_scoring)
@@ -113,9 +113,9 @@ class Capture:
         self._late_error: BaseException | None = None
 
     # -- what `loops` tells a capture about its call ---------------------------------------------------
-    def set_samples(self, samples: dict[str, Any]) -> None:
-        """The sample ids (and metadata) of the rows this loop decodes, before `start`."""
-        self.samples = dict(samples)
+    def set_samples(self, samples: Samples | None) -> None:
+        """The sample ids (and metadata) of the rows this loop decodes (None: numbered), before `start`."""
+        self.samples = samples
 
     def set_loop(self, loop: dict[str, Any]) -> None:
         """Which loop of its call this is (the manifest's `loop` entry), before `start` and again, with
@@ -179,8 +179,8 @@ class Capture:
             prompt_lengths=None if mask is None else tuple(int(n) for n in mask.sum(-1).tolist()),
             pad_token_id=facts.pad_token_id,
             encodings={**facts.encodings, **({"scores": SAME_AS_LOGITS} if facts.scores_as_logits else {})},
-            sample_ids=self.samples.get("sample_ids"),
-            sample_metadata=self.samples.get("sample_metadata"),
+            sample_ids=None if self.samples is None else self.samples.ids,
+            sample_metadata=None if self.samples is None else self.samples.metadata,
             loop=self.loop,
             adapters=self._adapters,
             # `layers` is set at the first forward, when attentions or hidden states are recorded.

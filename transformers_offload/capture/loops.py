@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .. import _interrupts
+from ..store.header import Samples
 from .capture import Capture
 from .loop_check import RecordingMismatch
 
@@ -110,7 +111,7 @@ class RecordedCall:
         self.loops = 0  # decoding loops started in this call
         self._state = LoopState()  # the current capture's loop
         self._first_index = 0
-        self._samples: dict[str, Any] | None = None  # the call's sample ids, from set_samples
+        self._samples: Samples | None = None  # the call's sample ids, from set_samples
         self._segment = -1
         self._attempt = 0
         self._rows: list[int] | None = None  # the call's batch rows the next loop decodes
@@ -119,8 +120,7 @@ class RecordedCall:
         """The call's first capture (before any loop starts)."""
         self.capture = self._begin()
         self._first_index = self.capture.index
-        if "sample_ids" in self.capture.samples:
-            self._samples = {key: self.capture.samples[key] for key in ("sample_ids", "sample_metadata")}
+        self._samples = self.capture.samples
         return self.capture
 
     def loop_starts(self) -> Capture:
@@ -135,14 +135,8 @@ class RecordedCall:
                                 "attempt": self._attempt, "batch_rows": batch_rows, "kept_rows": None}
             capture.set_loop(self._state.loop)
             if self._samples is not None:  # the call's ids of the rows this loop decodes, where they are its prompts
-                ids = self._samples["sample_ids"]
-                metadata = self._samples["sample_metadata"]
-                picked = [ids[row] for row in batch_rows] if all(row < len(ids) for row in batch_rows) else None
-                if picked is not None and len(set(map(str, picked))) == len(picked):
-                    capture.set_samples({"sample_ids": tuple(picked),
-                                         "sample_metadata": None if metadata is None else tuple(metadata[r] for r in batch_rows)})
-                else:  # rows that repeat a prompt (num_return_sequences > 1): numbered, not named
-                    capture.set_samples({})
+                # (rows that repeat a prompt, num_return_sequences > 1: numbered, not named)
+                capture.set_samples(self._samples.of_rows(batch_rows))
         elif self._samples is not None and self.loops:  # another plain loop over the same prompts
             capture.set_samples(self._samples)
         return capture

@@ -19,7 +19,7 @@ from transformers import GenerationMixin
 from .. import _compat
 from ..codecs import spec as _spec
 from ..codecs.spec import NATIVE
-from ..store.header import check_sample_ids
+from ..store.header import Samples, check_sample_ids
 from . import layers as _layers
 from . import prompt_logprobs as _prompt_logprobs
 
@@ -164,7 +164,7 @@ def created_by() -> dict[str, str]:
     }
 
 
-def check_samples(ids: Any, metadata: Any) -> dict[str, Any]:
+def check_samples(ids: Any, metadata: Any) -> Samples:
     """`Recorder.set_samples`'s arguments checked (`store.header.check_sample_ids`) and copied, as the
     header's `sample_ids` and `sample_metadata` (the metadata through JSON).
 
@@ -182,4 +182,4 @@ def check_samples(ids: Any, metadata: Any) -> dict[str, Any]:
         metadata = None if metadata is None else json.loads(json.dumps(metadata, allow_nan=False))
     except (TypeError, ValueError) as error:
         raise TypeError(f"`metadata` must be JSON-serialisable (str keys; str, numbers, lists, dicts): {error}") from None
-    return {"sample_ids": tuple(ids), "sample_metadata": None if metadata is None else tuple(metadata)}
+    return Samples(tuple(ids), None if metadata is None else tuple(metadata))

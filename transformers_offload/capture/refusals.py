@@ -18,18 +18,19 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UnsupportedModeError
+from ..store.header import Samples
 from . import prompt_logprobs as _prompt_logprobs
 
 
 # -- a call --------------------------------------------------------------------------------------------------
-def samples_mismatch(samples: dict[str, Any] | None, attention_mask: Any, inputs: Any) -> str | None:
+def samples_mismatch(samples: Samples | None, attention_mask: Any, inputs: Any) -> str | None:
     """Why the ids `set_samples` named do not fit this call's batch (None: they fit, or none were named)."""
     if samples is None:
         return None
     batch = next((int(t.shape[0]) for t in (attention_mask, inputs) if t is not None and t.dim() >= 1), None)
-    if batch is None or batch == len(samples["sample_ids"]):
+    if batch is None or batch == len(samples.ids):
         return None
-    return (f"`set_samples` named {len(samples['sample_ids'])} prompt(s), but this generate() call has a batch of "
+    return (f"`set_samples` named {len(samples.ids)} prompt(s), but this generate() call has a batch of "
             f"{batch}; nothing was run. Call `set_samples` again with one id per prompt.")
 
 

@@ -3,7 +3,7 @@ inside the step (`Sparse`), decoded from its flat int32 record (`SparseRecord`).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from .._lazy import torch
 from .dtypes import TorchDtypes, dtype_name
@@ -21,10 +21,11 @@ SPARSE_MAX_VOCAB = 2**24  # a record claiming more tokens is refused (a damaged 
 NEGATIVE_INFINITY = float("-inf")
 
 
-def sparse_dense(header: Sequence[int]) -> dict[str, Any]:
-    """The manifest's `dense` entry of a sparse stream, from a record's header `[rows, vocab, code]`."""
+def sparse_dense(header: Sequence[int]) -> tuple[str, list[int]]:
+    """What a record decodes to, from its header `[rows, vocab, code]`: the dtype name and `[rows, vocab]` (the
+    manifest's `dense` part of the stream)."""
     rows, vocab, code = header
-    return {"dtype": dtype_name(SPARSE_DTYPES[code]), "shape": [rows, vocab]}
+    return dtype_name(SPARSE_DTYPES[code]), [rows, vocab]
 
 
 class SparseRecord:

@@ -100,16 +100,15 @@ RECORD_ENCODINGS = (SPARSE, NATIVE)  # one flat int32 record per step, headed [r
 FLAT_ENCODINGS = ("ragged", SPARSE, NATIVE)  # stored flat, the steps' shapes beside them
 
 
-def stored_as_records(stream: dict[str, Any]) -> bool:
-    """Whether a manifest stream entry holds one flat int32 record per step (sparse, native, or a top-k
-    or sampled encoding of dtype int32; a `"topk:K"` stream of dtype float64 holds tensors)."""
-    encoding = stream.get("encoding", "")
-    return encoding in RECORD_ENCODINGS or (is_packed(encoding) and stream.get("dtype") == "int32")
+def stored_as_records(encoding: str, dtype: str) -> bool:
+    """Whether a stream stored with `encoding` as `dtype` holds one flat int32 record per step (sparse, native, or
+    a top-k or sampled encoding of dtype int32; a `"topk:K"` stream of dtype float64 holds tensors)."""
+    return encoding in RECORD_ENCODINGS or (is_packed(encoding) and dtype == "int32")
 
 
-def stored_flat(stream: dict[str, Any]) -> bool:
-    """Whether a manifest stream entry is stored flat, its steps' shapes beside it (`NAME.shapes`)."""
-    return stream.get("encoding") in FLAT_ENCODINGS or stored_as_records(stream)
+def stored_flat(encoding: str, dtype: str) -> bool:
+    """Whether a stream stored with `encoding` as `dtype` is stored flat, its steps' shapes beside it (`NAME.shapes`)."""
+    return encoding in FLAT_ENCODINGS or stored_as_records(encoding, dtype)
 
 
 def check(encodings: Any, streams: tuple[str, ...], vocab_size: int | None) -> dict[str, str]:

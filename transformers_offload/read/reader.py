@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..codecs.dtypes import DTYPE_BYTES
-from ..codecs.spec import RECORD_ENCODINGS, SAME_AS_LOGITS, is_packed, stored_flat
+from ..codecs.spec import RECORD_ENCODINGS, SAME_AS_LOGITS, is_packed
 from ..errors import RecordingError, damaged_files
 from ..store import files as _files
 from ..store import layout as _layout
@@ -129,35 +129,35 @@ class Recording(Readable):
         for generation, entry in zip(self._generations, self._entries):
             streams = {}
             damaged = self._damaged_at_a_glance(_layout.files_of(entry))
-            encoder = _layout.once_entry(entry)
-            for name, stream in [*entry["streams"].items(), *encoder.get("streams", {}).items()]:
-                itemsize = DTYPE_BYTES[stream["dtype"]]
-                if stream["encoding"] == SAME_AS_LOGITS:
+            written = ManifestEntry(entry)
+            once = {} if written.once is None else written.once.streams
+            for name, stream in [*written.streams.items(), *once.items()]:
+                itemsize = DTYPE_BYTES[stream.dtype]
+                if stream.encoding == SAME_AS_LOGITS:
                     elements = 0  # stored once, as the logits
-                elif stored_flat(stream):
+                elif stream.flat:
                     try:  # reads each shard's step shapes
                         elements = generation.source.ragged_elements(name, generation.num_steps)
                     except RecordingError as error:
                         elements = None  # unknown: a shard is damaged
                         if all(d["file"] != error.path.name for d in damaged):
                             damaged.append({"file": error.path.name, "error": error.damaged[0].problem})
-                elif name in encoder.get("streams", {}):
-                    elements = math.prod(stream["shape"])  # once per generation
+                elif name in once:
+                    elements = math.prod(stream.shape)  # once per generation
                 else:
-                    elements = generation.num_steps * math.prod(stream["shape"])
+                    elements = generation.num_steps * math.prod(stream.shape)
                 streams[name] = {
-                    "dtype": stream["dtype"],
-                    "encoding": stream["encoding"],
-                    "shape": stream["shape"],
+                    "dtype": stream.dtype,
+                    "encoding": stream.encoding,
+                    "shape": stream.shape,
                     "bytes": None if elements is None else elements * itemsize,
                 }
-                if stream.get("dense"):  # records read back as dense tensors: those tensors' dtype and shape
-                    streams[name].update(dtype=stream["dense"]["dtype"], shape=stream["dense"]["shape"],
-                                         stored_dtype=stream["dtype"])
-                if name in encoder.get("streams", {}):
+                if stream.dense:  # records read back as dense tensors: those tensors' dtype and shape
+                    streams[name].update(dtype=stream.dense_dtype, shape=stream.dense_shape, stored_dtype=stream.dtype)
+                if name in once:
                     streams[name]["once"] = True  # recorded once per call, not per step
                 vocab = self.model.get("vocab_size")
-                encoded = stream["encoding"] in RECORD_ENCODINGS or is_packed(stream["encoding"])
+                encoded = stream.encoding in RECORD_ENCODINGS or is_packed(stream.encoding)
                 if encoded and isinstance(vocab, int):
                     # What the same steps take dense, in float32 (`out.logits`' dtype from 4.45).
                     streams[name]["dense_bytes"] = generation.num_steps * generation.num_rows * vocab * 4
@@ -166,7 +166,7 @@ class Recording(Readable):
                 {
                     "index": generation.index,
                     "mode": generation.mode,
-                    "status": ManifestEntry(entry).status,
+                    "status": written.status,
                     "complete": generation.complete,
                     "error": generation.error,
                     "num_steps": generation.num_steps,
@@ -177,7 +177,7 @@ class Recording(Readable):
                     "sample_ids": None if generation.sample_ids is None else list(generation.sample_ids),
                     "generation_config": generation.generation_config,
                     **({"adapters": generation.adapters} if generation.adapters is not None else {}),
-                    "num_shards": len(ManifestEntry(entry).shards),
+                    "num_shards": len(written.shards),
                     "file_bytes": sum(_size_of(self.path / name) for name in files),
                     "damaged_files": damaged,
                     "streams": streams,

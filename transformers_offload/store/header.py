@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..codecs.spec import stored_as_records, stored_flat
+
 
 @dataclass(frozen=True)
 class GenerationHeader:
@@ -136,13 +138,89 @@ class ShardEntry:
         return {key: getattr(self, key) for key, _ in self.FIELDS}
 
 
-def stream_entry(dtype: str, shape: list[Any], encoding: str, *, dense: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A stream's entry in a manifest: its stored `dtype` and per-step `shape`, its encoding, and for records
-    that read back as dense tensors (`"sparse"`, `"native"`) those tensors' `dense` dtype and shape."""
-    entry: dict[str, Any] = {"dtype": dtype, "shape": shape, "encoding": encoding}
-    if dense is not None:
-        entry["dense"] = dense
-    return entry
+@dataclass(frozen=True)
+class StreamEntry:
+    """One stream of a generation's entry: its stored `dtype` and per-step `shape` (`None` for a length that
+    varies), its `encoding` (`codecs.spec`), and for records that read back as dense tensors (`"sparse"`,
+    `"native"`, packed top-k) those tensors' dtype and shape (`dense_dtype`, `dense_shape`)."""
+
+    dtype: str
+    shape: list[Any]
+    encoding: str
+    dense: dict[str, Any] | None = None
+
+    FIELDS = (("dtype", str), ("shape", list), ("encoding", str))  # as the manifest spells them, with their types
+
+    @classmethod
+    def from_manifest(cls, stream: dict[str, Any]) -> StreamEntry:
+        """The stream of a manifest entry whose `FIELDS` were checked (`manifest`)."""
+        return cls(stream["dtype"], stream["shape"], stream["encoding"], stream.get("dense"))
+
+    def to_manifest(self) -> dict[str, Any]:
+        entry: dict[str, Any] = {"dtype": self.dtype, "shape": self.shape, "encoding": self.encoding}
+        if self.dense is not None:
+            entry["dense"] = self.dense
+        return entry
+
+    @staticmethod
+    def dense_of(dtype: str, shape: list[int]) -> dict[str, Any]:
+        """The `dense` part of records that read back as `(rows, vocab)` tensors of `dtype`."""
+        return {"dtype": dtype, "shape": shape}
+
+    @property
+    def dense_dtype(self) -> Any:
+        """The dtype of what the records read back as (None: not records, or damaged)."""
+        return self.dense.get("dtype") if isinstance(self.dense, dict) else None
+
+    @property
+    def dense_shape(self) -> Any:
+        """The `[rows, vocab]` of what the records read back as (None: not records, or damaged)."""
+        return self.dense.get("shape") if isinstance(self.dense, dict) else None
+
+    @property
+    def as_records(self) -> bool:
+        """One flat int32 record per step (`codecs.spec.stored_as_records`)."""
+        return stored_as_records(self.encoding, self.dtype)
+
+    @property
+    def flat(self) -> bool:
+        """Stored flat, the steps' shapes beside it (`codecs.spec.stored_flat`)."""
+        return stored_flat(self.encoding, self.dtype)
+
+
+def stream_entries(streams: dict[str, Any]) -> dict[str, StreamEntry]:
+    """A manifest's streams (checked), by name, in order."""
+    return {name: StreamEntry.from_manifest(stream) for name, stream in streams.items()}
+
+
+@dataclass(frozen=True)
+class OnceEntry:
+    """The file of a generation's streams recorded once per call: the prompt logprobs alone, or an encoder's
+    outputs (with the prompt logprobs, if any)."""
+
+    file: str
+    streams: dict[str, StreamEntry]
+
+    FIELDS = (("file", str), ("streams", dict))
+    # The entry's key for each kind of file (one at most): `"encoder"` for an encoder's outputs (with any prompt
+    # logprobs beside them), `"prompt"` for prompt logprobs alone (format 1 also allows these under `"encoder"`).
+    KEYS = ("encoder", "prompt")
+
+    @classmethod
+    def of(cls, entry: dict[str, Any]) -> OnceEntry | None:
+        """The once-per-call file a (checked) entry names, or None."""
+        found = next((entry[key] for key in cls.KEYS if entry.get(key)), None)
+        return None if found is None else cls(found["file"], stream_entries(found["streams"]))
+
+    @staticmethod
+    def unchecked_streams(once: dict[str, Any]) -> dict[str, Any]:
+        """A once-per-call entry's streams as the manifest holds them (its `FIELDS` checked), for `manifest`."""
+        return once["streams"]
+
+    @classmethod
+    def unchecked(cls, entry: dict[str, Any]) -> dict[str, Any]:
+        """Per key of `KEYS` the entry holds, its value as the manifest holds it, for `manifest` to check."""
+        return {key: entry[key] for key in cls.KEYS if entry.get(key) is not None}
 
 
 class ManifestEntry:
@@ -188,8 +266,31 @@ class ManifestEntry:
         return self.data.get("writer")
 
     @property
-    def streams(self) -> dict[str, Any]:
+    def streams(self) -> dict[str, StreamEntry]:
+        """The per-step streams (empty until the first shard), by name, in order."""
+        return stream_entries(self.data["streams"])
+
+    @property
+    def unchecked_streams(self) -> Any:
+        """The streams as the manifest holds them, for `manifest` to check."""
         return self.data["streams"]
+
+    @property
+    def once(self) -> OnceEntry | None:
+        """The file of the streams recorded once per call, or None."""
+        return OnceEntry.of(self.data)
+
+    @property
+    def layers(self) -> Any:
+        return self.data.get("layers")
+
+    @property
+    def sample_ids(self) -> Any:
+        return self.data.get("sample_ids")
+
+    @property
+    def sample_metadata(self) -> Any:
+        return self.data.get("sample_metadata")
 
     @property
     def shards(self) -> list[ShardEntry]:
@@ -210,20 +311,21 @@ class ManifestEntry:
         """The layer selection (`GenerationHeader.layers`), known at the call's first forward."""
         self.data["layers"] = layers
 
-    def set_streams(self, streams: dict[str, dict[str, Any]], *, num_rows: int) -> None:
-        """The per-step streams (`stream_entry` each), in order, and the rows of a step: at the first shard."""
+    def set_streams(self, streams: dict[str, StreamEntry], *, num_rows: int) -> None:
+        """The per-step streams, in order, and the rows of a step: at the first shard."""
         self.data["num_rows"] = num_rows
-        self.data["streams"] = streams
+        self.data["streams"] = {name: stream.to_manifest() for name, stream in streams.items()}
 
     def commit_shard(self, file: str, first_step: int, num_steps: int) -> None:
         """A shard holding steps `[first_step, first_step + num_steps)` is durable as `file`."""
         self.data["shards"].append(ShardEntry(file, first_step, num_steps).to_manifest())
         self.data["num_steps"] = first_step + num_steps
 
-    def commit_once(self, file: str, streams: dict[str, dict[str, Any]], *, prompt_only: bool) -> None:
-        """The streams recorded once per generation (`stream_entry` each) are durable as `file`: the prompt
-        logprobs alone (`prompt_only`), or an encoder's outputs with them."""
-        self.data["prompt" if prompt_only else "encoder"] = {"file": file, "streams": streams}
+    def commit_once(self, file: str, streams: dict[str, StreamEntry], *, prompt_only: bool) -> None:
+        """The streams recorded once per generation are durable as `file`: the prompt logprobs alone
+        (`prompt_only`), or an encoder's outputs with them."""
+        self.data["prompt" if prompt_only else "encoder"] = {
+            "file": file, "streams": {name: stream.to_manifest() for name, stream in streams.items()}}
 
     def commit_sequences(self, file: str) -> None:
         """What generate() returned is durable as `file`."""
@@ -251,6 +353,25 @@ class ManifestEntry:
         """Mark a generation its process left `"recording"` (killed) as failed, saying so."""
         self.data["status"] = FAILED
         self.data["error"] = self.stopped("killed")
+
+
+@dataclass(frozen=True)
+class Samples:
+    """The prompts' ids of a call's batch, in batch order, and each one's metadata (`Recorder.set_samples`): what
+    the header keeps as `sample_ids` and `sample_metadata`."""
+
+    ids: tuple[Any, ...]
+    metadata: tuple[dict[str, Any], ...] | None = None
+
+    def of_rows(self, rows: list[int]) -> Samples | None:
+        """The samples of the batch rows `rows` (a loop that decodes some of the call's prompts), or None where
+        those rows are not each a prompt of its own (a row past the ids, or a prompt repeated)."""
+        if not all(row < len(self.ids) for row in rows):
+            return None
+        picked = tuple(self.ids[row] for row in rows)
+        if len(set(map(str, picked))) != len(picked):
+            return None
+        return Samples(picked, None if self.metadata is None else tuple(self.metadata[row] for row in rows))
 
 
 def check_sample_ids(ids: Any, metadata: Any) -> str | None:

@@ -107,15 +107,6 @@ def prompt_name(generation: int) -> str:
 # Recorded once per call with `prompt_logprobs` (in the generation's `encoder` entry, a file of their
 # own): per prompt and position p, the prompt's token p + 1, its logprob and rank, and the top-k.
 PROMPT_STREAMS = ("prompt_tokens", "prompt_logprobs", "prompt_ranks", "prompt_top_tokens", "prompt_top_logprobs")
-# The manifest keys of a generation's file of tensors recorded once per call: `"encoder"` for an encoder's
-# outputs (with any prompt logprobs beside them), `"prompt"` for prompt logprobs alone (format 1 also
-# allows these under `"encoder"`: read the same).
-ONCE_KEYS = ("encoder", "prompt")
-
-
-def once_entry(entry: dict[str, Any]) -> dict[str, Any]:
-    """A generation entry's `{"file", "streams"}` of tensors recorded once per call, or `{}`."""
-    return next((entry[key] for key in ONCE_KEYS if entry.get(key)), {})
 
 
 def shard_metadata(generation: int, first_step: int) -> dict[str, str]:
@@ -182,6 +173,6 @@ def files_of(entry: dict[str, Any]) -> list[str]:
     files = [shard.file for shard in written.shards]
     if written.sequences:
         files.append(written.sequences)
-    if once_entry(entry):
-        files.append(once_entry(entry)["file"])
+    if written.once is not None:
+        files.append(written.once.file)
     return files

@@ -20,7 +20,6 @@ from ..codecs.spec import (
     RECORD_ENCODINGS,
     SAME_AS_LOGITS,
     is_packed,
-    stored_as_records,
     topk_bits,
     topk_width,
 )
@@ -36,7 +35,9 @@ from .header import (
     STATUSES,
     GenerationHeader,
     ManifestEntry,
+    OnceEntry,
     ShardEntry,
+    StreamEntry,
     check_sample_ids,
 )
 from .layout import (
@@ -47,7 +48,6 @@ from .layout import (
     FORMAT_VERSION,
     LAYER_KINDS,
     MANIFEST,
-    ONCE_KEYS,
     PROMPT_STREAMS,
     STEP_LAYER_KINDS,
     split_layer_stream,
@@ -162,8 +162,7 @@ def check_generation(entry: Any, index: int, root: Path, path: Path, files: set[
         if entry[key] < 1:
             raise RecordingError(path, f"{where}: `{key}` must be at least 1, got {entry[key]}.")
     _check_samples(entry, path, where)
-    streams = entry["streams"]
-    for name, stream in streams.items():
+    for name, stream in written.unchecked_streams.items():
         _check_stream(name, stream, path, where)
     _check_stream_set(entry, path, where)
     expected_first = 0
@@ -195,7 +194,8 @@ def check_generation(entry: Any, index: int, root: Path, path: Path, files: set[
 def _check_layers(entry: dict[str, Any], root: Path, path: Path, where: str, files: set[str]) -> None:
     """The optional parts of a generation that recorded attentions or hidden states: `layers` (what
     was selected) and `encoder` (an encoder-decoder model's encoder outputs, in a file of their own)."""
-    layers = entry.get("layers")
+    written = ManifestEntry(entry)
+    layers = written.layers
     if layers is not None:
         if not isinstance(layers, dict):
             raise RecordingError(path, f"{where}: `layers` must be a JSON object, got {layers!r}.")
@@ -213,22 +213,24 @@ def _check_layers(entry: dict[str, Any], root: Path, path: Path, where: str, fil
             )
         if not isinstance(layers.get("newest_position_only"), bool):
             raise RecordingError(path, f"{where}: `layers.newest_position_only` must be true or false.")
-    streams = dict(entry["streams"])
-    if all(entry.get(key) is not None for key in ONCE_KEYS):
+    streams = dict(written.streams)
+    once = OnceEntry.unchecked(entry)
+    if len(once) > 1:
         raise RecordingError(path, f"{where}: has both `encoder` and `prompt`; a generation has one file of "
                                    "tensors recorded once per call.")
-    for key in ONCE_KEYS:
-        encoder = entry.get(key)
-        if encoder is None:
-            continue
+    for key, encoder in once.items():
         if not isinstance(encoder, dict):
             raise RecordingError(path, f"{where}: `{key}` must be a JSON object, got {encoder!r}.")
-        _claim(root, _field(encoder, "file", str, path, where + f", `{key}`"), path, files)
-        for name, stream in _field(encoder, "streams", dict, path, where + f", `{key}`").items():
+        for field_name, kind in OnceEntry.FIELDS:
+            _field(encoder, field_name, kind, path, where + f", `{key}`")
+        for name, stream in OnceEntry.unchecked_streams(encoder).items():
             _check_stream(name, stream, path, where)
+        checked = OnceEntry.of(entry)
+        _claim(root, checked.file, path, files)
+        for name, stream in checked.streams.items():
             split = split_layer_stream(name)
             known = name in PROMPT_STREAMS or (key == "encoder" and split is not None and split[0] in ENCODER_KINDS)
-            if not known or stream["encoding"] != "dense":
+            if not known or stream.encoding != "dense":
                 raise RecordingError(path, f"{where}: {name!r} is not a stream recorded once per call "
                                            "(an encoder output or a prompt logprob).")
             streams[name] = stream
@@ -244,9 +246,9 @@ def _check_layers(entry: dict[str, Any], root: Path, path: Path, where: str, fil
                       f"({layers and layers['counts']})."
             )
         heads = layers.get("heads")
-        if kind in ATTENTION_KINDS and heads is not None and stream["shape"][1] != len(heads.get(kind, ())):
+        if kind in ATTENTION_KINDS and heads is not None and stream.shape[1] != len(heads.get(kind, ())):
             raise RecordingError(
-                path, f"{where}: stream {name!r} holds {stream['shape'][1]} heads, `layers.heads` lists {heads.get(kind)}."
+                path, f"{where}: stream {name!r} holds {stream.shape[1]} heads, `layers.heads` lists {heads.get(kind)}."
             )
 
 
@@ -272,32 +274,32 @@ def _check_stream_set(entry: dict[str, Any], path: Path, where: str) -> None:
     if header.mode in BEAM_MODES and (rows == 0 or rows % header.num_beams):
         raise RecordingError(path, f"{where}: {rows} rows are not a whole number of prompts of {header.num_beams} beams.")
     for name, stream in streams.items():
-        shape = stream["shape"]
-        if stream["encoding"] == SAME_AS_LOGITS:
+        shape = stream.shape
+        if stream.encoding == SAME_AS_LOGITS:
             logits = streams.get("logits")
-            whole = (logits is not None and logits["encoding"] in ("dense", *RECORD_ENCODINGS)
-                     and not is_packed(logits["encoding"]))
-            if not whole or ((logits["dtype"], logits["shape"], logits.get("dense"))
-                             != (stream["dtype"], shape, stream.get("dense"))):
+            whole = (logits is not None and logits.encoding in ("dense", *RECORD_ENCODINGS)
+                     and not is_packed(logits.encoding))
+            if not whole or ((logits.dtype, logits.shape, logits.dense) != (stream.dtype, shape, stream.dense)):
                 raise RecordingError(path, f"{where}: stream {name!r} is stored as the `logits` stream (dense, sparse "
-                                           f"or native), which it must then match in dtype and shape ({logits!r}).")
+                                           f"or native), which it must then match in dtype and shape "
+                                           f"({None if logits is None else logits.to_manifest()!r}).")
             continue
-        if stored_as_records(stream):
-            if stream["dense"]["shape"][0] != rows:
+        if stream.as_records:
+            if stream.dense_shape[0] != rows:
                 raise RecordingError(
-                    path, f"{where}: stream {name!r} decodes to {stream['dense']['shape'][0]} rows, `num_rows` is {rows}."
+                    path, f"{where}: stream {name!r} decodes to {stream.dense_shape[0]} rows, `num_rows` is {rows}."
                 )
             continue
-        if stream["encoding"] == "ragged":
+        if stream.encoding == "ragged":
             if shape[0] != rows:
                 raise RecordingError(
                     path, f"{where}: stream {name!r} has {shape[0]} rows, which disagrees with `num_rows` {rows}."
                 )
             continue
-        if name == STATS_STREAM and (shape != [rows, len(STATS_COLUMNS)] or stream["dtype"] not in ("float32", "float64")):
+        if name == STATS_STREAM and (shape != [rows, len(STATS_COLUMNS)] or stream.dtype not in ("float32", "float64")):
             raise RecordingError(
                 path, f"{where}: stream {name!r} must be float32 or float64 of per-step shape [{rows}, {len(STATS_COLUMNS)}], "
-                f"got {stream['dtype']} {shape}.",
+                f"got {stream.dtype} {shape}.",
             )
         per_row = name in PER_ROW_STREAMS
         if (per_row and shape != [rows]) or (not per_row and (len(shape) != 2 or shape[0] != rows)):
@@ -309,53 +311,52 @@ def _check_stream_set(entry: dict[str, Any], path: Path, where: str) -> None:
 def _check_stream(name: str, stream: Any, path: Path, where: str) -> None:
     if not isinstance(stream, dict):
         raise RecordingError(path, f"{where}: stream {name!r} must be a JSON object.")
-    _field(stream, "dtype", str, path, f"{where}, stream {name!r}")
-    _field(stream, "shape", list, path, f"{where}, stream {name!r}")
-    _field(stream, "encoding", str, path, f"{where}, stream {name!r}")
-    if stream["dtype"] not in DTYPE_BYTES:
-        raise RecordingError(path, f"{where}: stream {name!r} has unknown dtype {stream['dtype']!r}.")
-    k = topk_width(stream["encoding"])
-    packed = is_packed(stream["encoding"]) and stream["dtype"] == "int32"
+    for key, kind in StreamEntry.FIELDS:
+        _field(stream, key, kind, path, f"{where}, stream {name!r}")
+    stream = StreamEntry.from_manifest(stream)
+    if stream.dtype not in DTYPE_BYTES:
+        raise RecordingError(path, f"{where}: stream {name!r} has unknown dtype {stream.dtype!r}.")
+    k = topk_width(stream.encoding)
+    packed = is_packed(stream.encoding) and stream.dtype == "int32"
     if k is not None and not packed:  # recorded before the packed records: float64 (rows, 2K + 2)
-        if topk_bits(stream["encoding"]) is not None or name not in ENCODED_STREAMS or stream["dtype"] != "float64" or not (
-                isinstance(stream["shape"], list) and len(stream["shape"]) == 2 and stream["shape"][1] == 2 * k + 2):
+        if topk_bits(stream.encoding) is not None or name not in ENCODED_STREAMS or stream.dtype != "float64" or not (
+                len(stream.shape) == 2 and stream.shape[1] == 2 * k + 2):
             raise RecordingError(
-                path, f"{where}: stream {name!r} uses {stream['encoding']!r}, which stores float64 of per-step shape "
-                f"[rows, {2 * k + 2}] for {ENCODED_STREAMS} only; got {stream['dtype']} {stream['shape']!r}.",
+                path, f"{where}: stream {name!r} uses {stream.encoding!r}, which stores float64 of per-step shape "
+                f"[rows, {2 * k + 2}] for {ENCODED_STREAMS} only; got {stream.dtype} {stream.shape!r}.",
             )
-    elif stream["encoding"] in RECORD_ENCODINGS or packed:
-        dense = stream.get("dense")
+    elif stream.encoding in RECORD_ENCODINGS or packed:
+        shape = stream.dense_shape
         good_dense = (
-            isinstance(dense, dict) and dense.get("dtype") in SPARSE_DTYPE_NAMES and isinstance(dense.get("shape"), list)
-            and len(dense["shape"]) == 2 and _count(dense["shape"][0]) and _count(dense["shape"][1])
-            and 1 <= dense["shape"][1] <= SPARSE_MAX_VOCAB
+            stream.dense_dtype in SPARSE_DTYPE_NAMES and isinstance(shape, list)
+            and len(shape) == 2 and _count(shape[0]) and _count(shape[1]) and 1 <= shape[1] <= SPARSE_MAX_VOCAB
         )
-        if name not in ENCODED_STREAMS or stream["dtype"] != "int32" or stream["shape"] != [None] or not good_dense:
+        if name not in ENCODED_STREAMS or stream.dtype != "int32" or stream.shape != [None] or not good_dense:
             raise RecordingError(
-                path, f"{where}: stream {name!r} uses {stream['encoding']!r}, which stores one flat int32 record per step "
+                path, f"{where}: stream {name!r} uses {stream.encoding!r}, which stores one flat int32 record per step "
                 f"(shape [null]) for {ENCODED_STREAMS} only, with `dense` naming a float dtype and [rows, vocab]; "
-                f"got {stream['dtype']} {stream['shape']!r}, dense {dense!r}.",
+                f"got {stream.dtype} {stream.shape!r}, dense {stream.dense!r}.",
             )
         return
-    elif stream["encoding"] == SAME_AS_LOGITS:
+    elif stream.encoding == SAME_AS_LOGITS:
         if name != "scores":
             raise RecordingError(path, f"{where}: stream {name!r} cannot use {SAME_AS_LOGITS!r} (only `scores` can).")
         return  # its dtype and shape are the logits' (checked with the generation's streams)
-    elif stream["encoding"] not in ENCODINGS:
+    elif stream.encoding not in ENCODINGS:
         raise RecordingError(
             path,
-            f"{where}: stream {name!r} uses encoding {stream['encoding']!r}, which this "
+            f"{where}: stream {name!r} uses encoding {stream.encoding!r}, which this "
             f"transformers-offload cannot read (it reads {ENCODINGS}, 'sparse', 'native', 'same_as_logits', \"topk:K\", "
             f"\"topk:K:qB\", \"topk:K+tail:N\" and \"sample:N@T\"); upgrade transformers-offload.",
         )
-    ragged = stream["encoding"] == "ragged"
-    shape = stream["shape"]
+    ragged = stream.encoding == "ragged"
+    shape = stream.shape
     if not shape or not all(_count(n) or (ragged and n is None) for n in shape) or (ragged and shape[0] is None):
         raise RecordingError(path, f"{where}: stream {name!r} has a bad shape {shape!r}.")
     split = split_layer_stream(name)
     if ragged != (split is not None and split[0] in STEP_LAYER_KINDS):
         raise RecordingError(
-            path, f"{where}: stream {name!r} cannot use encoding {stream['encoding']!r} (only per-layer streams are ragged)."
+            path, f"{where}: stream {name!r} cannot use encoding {stream.encoding!r} (only per-layer streams are ragged)."
         )
 
 
@@ -389,10 +390,11 @@ def _field(obj: dict, key: str, kind: type, path: Path, where: str = "manifest")
 
 
 def _check_samples(entry: dict[str, Any], path: Path, where: str) -> None:
-    if entry.get("sample_ids") is None:
-        if entry.get("sample_metadata") is not None:
+    written = ManifestEntry(entry)
+    if written.sample_ids is None:
+        if written.sample_metadata is not None:
             raise RecordingError(path, f"{where} has `sample_metadata` without `sample_ids`.")
         return
-    problem = check_sample_ids(entry["sample_ids"], entry.get("sample_metadata"))
+    problem = check_sample_ids(written.sample_ids, written.sample_metadata)
     if problem is not None:
         raise RecordingError(path, f"{where}: {problem}.")

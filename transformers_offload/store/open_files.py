@@ -17,10 +17,10 @@ from safetensors import SafetensorError, safe_open
 
 from .._lazy import torch  # imported when first used: reading a manifest needs no torch (`inspect`, `verify`)
 from ..codecs.dtypes import SAFETENSORS_DTYPES
-from ..codecs.spec import SAME_AS_LOGITS, stored_flat
+from ..codecs.spec import SAME_AS_LOGITS
 from ..errors import RecordingError
 from . import layout as _layout
-from .header import ShardEntry
+from .header import ShardEntry, StreamEntry
 
 # Files a recording keeps open for reading (`OpenFiles`), the least recently used dropped first: at most
 # this many, and at most this many bytes of them besides the newest. An open file keeps the pages read from
@@ -79,12 +79,12 @@ class OpenFiles:
 class Shard:
     """One open safetensors file of a recording."""
 
-    def __init__(self, path: Path, handle: Any, ragged: dict[str, dict[str, Any]]) -> None:
+    def __init__(self, path: Path, handle: Any, ragged: dict[str, StreamEntry]) -> None:
         self.path = path
         self.size = read_guarded(path, lambda: path.stat().st_size)  # bytes on disk
         self._handle = handle  # NumPy's view (`open_file`): headers and step shapes, without torch
         self._tensors: Any = None  # torch's, opened when a tensor is first read
-        self._ragged = ragged  # name -> its manifest entry
+        self._ragged = ragged  # name -> its manifest entry (the ragged streams: stored flat)
         self.ragged_streams = tuple(ragged)
         self._dense: dict[str, torch.Tensor] = {}
         self._arrays: dict[str, Any] = {}
@@ -119,7 +119,7 @@ class Shard:
         shapes, ends = self._shapes_of(name)
         start = ends[local.start - 1] if local.start else 0
         stop = ends[local[-1]]
-        if numpy or self._ragged[name]["dtype"] == "int32":  # sparse, native, packed records: no transformers
+        if numpy or self._ragged[name].dtype == "int32":  # sparse, native, packed records: no transformers
             span = self.array(name)[start:stop]  # mapped: the records are read where they lie
             if not numpy:
                 span = torch.from_numpy(span)
@@ -139,7 +139,7 @@ class Shard:
         if found is None:
             key = _layout.shapes_key(name)
             shapes = read_guarded(self.path, lambda: self._handle.get_slice(key)[:])  # a NumPy array
-            fixed = self._ragged[name]["shape"]
+            fixed = self._ragged[name].shape
             ends = list(itertools.accumulate(math.prod(shape) for shape in shapes.tolist()))  # exact: no int64 wrap
             total = self._handle.get_slice(name).get_shape()[0]
             if bool((shapes < 0).any()) or any(n is not None and bool((shapes[:, i] != n).any()) for i, n in enumerate(fixed)):
@@ -151,7 +151,7 @@ class Shard:
         return found
 
 
-def open_shard(path: Path, generation: int, shard: ShardEntry, streams: dict[str, Any]) -> Shard:
+def open_shard(path: Path, generation: int, shard: ShardEntry, streams: dict[str, StreamEntry]) -> Shard:
     """Open one shard (nothing read but its header) and check it against the manifest."""
     handle, metadata, header = open_file(path, "shard")
     fields = _layout.read_shard_metadata(metadata)
@@ -165,27 +165,27 @@ def open_shard(path: Path, generation: int, shard: ShardEntry, streams: dict[str
             )
     ragged = {}
     for name, stream in streams.items():
-        if stream["encoding"] == SAME_AS_LOGITS:
+        if stream.encoding == SAME_AS_LOGITS:
             continue  # no tensor of its own
         if name not in header:
             raise RecordingError(path, f"holds no {name!r} tensor, which the manifest lists.")
-        if stored_flat(stream):
-            _expect(path, header, name, None, stream["dtype"], flat=True)
-            _expect(path, header, _layout.shapes_key(name), [shard.num_steps, len(stream["shape"])], "int64")
+        if stream.flat:
+            _expect(path, header, name, None, stream.dtype, flat=True)
+            _expect(path, header, _layout.shapes_key(name), [shard.num_steps, len(stream.shape)], "int64")
             ragged[name] = stream
         else:
-            _expect(path, header, name, [shard.num_steps, *stream["shape"]], stream["dtype"])
+            _expect(path, header, name, [shard.num_steps, *stream.shape], stream.dtype)
     return Shard(path, handle, ragged)
 
 
-def open_encoder(path: Path, generation: int, streams: dict[str, Any]) -> Shard:
+def open_encoder(path: Path, generation: int, streams: dict[str, StreamEntry]) -> Shard:
     """Open a generation's encoder file and check it against the manifest."""
     handle, metadata, header = open_file(path, "encoder file")
     fields = _layout.read_shard_metadata(metadata)
     if fields.get("format") != _layout.FORMAT or fields.get("generation") != generation:
         raise RecordingError(path, f"its metadata does not name generation {generation}: not the file the manifest names.")
     for name, stream in streams.items():
-        _expect(path, header, name, stream["shape"], stream["dtype"])
+        _expect(path, header, name, stream.shape, stream.dtype)
     return Shard(path, handle, {})
 
 

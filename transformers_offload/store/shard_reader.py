@@ -16,11 +16,11 @@ from typing import Any, Iterator
 from .._lazy import torch  # imported when first used: reading a manifest needs no torch (`inspect`, `verify`)
 from ..codecs.dtypes import dtype_of
 from ..codecs.sparse import SPARSE_DTYPES, SPARSE_HEADER
-from ..codecs.spec import SAME_AS_LOGITS, stored_as_records, stored_flat
+from ..codecs.spec import SAME_AS_LOGITS
 from ..errors import RecordingError, verify_command
 from . import layout as _layout
 from . import manifest as _manifest
-from .header import COMPLETE, RECORDING, GenerationHeader, ManifestEntry
+from .header import COMPLETE, RECORDING, GenerationHeader, ManifestEntry, ShardEntry, StreamEntry
 from .open_files import NUMPY_DTYPES, OpenFiles, Shard, open_encoder, open_file, open_shard, read_guarded
 from .stored import StoredGeneration, TransferStats
 
@@ -42,9 +42,9 @@ class ShardSource:
         self._stream_info = written.streams
         self.streams = tuple(written.streams)
         self._shards = written.shards
-        encoder = _layout.once_entry(entry)
-        self._encoder_file = encoder.get("file")
-        self._encoder_info = encoder.get("streams", {})
+        once = written.once
+        self._encoder_file = None if once is None else once.file
+        self._encoder_info = {} if once is None else once.streams
         self.once_streams = tuple(self._encoder_info)
         self._sequences_file = written.sequences or None
         self._open = OpenFiles() if files is None else files  # shared by a recording's generations
@@ -63,12 +63,14 @@ class ShardSource:
             return self.read_guarded(name, steps, rows, numpy)
 
     def read_guarded(self, name: str, steps: range, rows: Any, numpy: bool = False) -> tuple[Any, ...]:
-        if self._stream_info[name]["encoding"] == SAME_AS_LOGITS:
+        stream = self._stream_info[name]
+        if stream.encoding == SAME_AS_LOGITS:
             name = "logits"  # stored once: the scores were the logits
         if steps.step < 0:
             return tuple(reversed(self.read_guarded(name, steps[::-1], rows, numpy)))
-        ragged = stored_flat(self._stream_info[name])
-        numpy = numpy and self._stream_info[name]["dtype"] in NUMPY_DTYPES.values()
+        stream = self._stream_info[name]
+        ragged = stream.flat
+        numpy = numpy and stream.dtype in NUMPY_DTYPES.values()
         values: list[Any] = []
         for shard in self._shards:
             first = shard.first_step
@@ -79,8 +81,8 @@ class ShardSource:
             if ragged:
                 opened = self._shard(shard)
                 picked = opened.ragged(name, local, rows, numpy)
-                if stored_as_records(self._stream_info[name]):
-                    _check_sparse_headers(opened.path, name, picked, self._stream_info[name]["dense"])
+                if stream.as_records:
+                    _check_sparse_headers(opened.path, name, picked, stream)
                 values.extend(picked)
                 continue
             opened = self._shard(shard)
@@ -160,16 +162,16 @@ class ShardSource:
     def _encoder(self) -> Shard:
         return self._get(self._encoder_file, lambda path: open_encoder(path, self._index, self._encoder_info))
 
-    def _shard(self, shard: dict[str, Any]) -> Shard:
+    def _shard(self, shard: ShardEntry) -> Shard:
         return self._get(shard.file, lambda path: open_shard(path, self._index, shard, self._stream_info))
 
     def _get(self, name: str, opener: Any) -> Shard:
         return self._open.get(name, lambda: opener(self._path(name)))
 
 
-def _check_sparse_headers(path: Path, name: str, records: list[torch.Tensor], dense: dict[str, Any]) -> None:
+def _check_sparse_headers(path: Path, name: str, records: list[torch.Tensor], stream: StreamEntry) -> None:
     """Every sparse record decodes to the manifest's `dense` dtype and shape."""
-    expected = [*dense["shape"], SPARSE_DTYPES.index(dtype_of(dense["dtype"]))]
+    expected = [*stream.dense_shape, SPARSE_DTYPES.index(dtype_of(stream.dense_dtype))]
     for record in records:
         if record[: SPARSE_HEADER].tolist() != expected:
             raise RecordingError(

@@ -18,7 +18,7 @@ import errno
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -34,7 +34,7 @@ from ..errors import SpillError
 from . import files as _files
 from . import heap as _heap
 from . import layout as _layout
-from .header import GenerationHeader, ManifestEntry, stream_entry
+from .header import GenerationHeader, ManifestEntry, StreamEntry
 from .shard_buffer import ShardBuffer
 from .shard_reader import stored_generation
 from .stored import StoredGeneration, TransferStats
@@ -321,16 +321,16 @@ class ShardStore:
                 encoding = self._encodings.get(stream, "dense")
                 if stream in self._record_streams:  # one flat int32 record per step, and what it decodes to
                     header = buffer.records[stream][buffer.first_step][: SPARSE_HEADER].tolist()
-                    streams[stream] = stream_entry(dtype_name(tensors[stream].dtype), [None], encoding,
-                                                   dense=sparse_dense(header))
+                    streams[stream] = StreamEntry(dtype_name(tensors[stream].dtype), [None], encoding,
+                                                  dense=StreamEntry.dense_of(*sparse_dense(header)))
                 else:
-                    streams[stream] = stream_entry(dtype_name(tensors[stream].dtype), list(tensors[stream].shape[1:]),
-                                                   encoding)
+                    streams[stream] = StreamEntry(dtype_name(tensors[stream].dtype), list(tensors[stream].shape[1:]),
+                                                  encoding)
             if self._encodings.get("scores") == SAME_AS_LOGITS:  # no data of its own: the logits'
                 streams = _with_scores_as_logits(streams)
             for stream in sorted(self._ragged, key=self._names.index):
-                streams[stream] = stream_entry(dtype_name(tensors[stream].dtype),
-                                               _layout.ragged_shape(stream, tuple(shapes[stream][0].tolist())), "ragged")
+                streams[stream] = StreamEntry(dtype_name(tensors[stream].dtype),
+                                              _layout.ragged_shape(stream, tuple(shapes[stream][0].tolist())), "ragged")
             entry.set_streams(streams, num_rows=int(tensors["tokens"].shape[1]))
         entry.commit_shard(name, buffer.first_step, count)
         _files.write_manifest(self._spill.root, self._spill.manifest)
@@ -343,7 +343,7 @@ class ShardStore:
         name = (_layout.prompt_name if prompt_only else _layout.encoder_name)(entry.index)
         tensors = {key: tensor.contiguous() for key, tensor in tensors.items()}
         self._commit(name, tensors, _layout.shard_metadata(entry.index, 0))
-        streams = {key: stream_entry(dtype_name(tensor.dtype), list(tensor.shape), "dense")
+        streams = {key: StreamEntry(dtype_name(tensor.dtype), list(tensor.shape), "dense")
                    for key, tensor in sorted(tensors.items(), key=lambda item: _once_order(item[0]))}
         entry.commit_once(name, streams, prompt_only=prompt_only)
         _files.write_manifest(self._spill.root, self._spill.manifest)
@@ -374,11 +374,11 @@ def _once_order(name: str) -> tuple:
     return (1, ("", 0), _layout.PROMPT_STREAMS.index(name))
 
 
-def _with_scores_as_logits(streams: dict[str, Any]) -> dict[str, Any]:
+def _with_scores_as_logits(streams: dict[str, StreamEntry]) -> dict[str, StreamEntry]:
     """The manifest's streams with `scores` right after `logits`, stored as them (`SAME_AS_LOGITS`)."""
-    found: dict[str, Any] = {}
+    found: dict[str, StreamEntry] = {}
     for name, stream in streams.items():
         found[name] = stream
         if name == "logits":
-            found["scores"] = dict(stream, encoding=SAME_AS_LOGITS)
+            found["scores"] = replace(stream, encoding=SAME_AS_LOGITS)
     return found
