@@ -254,3 +254,56 @@ def test_no_module_names_another_modules_class_as_any() -> None:
             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Name) and node.value.id == "Any":
                 aliases.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(node)}")
     assert not aliases, "module-level aliases of Any:\n" + "\n".join(aliases)
+
+
+# -- one generation record: the manifest's keys are spelled in store/header.py only ---------------------------
+# Keys of other formats that these modules read, which happen to share a manifest key's name.
+OTHER_FORMATS = {
+    ("store/ledger.py", "index"): "the ledger's own lines",
+    ("store/ledger.py", "writer"): "the ledger's own lines",
+    ("store/open_files.py", "shape"): "a safetensors file's header",
+    ("store/open_files.py", "dtype"): "a safetensors file's header",
+    ("store/shard_reader.py", "sequences"): "the sequences file's tensor name in its safetensors header",
+    ("read/reader.py", "file"): "describe()'s damaged_files entries",
+}
+
+
+def _manifest_keys() -> set[str]:
+    from transformers_offload.store import header
+
+    return ({*header.ENTRY_FIELDS, *header.NULLABLE_FIELDS, *header.OnceEntry.KEYS, "writer", "layers", "loop",
+             "nested_calls", "adapters", "sample_ids", "sample_metadata", "dense"}
+            | {key for owner in (header.StreamEntry, header.ShardEntry, header.OnceEntry) for key, _ in owner.FIELDS})
+
+
+def _spelled_keys(path: Path, keys: set[str]) -> list[tuple[int, str]]:
+    """Where `path` reads or writes one of `keys` by its string: `x["key"]`, `x.get("key")`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        key = None
+        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+            key = node.slice.value
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("get", "pop")
+              and node.args and isinstance(node.args[0], ast.Constant)):
+            key = node.args[0].value
+        if isinstance(key, str) and key in keys:
+            found.append((node.lineno, key))
+    return found
+
+
+def test_only_the_header_module_spells_a_manifest_key() -> None:
+    # Issue 54: a generation's entry was built by hand in spill.py, patched in shard_writer.py, checked key by key
+    # in manifest.py and read key by key by the readers. `store/header.py` (GenerationHeader, ManifestEntry,
+    # StreamEntry, ShardEntry, OnceEntry) is now the one place; the modules that handle recordings go through it.
+    keys = _manifest_keys()
+    assert {"num_steps", "streams", "shards", "encoding", "first_step", "sample_ids"} <= keys
+    checked, wrong = 0, []
+    for path in _modules():
+        relative = str(path.relative_to(PACKAGE))
+        if relative.split("/")[0] not in ("store", "read") or relative == "store/header.py":
+            continue
+        checked += 1
+        wrong += [f"{relative}:{line}: {key!r}" for line, key in _spelled_keys(path, keys)
+                  if (relative, key) not in OTHER_FORMATS]
+    assert checked >= 25, f"checked {checked} modules"
+    assert not wrong, "manifest keys spelled outside store/header.py:\n" + "\n".join(wrong)
