@@ -430,6 +430,19 @@ def plot_bars(path: Path, panels: dict[str, dict[str, float]], *, title: str) ->
     _save(plt, figure, path, title)
 
 
+def help_text_prompts(vocab: int, rows: int, length: int = 48) -> torch.Tensor:
+    """`(rows, length)` prompt ids: the first `length` tokens of the first `rows` of Python's help texts
+    (`pydoc_data.topics`), by SmolLM2's tokenizer, folded into a vocabulary of `vocab` entries."""
+    from pydoc_data.topics import topics
+
+    from transformers_offload.demo_model import load
+
+    _, tokenizer = load()
+    texts = [topics[name] for name in sorted(topics)[:rows]]
+    return torch.stack([torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"][:length]) % vocab
+                        for text in texts])
+
+
 def smollm2_or_wide(case: str) -> tuple[Any, Any]:
     """`smollm2`: SmolLM2-135M-Instruct and its tokenizer (float32, vocabulary 49,152); `wide`: a 2-layer Qwen2
     with Qwen2's vocabulary of 152,064 made from a config (hidden size 256, random weights, float32), no tokenizer."""

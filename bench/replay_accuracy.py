@@ -22,24 +22,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, machine, print_table, smollm2_or_wide, write_json  # noqa: E402
+from _common import RESULTS, help_text_prompts, machine, print_table, smollm2_or_wide, write_json  # noqa: E402
 
 SETTINGS = {"whole vocabulary": {"top_k": 0, "top_p": 1.0}, "top_k 50": {"top_k": 50}, "top_p 0.9": {"top_k": 0, "top_p": 0.9}}
 TEMPERATURE = 0.7
 
 
 def measure(case: str, rows: int, new_tokens: int) -> list[dict]:
-    from pydoc_data.topics import topics
-
     from transformers_offload import Recorder, kept_sets, replay_logprobs
-    from transformers_offload.demo_model import load
 
     model, _ = smollm2_or_wide(case)
-    _, tokenizer = load()  # the demo tokenizer's ids, folded into the wide model's vocabulary
     vocab = model.get_output_embeddings().weight.shape[0]
-    texts = [topics[name] for name in sorted(topics)[:rows]]
-    prompts = torch.stack([torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"][:48]) % vocab
-                           for text in texts])
+    prompts = help_text_prompts(vocab, rows)
     found = []
     for name, settings in SETTINGS.items():
         with Recorder(model, streams=("logits", "scores")) as rec:

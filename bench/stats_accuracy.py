@@ -21,21 +21,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, machine, print_table, smollm2_or_wide, write_json  # noqa: E402
+from _common import RESULTS, help_text_prompts, machine, print_table, smollm2_or_wide, write_json  # noqa: E402
 
 
 def measure(case: str, rows: int, new_tokens: int) -> dict:
-    from pydoc_data.topics import topics
-
     from transformers_offload import Recorder
-    from transformers_offload.demo_model import load
 
     model, _ = smollm2_or_wide(case)
-    _, tokenizer = load()  # the demo tokenizer's ids, folded into the wide model's vocabulary
     vocab = model.get_output_embeddings().weight.shape[0]
-    texts = [topics[name] for name in sorted(topics)[:rows]]
-    prompts = torch.stack([torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"][:48]) % vocab
-                           for text in texts])
+    prompts = help_text_prompts(vocab, rows)
     with Recorder(model, streams=("logits", "stats")) as rec:
         model.generate(prompts, attention_mask=torch.ones_like(prompts), logits_processor=[rec], do_sample=False,
                        max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
