@@ -226,6 +226,7 @@ def test_no_module_sets_another_modules_attributes_or_reads_its_private_names() 
     # and its private names stay in its module. Checked by name: an attribute name that some class of the
     # module itself owns is the module's own.
     owned = {path: _owned_names(ast.parse(path.read_text(), filename=str(path))) for path in _modules()}
+    assert len(owned) >= 100 and sum(len(names) for names, _ in owned.values()) >= 1000, "checked too little"
     wrong = []
     for path, (own, own_private) in owned.items():
         others = set().union(*(names for other, (names, _) in owned.items() if other != path))
@@ -249,6 +250,7 @@ def test_no_module_names_another_modules_class_as_any() -> None:
     # steps.py once typed the capture it belonged to as `Capture = Any` (issue 54): an alias of `Any` at module
     # level hides what a module uses of another's objects; a Protocol says it.
     aliases = []
+    assert len(_modules()) >= 100, "checked too little"
     for path in _modules():
         for node in ast.parse(path.read_text(), filename=str(path)).body:
             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Name) and node.value.id == "Any":
