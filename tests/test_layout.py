@@ -226,7 +226,7 @@ def test_no_module_sets_another_modules_attributes_or_reads_its_private_names() 
     # and its private names stay in its module. Checked by name: an attribute name that some class of the
     # module itself owns is the module's own.
     owned = {path: _owned_names(ast.parse(path.read_text(), filename=str(path))) for path in _modules()}
-    assert len(owned) >= 100 and sum(len(names) for names, _ in owned.values()) >= 1000, "checked too little"
+    assert len(owned) >= 100 and sum(len(names) for names, _ in owned.values()) >= 800, "checked too little"
     wrong = []
     for path, (own, own_private) in owned.items():
         others = set().union(*(names for other, (names, _) in owned.items() if other != path))
