@@ -271,6 +271,11 @@ class ManifestEntry:
         return stream_entries(self.data["streams"])
 
     @property
+    def streams_known(self) -> bool:
+        """Whether the per-step streams are written (from the first shard on), without parsing them."""
+        return bool(self.data["streams"])
+
+    @property
     def unchecked_streams(self) -> Any:
         """The streams as the manifest holds them, for `manifest` to check."""
         return self.data["streams"]

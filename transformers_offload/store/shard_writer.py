@@ -313,7 +313,7 @@ class ShardStore:
             tensors[stream], tensors[_layout.shapes_key(stream)] = buffer.records_of(stream, count)
         started = time.perf_counter()
         size = self._commit(name, tensors, _layout.shard_metadata(entry.index, buffer.first_step))
-        if not entry.streams:
+        if not entry.streams_known:
             streams = {}
             for stream in self._names:
                 if stream in self._ragged:
