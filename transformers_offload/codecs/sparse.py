@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+import numpy
+
 from .._lazy import torch
 from .dtypes import TorchDtypes, dtype_name
 from .workspace import ChunkBuffers
@@ -54,58 +56,99 @@ class SparseRecord:
         torch.cumsum(lengths, 0, out=offsets[1:])
         if SPARSE_HEADER + rows + int(offsets[-1]) != record.numel():
             raise ValueError("a sparse record's row counts do not add up to its length")
-        self._counts = counts.tolist()
+        self._counts = counts
         self._payload = record[SPARSE_HEADER + rows :]
-        self._starts = offsets.tolist()
-        ids = [self._payload[start : start + n] for start, n in zip(self._starts, self._counts) if n > 0]
-        if ids:
-            every = torch.cat(ids)
-            if bool((every < 0).any()) or bool((every >= vocab).any()):
-                raise ValueError("a sparse record holds a token id outside the vocabulary")
+        self._starts = offsets[:-1]
+        ids = self._payload.index_select(0, ranges(self._starts, counts.clamp(min=0)))
+        low, high = torch.aminmax(ids) if ids.numel() else (0, 0)
+        if not 0 <= int(low) <= int(high) < vocab:
+            raise ValueError("a sparse record holds a token id outside the vocabulary")
+        self._ids = ids  # every row's stored ids, in row order (what `_parts` of every row takes)
 
     def _values(self, words: torch.Tensor) -> torch.Tensor:
-        return words.clone().view(torch.float64 if self._words == 2 else torch.float32)
+        """Value words as floats (a view: `words` must be the caller's own copy)."""
+        return words.view(torch.float64 if self._words == 2 else torch.float32)
 
     def row(self, r: int) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Row `r`'s token ids (int64, ascending; None for a row stored whole) and values (float32, or
         float64 for a float64 stream)."""
-        start, count = self._starts[r], self._counts[r]
+        start, count = int(self._starts[r]), int(self._counts[r])
         if count < 0:
-            return None, self._values(self._payload[start : start + self._words * self.vocab])
+            return None, self._values(self._payload[start : start + self._words * self.vocab].clone())
         ids = self._payload[start : start + count].to(torch.int64)
-        return ids, self._values(self._payload[start + count : start + (1 + self._words) * count])
+        return ids, self._values(self._payload[start + count : start + (1 + self._words) * count].clone())
+
+    def _parts(self, rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Rows `rows` split in two, without a loop over rows: `whole` `(n,)` bool (the rows stored whole),
+        `counts` `(n,)` int64 (the entries of each row stored sparse, 0 for a whole one), those entries' `ids`
+        (int32, in row order) and `values` (wide), and the whole rows' `(n_whole, vocab)` wide values (or None)."""
+        if isinstance(rows, range) and rows == range(self.rows):
+            counts, starts = self._counts, self._starts
+            whole = counts < 0
+            n = counts.clamp(min=0)
+            ids = self._ids
+        else:
+            picked = torch.as_tensor(rows, dtype=torch.int64).reshape(-1)
+            counts, starts = self._counts[picked], self._starts[picked]
+            whole = counts < 0
+            n = counts.clamp(min=0)
+            ids = self._payload.index_select(0, ranges(starts, n))
+        values = self._values(self._payload.index_select(0, ranges(starts + n, self._words * n)))
+        dense = None
+        if bool(whole.any()):
+            at = starts[whole]
+            dense = self._values(self._payload[ranges(at, torch.full_like(at, self._words * self.vocab))]).view(-1, self.vocab)
+        return whole, n, ids, values, dense
 
     def dense(self, rows: Sequence[int]) -> torch.Tensor:
         """Rows `rows` as the dense `(len(rows), vocab)` tensor in the recorded dtype: the kept entries
         over -inf (lossless: `torch.equal` to what was recorded)."""
+        whole, counts, ids, values, dense = self._parts(rows)
         wide = torch.float64 if self._words == 2 else torch.float32
-        out = torch.full((len(rows), self.vocab), NEGATIVE_INFINITY, dtype=wide)
-        for i, r in enumerate(rows):
-            ids, values = self.row(r)
-            if ids is None:
-                out[i] = values
-            else:
-                out[i, ids] = values
+        out = torch.full((whole.numel(), self.vocab), NEGATIVE_INFINITY, dtype=wide)
+        out[torch.repeat_interleave(torch.arange(whole.numel()), counts, output_size=ids.numel()), ids.long()] = values
+        if dense is not None:
+            out[whole] = dense
         return out.to(self.dtype)
 
     def entries(self, rows: Sequence[int]) -> dict[str, torch.Tensor]:
         """Rows `rows` without densifying: `indices` int64 `(n,)` (token ids, ascending within a row),
         `values` `(n,)` in the recorded dtype, and `offsets` int64 `(len(rows) + 1,)`: row i's entries are
         `[offsets[i], offsets[i + 1])`. Entries equal to -inf are left out."""
-        ids_parts, value_parts, offsets = [], [], [0]
-        for r in rows:
-            ids, values = self.row(r)
-            if ids is None:
-                ids = (values != NEGATIVE_INFINITY).nonzero().flatten()
-                values = values[ids]
-            ids_parts.append(ids)
-            value_parts.append(values)
-            offsets.append(offsets[-1] + ids.numel())
-        return {
-            "indices": torch.cat(ids_parts) if ids_parts else torch.zeros(0, dtype=torch.int64),
-            "values": (torch.cat(value_parts) if value_parts else torch.zeros(0)).to(self.dtype),
-            "offsets": torch.tensor(offsets, dtype=torch.int64),
-        }
+        whole, counts, ids, values, dense = self._parts(rows)
+        ids = ids.to(torch.int64)
+        if dense is None:
+            offsets = torch.zeros(whole.numel() + 1, dtype=torch.int64)
+            torch.cumsum(counts, 0, out=offsets[1:])
+        else:  # the rows stored whole: their entries that are not -inf, each row's in its place
+            found = (dense != NEGATIVE_INFINITY).nonzero()
+            whole_counts = torch.bincount(found[:, 0], minlength=dense.shape[0])
+            every = counts.clone()
+            every[whole] = whole_counts
+            offsets = torch.zeros(whole.numel() + 1, dtype=torch.int64)
+            torch.cumsum(every, 0, out=offsets[1:])
+            at_sparse, at_whole = ranges(offsets[:-1], counts), ranges(offsets[:-1][whole], whole_counts)
+            ids, sparse_ids = torch.empty(int(offsets[-1]), dtype=torch.int64), ids
+            ids[at_sparse], ids[at_whole] = sparse_ids, found[:, 1]
+            values, sparse_values = torch.empty(int(offsets[-1]), dtype=values.dtype), values
+            values[at_sparse], values[at_whole] = sparse_values, dense[found[:, 0], found[:, 1]]
+        return {"indices": ids, "values": values.to(self.dtype), "offsets": offsets}
+
+
+def ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """`torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])` without a loop: int64 `(sum(lengths),)`.
+    `starts`, `lengths`: `(k,)` int64 CPU tensors, lengths at least 0 (numpy's `repeat` is several times torch's
+    `repeat_interleave` on the host)."""
+    global _COUNTING
+    first, count = starts.numpy(), lengths.numpy()
+    out = numpy.repeat(first - (numpy.cumsum(count) - count), count)
+    if out.size > _COUNTING.size:  # 0, 1, 2 ... kept between calls (read only; replaced, never written)
+        _COUNTING = numpy.arange(max(out.size, 2 * _COUNTING.size), dtype=numpy.int64)
+    out += _COUNTING[: out.size]
+    return torch.from_numpy(out)
+
+
+_COUNTING = numpy.arange(0, dtype=numpy.int64)
 
 
 def sparse_entries(dense: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -9,7 +9,7 @@ The records' layouts are the `codecs`'.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import numpy
 
@@ -154,11 +154,11 @@ class EncodedReading:
             )
         return self._get(name, steps, rows, framework)
 
-    def _step_records(self, name: str, steps: Steps, rows: Rows, parse: type) -> tuple[list[Any], list[int], bool]:
+    def _step_records(self, name: str, steps: Steps, rows: Rows, parse: type) -> tuple[list[Any], Sequence[int], bool]:
         """Each selected step's record of `name` parsed (`SparseRecord` or `NativeRecord`), the rows
         `rows` picks (the same in every step), and whether `rows` is an int (the row axis dropped)."""
         index = row_index(rows, self.num_rows)
-        picked = list(range(self.num_rows)) if index is None else numpy.arange(self.num_rows)[index].reshape(-1).tolist()
+        picked = range(self.num_rows) if index is None else numpy.arange(self.num_rows)[index].reshape(-1).tolist()
         found = []
         for t, record in zip(step_range(steps, self.num_steps), self._get(name, steps, None, "pt")):
             try:
