@@ -69,6 +69,7 @@ RELEASE_INDEPENDENT = frozenset({
     "test_packed_encodings",
     "test_ranks",
     "test_reader",
+    "test_rollout_scale",
     "test_record",
     "test_viewer",
 })

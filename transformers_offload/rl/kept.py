@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from ..codecs.sparse import ranges
+from .entries import StepEntries, raw_exact, step_entries
 from .layout import check_scores_exact, generations_of, is_topk, temperature_of
 
 # Generation settings whose processors change finite scores beyond `x / T` (the values a replay needs).
@@ -121,6 +123,8 @@ class KeptSets:
             ValueError: a row outside `0 .. rows - 1`, or a negative `steps`.
         """
         given = torch.as_tensor(rows)
+        if given.numel() == 0 and given.dim() == 1:  # `[]`: no row (torch makes it float32)
+            given = given.long()
         if given.dim() > 1 or given.dtype.is_floating_point or given.dtype in (torch.bool, torch.complex64, torch.complex128):
             raise TypeError(f"`rows` must be a sequence of row indices (ints, one dimension), got {given.dtype} of "
                             f"shape {tuple(given.shape)}" + (": for a mask, pass `mask.nonzero()[:, 0]`." if
@@ -134,16 +138,13 @@ class KeptSets:
         host = self.to("cpu")
         keep = min(steps, self.steps)
         counts = (host.offsets[1:] - host.offsets[:-1]).view(self.rows, self.steps)
-        starts = host.offsets[:-1].view(self.rows, self.steps)
         new_counts = torch.zeros((chosen.numel(), steps), dtype=torch.long)
         new_counts[:, :keep] = counts[chosen, :keep]
-        new_starts = torch.zeros((chosen.numel(), steps), dtype=torch.long)
-        new_starts[:, :keep] = starts[chosen, :keep]
-        flat_counts = new_counts.reshape(-1)
-        offsets = torch.zeros(flat_counts.numel() + 1, dtype=torch.long)
-        offsets[1:] = flat_counts.cumsum(0)
-        within = torch.arange(int(offsets[-1])) - offsets[:-1].repeat_interleave(flat_counts)
-        ids = host.ids[new_starts.reshape(-1).repeat_interleave(flat_counts) + within]
+        offsets = torch.zeros(new_counts.numel() + 1, dtype=torch.long)
+        offsets[1:] = new_counts.reshape(-1).cumsum(0)
+        # a row's ids over its first `keep` steps lie together: one range per chosen row
+        first = host.offsets[chosen * self.steps]
+        ids = host.ids.index_select(0, ranges(first, host.offsets[chosen * self.steps + keep] - first))
 
         def widened(values: torch.Tensor, fill: Any) -> torch.Tensor:
             out = torch.full((chosen.numel(), steps), fill, dtype=values.dtype)
@@ -195,7 +196,7 @@ def kept_sets(source: Any, *, mask_only: bool = False) -> KeptSets:
     """
     generations = generations_of(source)
     steps = max(generation.num_steps for generation in generations)
-    tokens, valid, full, greedy, temperature, owners, counts, ids = [], [], [], [], [], [], [], []
+    tokens, valid, full, greedy, temperature, owners, counts, found = [], [], [], [], [], [], [], []
     vocab = None
     for number, generation in enumerate(generations):
         encoding = check_scores_exact(generation)
@@ -207,31 +208,34 @@ def kept_sets(source: Any, *, mask_only: bool = False) -> KeptSets:
         step_valid = torch.zeros((rows, steps), dtype=torch.bool)
         step_full = torch.zeros((rows, steps), dtype=torch.bool)
         step_counts = torch.zeros((rows, steps), dtype=torch.long)
-        per_step_ids: list[list[torch.Tensor]] = [[] for _ in range(rows)]
+        step_ids: list[torch.Tensor] = []  # per step, its kept ids of every valid row that is not full, in row order
         if t_count:
             step_tokens[:, :t_count] = torch.stack(generation.tokens(), 1)
             step_valid[:, :t_count] = ~torch.stack(generation.finished(), 1)
-            raw = generation.logits() if _raw_exact(generation) and not mask_only else None
-            for t, kept in enumerate(_finite_sets(generation, encoding)):
-                vocab = kept["vocab"] if vocab is None else vocab
-                if vocab != kept["vocab"]:
-                    raise ValueError(f"generation {generation.index} has {kept['vocab']} entries per row, an earlier "
-                                     f"one {vocab}: kept sets span one vocabulary.")
-                if raw is not None:
-                    _check_temperature_only(generation, t, raw[t], kept, temp)
-                step_full[:, t] = kept["full"]
-                for r in range(rows):
-                    if not kept["full"][r]:
-                        per_step_ids[r].append(kept["ids"][r])
-                        step_counts[r, t] = kept["ids"][r].numel()
-                    else:
-                        per_step_ids[r].append(torch.zeros(0, dtype=torch.int32))
-        step_counts.masked_fill_(~step_valid, 0)
-        for r in range(rows):
-            valid_r = step_valid[r, :t_count].tolist()
-            for t, values in enumerate(per_step_ids[r]):
-                if valid_r[t]:
-                    ids.append(values)
+        check_raw = raw_exact(generation) and not mask_only
+        for t, entries in enumerate(step_entries(generation, encoding)):
+            vocab = entries.vocab if vocab is None else vocab
+            if vocab != entries.vocab:
+                raise ValueError(f"generation {generation.index} has {entries.vocab} entries per row, an earlier "
+                                 f"one {vocab}: kept sets span one vocabulary.")
+            finite = None if bool(torch.isfinite(entries.values).all()) else torch.isfinite(entries.values)
+            rows_of = entries.rows() if finite is not None or check_raw else None
+            if check_raw:
+                _check_temperature_only(generation, t, entries, rows_of, finite, temp)
+            finite_counts = entries.counts if finite is None else torch.bincount(rows_of[finite], minlength=rows)
+            if not is_topk(encoding):  # a top-k record never says the whole vocabulary was kept
+                step_full[:, t] = finite_counts == entries.vocab
+            take = step_valid[:, t] & ~step_full[:, t]
+            if finite is not None:  # a NaN or +inf score: not kept
+                keep = finite & take[rows_of]
+                step_counts[:, t] = torch.bincount(rows_of[keep], minlength=rows)
+                step_ids.append(entries.ids[keep].to(torch.int32))
+            elif bool(take.all()):
+                step_counts[:, t] = entries.counts
+                step_ids.append(entries.ids.to(torch.int32))
+            else:  # the rows finished or full: their entries left out, row by row
+                step_counts[:, t] = torch.where(take, entries.counts, 0)
+                step_ids.append(entries.ids[ranges(entries.starts(), step_counts[:, t])].to(torch.int32))
         tokens.append(step_tokens)
         valid.append(step_valid)
         full.append(step_full & step_valid)
@@ -239,50 +243,24 @@ def kept_sets(source: Any, *, mask_only: bool = False) -> KeptSets:
         temperature.append(torch.full((rows,), temp, dtype=torch.float32))
         owners.extend([number] * rows)
         counts.append(step_counts)
-    every_count = torch.cat(counts).flatten()
+        found.append(step_ids)
+    every_count = torch.cat(counts)
     offsets = torch.zeros(every_count.numel() + 1, dtype=torch.long)
-    offsets[1:] = every_count.cumsum(0)
-    flat_ids = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int32)
-    return KeptSets(offsets=offsets, ids=flat_ids.to(torch.int32), tokens=torch.cat(tokens), valid=torch.cat(valid),
-                    full=torch.cat(full), greedy=torch.cat(greedy), temperature=torch.cat(temperature),
+    offsets[1:] = every_count.flatten().cumsum(0)
+    # each step's ids into their rows' places (row-major positions `r * steps + t`), a step at a time
+    flat_ids = torch.empty(int(offsets[-1]), dtype=torch.int32)
+    base = 0
+    for step_counts, step_ids in zip(counts, found):
+        rows = step_counts.shape[0]
+        for t, ids in enumerate(step_ids):
+            starts = offsets[(base + torch.arange(rows)) * steps + t]
+            flat_ids.index_copy_(0, ranges(starts, step_counts[:, t]), ids)
+        base += rows
+    every_full = torch.cat(full)
+    return KeptSets(offsets=offsets, ids=flat_ids, tokens=torch.cat(tokens), valid=torch.cat(valid),
+                    full=every_full, greedy=torch.cat(greedy), temperature=torch.cat(temperature),
                     vocab_size=int(vocab or 0), generations=tuple(generations[i].index for i in owners),
-                    any_full=bool(torch.cat(full).any()))
-
-
-def _finite_sets(generation: Any, encoding: str):
-    """Per step: `{"vocab", "full" (rows,) bool, "ids": per row int32 ascending}`."""
-    if is_topk(encoding):
-        for record in generation.topk("scores"):
-            if bool((record["mass_outside"] > 0).any()):
-                raise ValueError(f"generation {generation.index}'s scores are recorded `{encoding}` and some row's "
-                                 "kept set is larger than K (probability mass outside the K): record them dense, "
-                                 "`sparse`, or with a larger K.")
-            finite = torch.isfinite(record["values"])
-            ids, values = [], []
-            for r in range(finite.shape[0]):
-                kept_ids, order = record["indices"][r][finite[r]].sort()
-                ids.append(kept_ids.to(torch.int32))
-                values.append(record["values"][r][finite[r]][order])
-            yield {"vocab": _topk_vocab(generation), "full": torch.zeros(finite.shape[0], dtype=torch.bool),
-                   "ids": ids, "values": values}
-        return
-    for scores in generation.scores():
-        finite = torch.isfinite(scores)
-        ids = [finite[r].nonzero().flatten() for r in range(scores.shape[0])]
-        yield {"vocab": int(scores.shape[-1]), "full": finite.all(-1), "ids": [i.to(torch.int32) for i in ids],
-               "values": [scores[r][i] for r, i in enumerate(ids)]}
-
-
-def _raw_exact(generation: Any) -> bool:
-    """Whether the generation's raw logits are recorded, every entry exactly."""
-    return "logits" in generation.streams and generation.encodings.get("logits", "dense") in ("dense", "sparse", "native")
-
-
-def _topk_vocab(generation: Any) -> int:
-    """A top-k record's vocabulary: the raw logits' width where recorded, else the model config's."""
-    if _raw_exact(generation):
-        return int(generation.logits(steps=slice(0, 1))[0].shape[-1])
-    return int(generation.generation_config.get("vocab_size") or 0)
+                    any_full=bool(every_full.any()))
 
 
 def _refuse_value_changes(generation: Any) -> None:
@@ -295,11 +273,14 @@ def _refuse_value_changes(generation: Any) -> None:
                          "the sampler's distribution. Pass `mask_only=True` to take the sets anyway.")
 
 
-def _check_temperature_only(generation: Any, t: int, raw: torch.Tensor, kept: dict, temperature: float) -> None:
-    """Refuse a step whose kept entries are not the raw logits over `temperature`, bit for bit."""
+def _check_temperature_only(generation: Any, t: int, entries: StepEntries, rows: torch.Tensor,
+                            finite: torch.Tensor | None, temperature: float) -> None:
+    """Refuse a step whose finite entries (`finite`: None where every entry is) are not the raw logits over
+    `temperature`, bit for bit; `rows` is each entry's row."""
+    raw = generation.logits(steps=slice(t, t + 1))[0]
     expected = raw.float() / temperature if temperature != 1.0 else raw.float()
-    same = all(torch.equal(values, expected[r][ids.long()]) for r, (ids, values) in enumerate(zip(kept["ids"], kept["values"])))
-    if not same:
+    values, ids = (entries.values, entries.ids) if finite is None else (entries.values[finite], entries.ids[finite])
+    if not torch.equal(values, expected[rows if finite is None else rows[finite], ids]):
         raise ValueError(f"generation {generation.index}, step {t}: the kept scores are not the raw logits / "
                          f"{temperature} (a processor changed finite values: a logits processor passed to "
                          "generate(), or one the config does not name). Pass `mask_only=True` to take the sets "
