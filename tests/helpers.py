@@ -65,6 +65,7 @@ RELEASE_INDEPENDENT = frozenset({
     "test_kd",
     "test_layout",
     "test_ledger",
+    "test_location",
     "test_memory_store",
     "test_packed_encodings",
     "test_ranks",

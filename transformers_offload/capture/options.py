@@ -20,6 +20,7 @@ from .. import _compat
 from ..codecs import spec as _spec
 from ..codecs.spec import NATIVE
 from ..store.header import Samples, check_sample_ids
+from ..store.location import local_directory
 from . import layers as _layers
 from . import prompt_logprobs as _prompt_logprobs
 
@@ -118,7 +119,7 @@ class RecorderOptions:
             selection=selection,
             prompt_scoring=prompt_scoring,
             encoding_seed=encoding_seed,
-            spill_dir=None if spill_dir is None else Path(spill_dir),
+            spill_dir=None if spill_dir is None else local_directory(spill_dir, "`spill_dir`"),
             shard_bytes=shard_bytes,
             append=bool(append),
             named_encodings=tuple(named),

@@ -26,6 +26,7 @@ from ..errors import RecordingError, verify_command
 from ..read.reader import open_recording
 from ..recorder import Recorder
 from ..store.layout import MANIFEST, rank_directories, rank_directory
+from ..store.location import local_directory
 from .claims import claim
 from .parallel import process_rank, share, wait_for_every_rank
 
@@ -229,6 +230,7 @@ def record(model: Any, tokenizer: Any, prompts: str | os.PathLike | Sequence[Any
 
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"`batch_size` must be a positive int, got {batch_size!r}.")
+    out = local_directory(out, "`out`")
     options = dict(recorder_options or {})
     if {"spill_dir", "append"} & set(options):
         raise ValueError("`recorder_options` must not name `spill_dir` or `append`: `record` writes to `out`.")

@@ -16,6 +16,7 @@ from ..store import layout as _layout
 from ..store import ledger as _ledger
 from ..store import manifest as _manifest
 from ..store.header import ManifestEntry
+from ..store.location import local_directory
 from ..store.open_files import OpenFiles
 from ..store.shard_reader import ShardSource, stored_generation
 from .generation import generation_of
@@ -59,7 +60,7 @@ def open_recording(path: str | os.PathLike, *, verify: bool = False) -> Recordin
         >>> run.logits(steps=slice(0, 4), rows=[0])[0].shape  # doctest: +SKIP
         torch.Size([1, 49152])
     """
-    root = Path(path)
+    root = local_directory(path, "the recording")
     if not (root / _layout.MANIFEST).exists() and _layout.rank_directories(root):
         recording: Recording | RankedRecording = RankedRecording(root, Recording)  # each rank a Recording
     else:

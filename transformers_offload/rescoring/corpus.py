@@ -31,6 +31,7 @@ from ..jobs.parallel import process_rank
 from ..jobs.record import recorded_samples, run_share
 from ..read.reader import open_recording
 from ..recorder import Recorder
+from ..store.location import local_directory
 from ..store.shard_writer import shard_size
 from .corpus_windows import SMALLEST_CONTEXT, window_metadata
 from .forward import score_sequences
@@ -195,7 +196,7 @@ def score_run(model: Any, texts: str | Sequence[str], out: str | os.PathLike | N
     if out is None:
         every = list(range(len(batches)))
         return scored(None, every), _counts(batches, every, windows_scored, steps, 0, 1)
-    out = Path(out)
+    out = local_directory(out, "`out`")
     _refuse_other_windows(out, corpus)
     rank, world_size = process_rank(rank, world_size)
     mine, _ = run_share(out, [[str(w) for w in rows] for rows in batches], rank=rank, world_size=world_size,

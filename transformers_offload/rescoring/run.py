@@ -19,6 +19,7 @@ from ..jobs.parallel import process_rank
 from ..jobs.record import run_share
 from ..read.reader import open_recording
 from ..store.layout import MANIFEST, rank_directories
+from ..store.location import local_directory
 from .decode import rescore
 
 
@@ -45,6 +46,7 @@ def rescore_recording(source: Any, model: Any, out: Any, *, mode: str = "decode"
         RecordingError: `source` or `out` is damaged. BlockingIOError: another process is rescoring some of
             these generations into `out`.
     """
+    out = local_directory(out, "`out`")
     rank, world_size = process_rank(rank, world_size)
     recording = open_recording(source)
     generations = list(recording.generations)
