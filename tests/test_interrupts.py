@@ -343,7 +343,7 @@ def _sigint_run(path: Path, delay: float, threaded: bool) -> dict:
             "recorded": [t.tolist() for t in generations[-1].tokens()] if generations else []}
 
 
-@pytest.mark.slow
+@pytest.mark.slow(minutes=1)
 def test_a_sweep_of_sigints_at_random_times_never_loses_a_completed_step_nor_hangs(tmp_path):
     rng = random.Random(13)
     delays = [0.0] + [rng.uniform(0.0, 3.0) for _ in range(SWEEP_RUNS - 1)]

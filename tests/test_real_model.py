@@ -121,6 +121,7 @@ def _peak_rss(store: str, *, steps: int = STEPS, checkpoint: int = CHECKPOINT, s
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow(minutes=2)  # three fresh processes of 256 steps
 def test_spilling_keeps_peak_memory_flat_while_the_memory_store_grows(real_model):
     """Batch 4, 256 steps: peak RSS growth from step 64 to the end, each store in its own process.
 
@@ -135,6 +136,7 @@ def test_spilling_keeps_peak_memory_flat_while_the_memory_store_grows(real_model
     assert memory["growth_mib"] >= stock["growth_mib"] + 0.9 * late_steps * STEP_MIB, (stock, memory)
 
 
+@pytest.mark.slow(minutes=3)  # seven fresh processes of 160 steps, every layer's attentions
 def test_spilling_every_layers_attentions_keeps_peak_memory_flat(real_model):
     """Batch 4, 160 steps, the attentions of all 30 layers: peak RSS growth from step 32 to the end.
 

@@ -547,7 +547,7 @@ def _memory_peak(case: str, tokens: int, vocab: int, work) -> float:
     return max(run["anon_peak_mib"] for run in runs)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(minutes=1)
 @pytest.mark.parametrize("case, vocab, short_tokens", [("compare", 32000, 512), ("rescore-forward", 131072, 1024)])
 def test_compare_and_forward_rescore_peaks_do_not_grow_with_the_length(case, vocab, short_tokens, tmp_path):
     """A tiny Llama, one row, greedy tokens recorded (dense, spilled), then twice as many; in a process of its
