@@ -14,7 +14,8 @@ from a trainer forward; their difference is what top-p/top-k sampling moved.
 each lane in position order, then the lanes together; a -inf entry adds an exact 0.0 to its lane. So the
 row packed without its empty blocks of positions (a block a multiple of the vector width: each entry keeps
 its lane and its order in it) gives the same max, the same lane sums and the same logprob from a row of a
-few blocks instead of `vocab` entries (`packed_log_softmax`). The block is not assumed: `packing_block()`
+few blocks instead of `vocab` entries (`packed_log_softmax`), for scores recorded `sparse`; dense steps are read
+and computed one at a time. The block is not assumed: `packing_block()`
 finds, once per process, the smallest of 4 .. 64 positions whose packing gives this torch's dense results
 bit for bit on 512 probe rows (and every larger one does too); where none does, every row is computed dense.
 tests/rl/test_sampler.py checks the packing against the dense expression with `torch.equal`.
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 from ..codecs.sparse import ranges, sparse_entries
+from ..codecs.spec import SPARSE
 from .entries import StepEntries, step_entries
 from .layout import check_scores_exact, generations_of, is_topk, temperature_of
 
@@ -77,10 +79,15 @@ def sampler_logprobs(source: Any, *, raw: bool = True) -> dict[str, torch.Tensor
         if count:
             tokens[:, :count] = torch.stack(generation.tokens(), 1)
             valid[:, :count] = ~torch.stack(generation.finished(), 1)
-            for t, entries in enumerate(step_entries(generation, encoding)):
-                columns["sampled"][:, t] = packed_log_softmax(entries, tokens[:, t])
-            for t, x in enumerate(generation.logits() if raw else ()):
-                y = tokens[:, t, None]
+            if encoding == SPARSE:  # the kept entries as stored: packed, not made dense
+                for t, entries in enumerate(step_entries(generation, encoding)):
+                    columns["sampled"][:, t] = packed_log_softmax(entries, tokens[:, t])
+            else:  # dense steps are the expression's own input: a step at a time
+                for t in range(count):
+                    s = generation.scores(steps=slice(t, t + 1))[0]
+                    columns["sampled"][:, t] = torch.log_softmax(s.float(), -1).gather(-1, tokens[:, t, None])[:, 0]
+            for t in range(count if raw else 0):
+                x, y = generation.logits(steps=slice(t, t + 1))[0], tokens[:, t, None]
                 columns["raw"][:, t] = torch.log_softmax(x.float(), -1).gather(-1, y)[:, 0]
                 columns["raw_temperature"][:, t] = torch.log_softmax(x.float() / temperature, -1).gather(-1, y)[:, 0]
         for name, column in columns.items():
