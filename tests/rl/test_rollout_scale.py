@@ -1,7 +1,8 @@
 """`kept_sets`, `sampler_logprobs` and `KeptSets.select` at rollout scale are whole-step tensor work (no loop
 over rows): on recordings with every kind of row (sets of one id to most of the vocabulary, rows stored
 whole, steps that keep everything, NaN and +inf scores, rows with nothing, finished rows), sparse and dense,
-they equal their definitions computed row by row from `scores()`."""
+they equal their definitions computed row by row from `scores()`; the packed `log_softmax` equals the dense one
+bit for bit over vocabularies and dtypes. None of it depends on the transformers release (no generate())."""
 
 from __future__ import annotations
 
@@ -118,3 +119,45 @@ def test_ranges_and_a_record_read_whole_or_in_part():
         for i, r in enumerate(rows):
             ids = entries["indices"][int(entries["offsets"][i]) : int(entries["offsets"][i + 1])]
             assert torch.equal(ids, (scores[r] != float("-inf")).nonzero().flatten())
+
+
+def _random_step(generator: torch.Generator, rows: int, vocab: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's scores with kept sets of every size (none, one, a few, clustered, most, all), -inf elsewhere,
+    some rows with ties, NaN or +inf, and sampled tokens mostly inside their sets."""
+    logits = (torch.randn(rows, vocab, generator=generator) * 4).to(dtype)
+    logits[rows // 3] = logits[rows // 3].round()  # ties
+    sizes = torch.randint(0, vocab + 1, (rows,), generator=generator)
+    sizes[: rows // 2] = torch.randint(0, max(2, vocab // 50), (rows // 2,), generator=generator)
+    rank = torch.rand(rows, vocab, generator=generator).argsort(-1).argsort(-1)
+    clustered = torch.arange(vocab)[None, :] - torch.randint(0, vocab, (rows, 1), generator=generator)
+    rank[1::5] = clustered[1::5].remainder(vocab)  # sets of neighbouring ids
+    scores = torch.where(rank < sizes[:, None], logits, torch.tensor(float("-inf"), dtype=dtype))
+    if rows > 8:
+        scores[7, 0], scores[8, vocab - 1] = float("nan"), float("inf")
+    kept = torch.isfinite(scores) | scores.isnan() | (scores == float("inf"))
+    chosen = torch.where(kept.any(-1), (kept.float() + 1e-3 * torch.rand(rows, vocab, generator=generator)).argmax(-1), 0)
+    outside = torch.rand(rows, generator=generator) < 0.1
+    return scores, torch.where(outside, torch.randint(0, vocab, (rows,), generator=generator), chosen)
+
+
+@pytest.mark.parametrize("vocab", [5, 63, 64, 100, 1000, 4097, 49152])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_the_packed_log_softmax_is_the_dense_one_bit_for_bit(vocab, dtype):
+    from transformers_offload.codecs.sparse import sparse_entries
+    from transformers_offload.rl.entries import StepEntries
+    from transformers_offload.rl.sampler import packed_log_softmax
+
+    generator, checked, packed_rows = torch.Generator().manual_seed(vocab), 0, 0
+    for _ in range(3):
+        scores, tokens = _random_step(generator, 64, vocab, dtype)
+        found = sparse_entries(scores)
+        entries = StepEntries(ids=found["indices"], values=found["values"], vocab=vocab,
+                              counts=found["offsets"][1:] - found["offsets"][:-1])
+        expected = torch.log_softmax(scores.float(), -1).gather(-1, tokens[:, None])[:, 0]
+        mine = packed_log_softmax(entries, tokens)
+        # every number and infinity bit for bit; NaN where the dense row gives NaN (a NaN's sign bit may differ)
+        assert torch.equal(mine.isnan(), expected.isnan()), (vocab, dtype)
+        assert torch.equal(mine.nan_to_num(0.0).view(torch.int32), expected.nan_to_num(0.0).view(torch.int32)), (vocab, dtype)
+        checked += tokens.numel()
+        packed_rows += int(((entries.counts > 0) & (entries.counts < vocab // 64)).sum())
+    assert checked == 192 and (vocab < 4097 or packed_rows > 50)  # the packed layout ran, not only the dense one
