@@ -218,7 +218,8 @@ def kept_sets(source: Any, *, mask_only: bool = False) -> KeptSets:
             if vocab != entries.vocab:
                 raise ValueError(f"generation {generation.index} has {entries.vocab} entries per row, an earlier "
                                  f"one {vocab}: kept sets span one vocabulary.")
-            finite = None if bool(torch.isfinite(entries.values).all()) else torch.isfinite(entries.values)
+            finite = torch.isfinite(entries.values)
+            finite = None if bool(finite.all()) else finite
             rows_of = entries.rows() if finite is not None or check_raw else None
             if check_raw:
                 _check_temperature_only(generation, t, entries, rows_of, finite, temp)
@@ -235,7 +236,7 @@ def kept_sets(source: Any, *, mask_only: bool = False) -> KeptSets:
                 step_ids.append(entries.ids.to(torch.int32))
             else:  # the rows finished or full: their entries left out, row by row
                 step_counts[:, t] = torch.where(take, entries.counts, 0)
-                step_ids.append(entries.ids[ranges(entries.starts(), step_counts[:, t])].to(torch.int32))
+                step_ids.append(entries.ids.index_select(0, ranges(entries.starts(), step_counts[:, t])).to(torch.int32))
         tokens.append(step_tokens)
         valid.append(step_valid)
         full.append(step_full & step_valid)
