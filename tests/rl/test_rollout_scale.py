@@ -104,6 +104,9 @@ def test_select_equals_its_row_by_row_definition(tmp_path):
                 theirs = (kept.ids[int(kept.offsets[r * STEPS + t]) : int(kept.offsets[r * STEPS + t + 1])]
                           if t < STEPS else kept.ids[:0])
                 assert torch.equal(mine, theirs)
+    for rows, steps in ((None, None), ("01", None), (1, None), (torch.tensor(1), None), ([0], 2.0), ([0], True)):
+        with pytest.raises(TypeError, match="must be"):
+            kept.select(rows, steps)
 
 
 def test_ranges_and_a_record_read_whole_or_in_part():

@@ -16,6 +16,7 @@ from typing import Any
 
 from ..store import layout as _layout
 from ..store.files import write_atomically
+from ..store.location import local_directory
 from .record import recorded_samples
 
 
@@ -28,7 +29,7 @@ def check(out: str | Path, command: str, settings: dict[str, Any], *, allow_othe
             `allow_other`; the message names each difference and what to do.
         RecordingError: as `record.recorded_samples` (a damaged recording in `out`).
     """
-    out = Path(out)
+    out = local_directory(out, "`--out`")
     path = out / _layout.JOB_SETTINGS
     wanted = {"command": command, **json.loads(json.dumps(settings))}  # as the file holds them (tuples as lists)
     has_generations = (out / _layout.MANIFEST).is_file() or bool(_layout.rank_directories(out))

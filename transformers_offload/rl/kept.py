@@ -16,6 +16,7 @@ replay over them computes is `logits / T` renormalised there, not the sampler's 
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any
 
 import torch
@@ -119,20 +120,24 @@ class KeptSets:
             steps (`int`, *optional*): default: this layout's steps.
 
         Raises:
-            TypeError: `rows` not integers in one dimension (a boolean mask, floats).
+            TypeError: `rows` not integers in one dimension (a boolean mask, floats, a lone int), or `steps` not an int.
             ValueError: a row outside `0 .. rows - 1`, or a negative `steps`.
         """
+        if rows is None or isinstance(rows, (str, bytes)):
+            raise TypeError(f"`rows` must be a sequence of row indices (ints, one dimension), got {rows!r}.")
+        if steps is not None and (isinstance(steps, bool) or not hasattr(type(steps), "__index__")):
+            raise TypeError(f"`steps` must be an int (or None: every step), got {steps!r}.")
         given = torch.as_tensor(rows)
         if given.numel() == 0 and given.dim() == 1:  # `[]`: no row (torch makes it float32)
             given = given.long()
-        if given.dim() > 1 or given.dtype.is_floating_point or given.dtype in (torch.bool, torch.complex64, torch.complex128):
+        if given.dim() != 1 or given.dtype.is_floating_point or given.dtype in (torch.bool, torch.complex64, torch.complex128):
             raise TypeError(f"`rows` must be a sequence of row indices (ints, one dimension), got {given.dtype} of "
                             f"shape {tuple(given.shape)}" + (": for a mask, pass `mask.nonzero()[:, 0]`." if
                                                            given.dtype == torch.bool else "."))
         chosen = given.to(torch.long).cpu().reshape(-1)
         if chosen.numel() and (int(chosen.min()) < 0 or int(chosen.max()) >= self.rows):
             raise ValueError(f"`rows` must lie in 0 .. {self.rows - 1}, got {chosen.tolist()}.")
-        steps = self.steps if steps is None else int(steps)
+        steps = self.steps if steps is None else operator.index(steps)
         if steps < 0:
             raise ValueError(f"`steps` must be at least 0, got {steps}.")
         host = self.to("cpu")
