@@ -145,11 +145,15 @@ def _random_step(generator: torch.Generator, rows: int, vocab: int, dtype: torch
 
 @pytest.mark.parametrize("vocab", [5, 63, 64, 100, 1000, 4097, 49152])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
-def test_the_packed_log_softmax_is_the_dense_one_bit_for_bit(vocab, dtype):
+@pytest.mark.parametrize("layout", ["packed", "dense"])  # dense: where no block reproduces this torch
+def test_the_packed_log_softmax_is_the_dense_one_bit_for_bit(vocab, dtype, layout, monkeypatch):
     from transformers_offload.codecs.sparse import sparse_entries
+    from transformers_offload.rl import sampler
     from transformers_offload.rl.entries import StepEntries
-    from transformers_offload.rl.sampler import packed_log_softmax
 
+    assert sampler.packing_block() is not None  # this machine's torch sums as the module docstring says
+    if layout == "dense":
+        monkeypatch.setattr(sampler, "packing_block", lambda: None)
     generator, checked, packed_rows = torch.Generator().manual_seed(vocab), 0, 0
     for _ in range(3):
         scores, tokens = _random_step(generator, 64, vocab, dtype)
@@ -157,7 +161,7 @@ def test_the_packed_log_softmax_is_the_dense_one_bit_for_bit(vocab, dtype):
         entries = StepEntries(ids=found["indices"], values=found["values"], vocab=vocab,
                               counts=found["offsets"][1:] - found["offsets"][:-1])
         expected = torch.log_softmax(scores.float(), -1).gather(-1, tokens[:, None])[:, 0]
-        mine = packed_log_softmax(entries, tokens)
+        mine = sampler.packed_log_softmax(entries, tokens)
         # every number and infinity bit for bit; NaN where the dense row gives NaN (a NaN's sign bit may differ)
         assert torch.equal(mine.isnan(), expected.isnan()), (vocab, dtype)
         assert torch.equal(mine.nan_to_num(0.0).view(torch.int32), expected.nan_to_num(0.0).view(torch.int32)), (vocab, dtype)
