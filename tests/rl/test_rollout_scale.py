@@ -157,9 +157,7 @@ def test_the_packed_log_softmax_is_the_dense_one_bit_for_bit(vocab, dtype, layou
     generator, checked, packed_rows = torch.Generator().manual_seed(vocab), 0, 0
     for _ in range(3):
         scores, tokens = _random_step(generator, 64, vocab, dtype)
-        found = sparse_entries(scores)
-        entries = StepEntries(ids=found["indices"], values=found["values"], vocab=vocab,
-                              counts=found["offsets"][1:] - found["offsets"][:-1])
+        entries = StepEntries.of(sparse_entries(scores), vocab)
         expected = torch.log_softmax(scores.float(), -1).gather(-1, tokens[:, None])[:, 0]
         mine = sampler.packed_log_softmax(entries, tokens)
         # every number and infinity bit for bit; NaN where the dense row gives NaN (a NaN's sign bit may differ)

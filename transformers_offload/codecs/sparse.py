@@ -82,17 +82,15 @@ class SparseRecord:
         """Rows `rows` split in two, without a loop over rows: `whole` `(n,)` bool (the rows stored whole),
         `counts` `(n,)` int64 (the entries of each row stored sparse, 0 for a whole one), those entries' `ids`
         (int32, in row order) and `values` (wide), and the whole rows' `(n_whole, vocab)` wide values (or None)."""
-        if isinstance(rows, range) and rows == range(self.rows):
+        every = isinstance(rows, range) and rows == range(self.rows)
+        if every:
             counts, starts = self._counts, self._starts
-            whole = counts < 0
-            n = counts.clamp(min=0)
-            ids = self._ids
         else:
             picked = torch.as_tensor(rows, dtype=torch.int64).reshape(-1)
             counts, starts = self._counts[picked], self._starts[picked]
-            whole = counts < 0
-            n = counts.clamp(min=0)
-            ids = self._payload.index_select(0, ranges(starts, n))
+        whole = counts < 0
+        n = counts.clamp(min=0)
+        ids = self._ids if every else self._payload.index_select(0, ranges(starts, n))
         values = self._values(self._payload.index_select(0, ranges(starts + n, self._words * n)))
         dense = None
         if bool(whole.any()):

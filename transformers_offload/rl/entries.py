@@ -32,6 +32,12 @@ class StepEntries:
     counts: torch.Tensor
     vocab: int
 
+    @classmethod
+    def of(cls, found: dict[str, torch.Tensor], vocab: int) -> StepEntries:
+        """From one step's `Readable.sparse()` dict (`indices`, `values`, `offsets`) of scores `vocab` wide."""
+        return cls(ids=found["indices"], values=found["values"], counts=found["offsets"][1:] - found["offsets"][:-1],
+                   vocab=vocab)
+
     def rows(self) -> torch.Tensor:
         """Each entry's row, int64 `(n,)` (numpy's `repeat`: several times torch's `repeat_interleave` on the host)."""
         return torch.from_numpy(numpy.repeat(numpy.arange(self.counts.numel()), self.counts.numpy()))
@@ -59,8 +65,7 @@ def step_entries(generation: Any, encoding: str) -> Iterator[StepEntries]:
                 yield _topk_entries(generation, encoding, record, vocab)
             continue
         for found in generation.sparse("scores", steps=steps):
-            counts = found["offsets"][1:] - found["offsets"][:-1]
-            yield StepEntries(ids=found["indices"], values=found["values"], counts=counts, vocab=vocab)
+            yield StepEntries.of(found, vocab)
 
 
 def _topk_entries(generation: Any, encoding: str, record: dict, vocab: int) -> StepEntries:

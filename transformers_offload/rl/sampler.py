@@ -14,11 +14,11 @@ from a trainer forward; their difference is what top-p/top-k sampling moved.
 each lane in position order, then the lanes together; a -inf entry adds an exact 0.0 to its lane. So the
 row packed without its empty blocks of positions (a block a multiple of the vector width: each entry keeps
 its lane and its order in it) gives the same max, the same lane sums and the same logprob from a row of a
-few blocks instead of `vocab` entries (`packed_log_softmax`), for scores recorded `sparse`; dense steps are read
-and computed one at a time. The block is not assumed: `packing_block()`
-finds, once per process, the smallest of 4 .. 64 positions whose packing gives this torch's dense results
-bit for bit on 512 probe rows (and every larger one does too); where none does, every row is computed dense.
-tests/rl/test_sampler.py checks the packing against the dense expression with `torch.equal`.
+few blocks instead of `vocab` entries (`packed_log_softmax`), for scores recorded `sparse`; dense steps are
+read and computed one at a time. The block is not assumed: `packing_block()` finds, once per process, the
+smallest of 4 .. 64 positions whose packing gives this torch's dense results bit for bit on 512 probe rows (and
+every larger one does too); where none does, every row is computed dense. tests/rl/test_rollout_scale.py checks
+the packing against the dense expression with `torch.equal`.
 """
 
 from __future__ import annotations
@@ -150,10 +150,9 @@ def packed_log_softmax(entries: StepEntries, tokens: torch.Tensor, block: int | 
         size = int(sorted_width[lo])
         group = packed[first : first + (hi - lo) * size].view(hi - lo, size)
         torch.log_softmax(group, -1, out=group)
-    # the sampled token's place; a row without it gets what the dense row gives at a -inf: -inf, or NaN where
-    # the row's max or sum is not finite (a NaN or +inf entry, or no entry at all)
     # each row's sampled token among its entries (ids ascending within a row, rows in order: `row * vocab + id`
-    # ascends over the whole step)
+    # ascends over the whole step); a row without it gets what the dense row gives at a -inf: -inf, or NaN where
+    # the row's max or sum is not finite (a NaN or +inf entry, or no entry at all)
     wanted = torch.arange(rows) * vocab + tokens.to(torch.int64)
     place = torch.searchsorted(row_of * vocab + ids, wanted).clamp(max=max(ids.numel() - 1, 0))
     hit = has & (ids[place] == tokens) & (row_of[place] == torch.arange(rows)) if ids.numel() else has
@@ -187,9 +186,7 @@ def packing_block() -> int | None:
     scores = torch.where(keep, torch.randn(rows, vocab, generator=generator) * 3, float("-inf"))
     tokens = (keep.float() + torch.rand(rows, vocab, generator=generator)).argmax(-1)
     expected = torch.log_softmax(scores, -1).gather(-1, tokens[:, None])[:, 0]
-    found = sparse_entries(scores)
-    entries = StepEntries(ids=found["indices"], values=found["values"], counts=found["offsets"][1:] - found["offsets"][:-1],
-                          vocab=vocab)
+    entries = StepEntries.of(sparse_entries(scores), vocab)
     chosen = None
     for block in BLOCKS:
         if not torch.equal(packed_log_softmax(entries, tokens, block), expected):
